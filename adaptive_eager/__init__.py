@@ -1,0 +1,130 @@
+"""adaptive-eager: a `neuron` device for PyTorch on a simulated NeuronCore, with an adaptive
+eager mode that queues ops and fuses them (TORCH_NEURONX_ENABLE_CONCATENATION=1)."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _registration
+from ._engine import ENGINE as _ENGINE, NeuronFallbackError, NeuronRuntimeError
+from . import _engine
+from .config import config, override
+from .explain import Explanation
+from .metrics import Snapshot, base_of, report, snapshot
+from device import DeviceSpec, NeuronOutOfMemoryError
+
+__all__ = [
+    "DeviceSpec", "Explanation", "NeuronFallbackError", "NeuronOutOfMemoryError",
+    "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
+    "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
+    "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
+]
+
+_registration.register()
+_base: dict = {}
+
+
+def metrics() -> Snapshot:
+    """Counters since the last reset_metrics() (see Snapshot for the fields)."""
+    return snapshot(_engine.ENGINE, _base)
+
+
+def reset_metrics() -> None:
+    from .metrics import Metrics
+    _engine.ENGINE.metrics = Metrics()
+    _base.clear()
+    _base.update(base_of(_engine.ENGINE))
+
+
+def metrics_report() -> str:
+    """A readable table of metrics()."""
+    return report(metrics())
+
+
+def set_adaptive(on: bool) -> None:
+    """Turn adaptive eager on or off for the process (flushes)."""
+    _engine.ENGINE.set_adaptive(on)
+
+
+def is_adaptive() -> bool:
+    return _engine.ENGINE.is_lazy()
+
+
+def set_strategy(name: str) -> None:
+    """Fusion strategy for adaptive mode: 'graph' (default), 'matmul' or 'none'."""
+    _engine.ENGINE.set_strategy(name)
+
+
+def strategy() -> str:
+    return _engine.ENGINE.strategy.name
+
+
+def set_device_spec(spec: DeviceSpec) -> None:
+    """Replace the simulated device's figures (flushes and synchronizes first)."""
+    _engine.ENGINE.reconfigure(spec)
+
+
+def synchronize() -> None:
+    _engine.ENGINE.sync("synchronize")
+
+
+class adaptive(TorchDispatchMode):
+    """`with ae.adaptive():` adaptive eager inside the block (or `adaptive(False)`: eager).
+
+    A TorchDispatchMode that passes every op through, so it nests and composes with other
+    modes (FlopCounterMode, ...); entering and leaving switch the mode and flush."""
+
+    def __init__(self, on: bool = True, strategy: str | None = None):
+        super().__init__()
+        self.on = on
+        self.strategy = strategy
+        self._saved = []
+
+    def __enter__(self):
+        eng = _engine.ENGINE
+        self._saved.append((eng.adaptive, eng.strategy.name))
+        eng.set_adaptive(self.on)
+        if self.strategy is not None and self.strategy != eng.strategy.name:
+            eng.set_strategy(self.strategy)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            eng = _engine.ENGINE
+            was_on, was_strategy = self._saved.pop()
+            eng.set_adaptive(was_on)
+            if was_strategy != eng.strategy.name:
+                eng.set_strategy(was_strategy)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def explain() -> Explanation:
+    """What the last flush did: groups, boundary reasons, launches and bytes saved."""
+    r = _engine.ENGINE.last_report
+    if r is None:
+        raise RuntimeError("nothing has been flushed yet: run some ops on a neuron tensor")
+    return Explanation(r)
+
+
+def save_trace(path: str) -> None:
+    """Write the device timeline as a Chrome / Perfetto trace (JSON)."""
+    _engine.ENGINE.sync("trace")
+    with open(path, "w") as f:
+        json.dump(_engine.ENGINE.device.chrome_trace(), f)
+
+
+@atexit.register
+def _flush_at_exit():  # nothing queued is lost at process exit
+    try:
+        _engine.ENGINE.sync("exit")
+    except Exception as e:  # report, never crash the interpreter's shutdown
+        import sys
+        print(f"adaptive_eager: error at exit: {e}", file=sys.stderr)

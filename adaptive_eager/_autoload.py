@@ -1,0 +1,6 @@
+"""The `torch.backends` entry point: `import torch` registers `neuron` (unless
+TORCH_DEVICE_BACKEND_AUTOLOAD=0, which torch itself honours before calling us)."""
+
+
+def register() -> None:
+    import adaptive_eager  # noqa: F401  (importing registers the device)

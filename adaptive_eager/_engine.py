@@ -1,0 +1,635 @@
+"""The engine: every ATen op on a neuron tensor lands in `Engine.dispatch`.
+
+Three steps per op (as jax's dispatch): abstract specs (meta execution, cached per
+signature, so shape/dtype errors raise at the call), a queued node, and a flush that turns
+queued nodes into launches. In eager mode every op flushes at once; in adaptive mode the
+queue is flushed at sync points, boundaries, a full buffer, or when the device runs idle.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import traceback
+import warnings
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import device as _dev
+import fusion
+from device import Device, DeviceError, DeviceSpec, Launch
+from fusion.cache import ExecutableCache
+from fusion.flush import Runner
+from fusion.ir import Handle, Node, encode_static, scalar_positions
+from fusion.ops import BARRIER, RANDOM, VIEW, op_class
+from fusion.partition import STRATEGIES, OnlineGroup
+
+from . import config as _config
+from .metrics import Metrics
+
+aten = torch.ops.aten
+DEVICE = None  # torch.device("neuron", 0), set by registration
+_SKIP_FILES = tuple(os.path.dirname(m.__file__) + os.sep
+                    for m in (torch, _dev, fusion, sys.modules[__name__.rpartition(".")[0]]))
+_SKIP_FILES += ("<frozen", os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
+
+
+class NeuronRuntimeError(RuntimeError):
+    """An error the device found while running an op, raised at the next sync point."""
+
+    def __init__(self, op: str, message: str, source):
+        self.op = op
+        self.source = source
+        where = f'File "{source[0]}", line {source[1]}' if source else "unknown"
+        if source and source[2]:
+            where += "\n" + source[2]
+        super().__init__(f"An error occurred on Neuron for operation={op}; "
+                         f"error message={message}; python stack trace={where}")
+
+
+class NeuronFallbackError(RuntimeError):
+    """A device op could not run and CPU recovery is turned off."""
+
+
+class _NoMeta(Exception):
+    """Meta execution could not infer the op's outputs (data-dependent or unsupported)."""
+
+
+class MetaResult:
+    """What an op signature produces, computed once by meta execution (see Engine.infer)."""
+
+    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops")
+
+    def __init__(self, leaves, spec, outs, new_bytes, writes, flops):
+        self.leaves = leaves  # per output leaf: ("new", k) | ("view", li, size, stride, off,
+        #                       dtype) | ("arg", schema index, list index) | ("value", v)
+        self.spec = spec
+        self.outs = outs  # node out templates: ("N", li, size, stride, dtype) per new leaf
+        self.new_bytes = new_bytes  # bytes of each new output, in order
+        self.writes = writes  # local buffer indices updated in place
+        self.flops = flops
+
+
+def _extent_bytes(size, stride, offset, itemsize) -> int:
+    if any(s == 0 for s in size):
+        return 0
+    return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
+
+
+class Engine:
+    def __init__(self):
+        self.metrics = Metrics()
+        self.queue: list[Node] = []
+        self.online = OnlineGroup()
+        self.pending_bytes = 0
+        self.meta_cache: dict = {}
+        self.last_report = None
+        self.stream_id = 0
+        self._reason = None
+        self._warned: set[str] = set()
+        self.spec = DeviceSpec()
+        self.device = Device(self.spec)
+        self.reconfigure()
+
+    # -- configuration ---------------------------------------------------------------
+    def reconfigure(self, spec: DeviceSpec | None = None) -> None:
+        cfg = _config.config
+        if spec is not None and spec != self.spec:
+            self.flush("config")
+            self.synchronize()
+            self.spec = spec
+            rng = self.device.rng
+            self.device = Device(spec)
+            self.device.rng = rng
+        self.device.blocking = cfg.launch_blocking
+        self.device.realtime = cfg.realtime
+        self.adaptive = cfg.adaptive
+        if cfg.strategy not in STRATEGIES:
+            raise ValueError(f"unknown fusion strategy {cfg.strategy!r}; "
+                             f"choose one of {sorted(STRATEGIES)}")
+        self.strategy = STRATEGIES[cfg.strategy](self.spec, cfg.max_group_ops)
+        cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
+        salt = "|".join([_package_version(), torch.__version__, "executor=eager",
+                         self.spec.fingerprint()])
+        old = getattr(self, "runner", None)
+        if old is None or old.cache.directory != cache_dir or old.device is not self.device \
+                or (old.cache.max_entries, old.cache.max_bytes) != (
+                    cfg.cache_max_entries,
+                    None if cfg.cache_max_mb is None else int(cfg.cache_max_mb * 2**20)):
+            cache = ExecutableCache(cache_dir, max_entries=cfg.cache_max_entries,
+                                    max_mb=cfg.cache_max_mb, salt=salt)
+            self.runner = Runner(self.device, cache)
+
+    def set_adaptive(self, on: bool) -> None:
+        if on != self.adaptive:
+            self.flush("mode switch")
+        _config.config.adaptive = self.adaptive = bool(on)
+
+    def set_strategy(self, name: str) -> None:
+        self.flush("strategy switch")
+        _config.config.strategy = name
+        self.reconfigure()
+
+    def is_lazy(self) -> bool:
+        # The reference disables adaptive eager under deterministic algorithms.
+        return self.adaptive and not torch.are_deterministic_algorithms_enabled()
+
+    # -- tensors ---------------------------------------------------------------------
+    def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:
+        from ._tensor import NeuronTensor
+        return NeuronTensor(handle, size, stride, offset, dtype)
+
+    def empty(self, size, stride, dtype) -> torch.Tensor:
+        """A fresh allocation (`torch.empty` and friends): HBM reserved now."""
+        dtype = dtype or torch.get_default_dtype()
+        self._check_dtype(dtype)
+        nbytes = _extent_bytes(size, stride, 0, dtype.itemsize)
+        self._make_room(nbytes)
+        h = Handle(nbytes, self.device.alloc(nbytes))
+        return self.wrap(h, size, stride, 0, dtype)
+
+    def _make_room(self, nbytes: int) -> None:
+        hbm = self.device.hbm
+        if hbm.used + self.pending_bytes + nbytes > hbm.capacity and self.queue:
+            self.flush("memory")
+        if hbm.used + self.pending_bytes + nbytes > hbm.capacity:
+            hbm.reserve(nbytes + self.pending_bytes)  # raises the OOM error, naming sizes
+
+    def _check_dtype(self, dtype) -> None:
+        if dtype == torch.float64 and "f64" not in self._warned:
+            self._warned.add("f64")
+            warnings.warn("float64 is not supported on Neuron: it is computed as float32 "
+                          "(results may differ from CPU). Use float32 to silence this.",
+                          stacklevel=4)
+
+    # -- dispatch --------------------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(self, func, args, kwargs)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args, kwargs):
+        """Every op the engine does not handle specially."""
+        self.metrics.ops += 1
+        self.device.advance_host(self.spec.host_op_overhead_us)
+        cls = op_class(func)
+        if cls is None:
+            return self.run_now(func, args, kwargs, fallback=True)
+        if cls == BARRIER:
+            return self.run_now(func, args, kwargs, fallback=False)
+        args_t, kwargs_t, handles, inputs, vbytes = self._template(func, args, kwargs)
+        key = (func, args_t, kwargs_t)
+        meta = self.meta_cache.get(key)
+        if meta is None:
+            try:
+                meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
+            except _NoMeta:
+                return self.run_now(func, args, kwargs, fallback=False)
+            self.meta_cache[key] = meta
+        if meta.outs is None and cls != VIEW:
+            cls = VIEW  # nothing new, nothing written: a pure alias / metadata query
+        if cls != VIEW or meta.writes:
+            new = self._record(func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta)
+        else:
+            new = ()
+        return self._results(func, args, kwargs, handles, meta, new)
+
+    def _template(self, func, args, kwargs):
+        """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...)."""
+        from ._tensor import NeuronTensor
+        handles: list[Handle] = []
+        where: dict[int, int] = {}
+        inputs: list = []
+        vbytes: list[int] = []
+        spos, snames = scalar_positions(func)
+
+        def enc(v, scalar):
+            if isinstance(v, NeuronTensor):
+                h = v._handle
+                li = where.get(h.uid)
+                if li is None:
+                    li = where[h.uid] = len(handles)
+                    handles.append(h)
+                    vbytes.append(0)
+                size, stride, off = tuple(v.shape), v.stride(), v.storage_offset()
+                vbytes[li] = min(h.nbytes, max(vbytes[li], v.numel() * v.element_size()))
+                return ("T", li, size, stride, off, str(v.dtype)[6:])
+            if isinstance(v, torch.Tensor):
+                if v.device.type != "cpu" or (v.dim() != 0 and func is not aten.copy_.default):
+                    raise RuntimeError(
+                        f"Expected all tensors to be on the same device, but found at least "
+                        f"two devices, {DEVICE} and {v.device}! (in {func._schema.name}; "
+                        f"move the tensor with .to('neuron'))")
+                inputs.append(v.detach().clone())
+                return ("H", len(inputs) - 1, str(v.dtype)[6:], tuple(v.shape))
+            if scalar and isinstance(v, (int, float, bool, complex)):
+                inputs.append(v)
+                return ("S", len(inputs) - 1, type(v).__name__)
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                return ("L",) + tuple(enc(x, scalar) for x in v)
+            return encode_static(v)
+
+        args_t = tuple(enc(a, i in spos) for i, a in enumerate(args))
+        kwargs_t = tuple((k, enc(v, k in snames)) for k, v in kwargs.items())
+        return args_t, kwargs_t, handles, inputs, vbytes
+
+    def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
+        """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
+        (shapes, dtypes) propagate with PyTorch's own message."""
+        from ._tensor import NeuronTensor
+        metas = [torch.empty(0, dtype=torch.uint8, device="meta").set_(
+            torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,))
+            for h in handles]
+
+        def to_meta(t):
+            if type(t) is tuple and t and t[0] == "T":
+                _, li, size, stride, off, dt = t
+                return torch.empty(0, dtype=getattr(torch, dt), device="meta").set_(
+                    metas[li].untyped_storage(), off, size, stride)
+            if type(t) is tuple and t and t[0] == "L":
+                return [to_meta(x) for x in t[1:]]
+            return None
+
+        def margs(vals, tpls):
+            return [to_meta(t) if isinstance(v, NeuronTensor) or (
+                isinstance(v, (list, tuple)) and v and isinstance(v[0], NeuronTensor))
+                    else v for v, t in zip(vals, tpls)]
+
+        m_args = margs(args, args_t)
+        m_kwargs = dict(zip(kwargs, margs(kwargs.values(), [t for _, t in kwargs_t])))
+        try:
+            out = func(*m_args, **m_kwargs)
+        except NotImplementedError as e:
+            raise _NoMeta(str(e)) from e
+        except RuntimeError as e:
+            if "meta" in str(e).lower() or "data-dependent" in str(e).lower() \
+                    or "dynamic" in str(e).lower():
+                raise _NoMeta(str(e)) from e
+            raise
+        storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
+        leaves, spec = tree_flatten(out)
+        rets = func._schema.returns
+        schema_args = func._schema.arguments
+        ret_alias = []
+        for r in rets:
+            ai = r.alias_info
+            if ai is None:
+                ret_alias.append(None)
+                continue
+            j = next(j for j, a in enumerate(schema_args)
+                     if a.alias_info is not None and a.alias_info.before_set & ai.before_set)
+            ret_alias.append((j, ai.is_write))
+        per_ret = out if len(rets) > 1 else (out,)
+        leaf_alias = []
+        for r, o in zip(ret_alias, per_ret):
+            n = len(tree_flatten(o)[0])
+            leaf_alias += [(r, k) for k in range(n)]
+        cls = op_class(func)
+        out_leaves, outs, new_bytes = [], [], []
+        nh = len(handles)
+        for i, leaf in enumerate(leaves):
+            alias = leaf_alias[i][0] if i < len(leaf_alias) else None
+            if not isinstance(leaf, torch.Tensor):
+                out_leaves.append(("value", leaf))
+                continue
+            size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
+            dt = str(leaf.dtype)[6:]
+            li = storage_li.get(leaf.untyped_storage()._cdata)
+            if alias is not None and alias[1]:  # in-place or out=: hand back the argument
+                out_leaves.append(("arg", alias[0], leaf_alias[i][1]))
+            elif (alias is not None or cls == VIEW) and li is not None:
+                out_leaves.append(("view", li, size, stride, off, dt))
+            else:
+                k = len(new_bytes)
+                out_leaves.append(("new", k))
+                outs.append(("N", nh + k, size, stride, dt))
+                new_bytes.append(_extent_bytes(size, stride, off, leaf.element_size()))
+        writes = []
+        for j, a in enumerate(schema_args):
+            if a.alias_info is not None and a.alias_info.is_write:
+                t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(a.name)
+                if t is None:
+                    continue
+                for x in (t[1:] if t[0] == "L" else (t,)):
+                    if type(x) is tuple and x[0] == "T" and x[1] not in writes:
+                        writes.append(x[1])
+        flops = _flops(func, m_args, m_kwargs, out)
+        return MetaResult(tuple(out_leaves), spec, tuple(outs) if outs else None,
+                          tuple(new_bytes), tuple(writes), flops)
+
+    def _record(self, func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta):
+        new_bytes = sum(meta.new_bytes)
+        self._make_room(new_bytes)
+        new = [Handle(b, pending=True) for b in meta.new_bytes]
+        for o in meta.outs or ():
+            self._check_dtype(getattr(torch, o[4]))
+        refs = [weakref.ref(h) if h.pending else h for h in handles]
+        refs += [weakref.ref(h) for h in new]
+        uids = tuple(h.uid for h in handles) + tuple(h.uid for h in new)
+        reads = tuple(range(len(handles)))
+        writes = meta.writes + tuple(range(len(handles), len(handles) + len(new)))
+        node = Node(func, cls, args_t, kwargs_t, meta.outs or (), uids, refs, reads, writes,
+                    inputs, meta.flops, tuple(vbytes) + meta.new_bytes, _source())
+        lazy = self.is_lazy()
+        if lazy and self.queue:
+            cut = self.online.cut(self.strategy, node)
+            if cut is not None and self.device.in_flight() <= _config.config.queue_low_threshold:
+                self.flush("device idle")
+                cut = None
+            self.online.add(node, cut)
+        else:
+            self.online.add(node, "start")
+        self.queue.append(node)
+        self.pending_bytes += new_bytes
+        if not lazy:
+            self.flush("eager")
+        elif len(self.queue) >= _config.config.buffer_size_limit:
+            self.flush("buffer full")
+        elif self.pending_bytes > _config.config.max_pending_mb * 2**20:
+            self.flush("pending memory")
+        return new
+
+    def _results(self, func, args, kwargs, handles, meta, new):
+        out = []
+        for leaf in meta.leaves:
+            kind = leaf[0]
+            if kind == "new":
+                o = meta.outs[leaf[1]]
+                out.append(self.wrap(new[leaf[1]], o[2], o[3], 0, getattr(torch, o[4])))
+            elif kind == "view":
+                _, li, size, stride, off, dt = leaf
+                out.append(self.wrap(handles[li], size, stride, off, getattr(torch, dt)))
+            elif kind == "arg":
+                _, j, k = leaf
+                a = func._schema.arguments[j]
+                v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+                out.append(v[k] if isinstance(v, (list, tuple)) else v)
+            else:
+                out.append(leaf[1])
+        return tree_unflatten(out, meta.spec)
+
+    # -- flush and sync --------------------------------------------------------------
+    def flush(self, reason: str) -> None:
+        if not self.queue:
+            return
+        nodes, self.queue = self.queue, []
+        self.online = OnlineGroup()
+        self.pending_bytes = 0
+        if not _config.config.skip_intermediate:
+            for n in nodes:  # keep every value alive: all are written back
+                n.refs = [r() if type(r) is weakref.ref else r for r in n.refs]
+        with torch._C._DisableTorchDispatch():
+            report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
+                                     else STRATEGIES["none"]())
+        self.last_report = report
+        m = self.metrics
+        m.flushes[reason] += 1
+        m.launches += report.launches
+        for g in report.groups:
+            m.group_sizes[g["ops"]] += 1
+        if self.device.blocking:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the device; raise the earliest deferred error (op and source line)."""
+        try:
+            self.device.synchronize()
+        except DeviceError as e:
+            launch = e.launch
+            err = launch.error
+            k = getattr(err, "instr_index", 0)
+            node = launch.context[k] if launch.context else None
+            op = node.func._schema.name if node is not None else launch.name
+            raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
+                                     node.source if node is not None else None) from err
+
+    def sync(self, reason: str) -> None:
+        self.flush(reason)
+        self.synchronize()
+
+    def read(self, t, reason: str) -> torch.Tensor:
+        """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
+        if self._reason is not None:
+            reason, self._reason = self._reason, None
+        self.sync(reason)
+        h = t._handle
+        n = t.numel() * t.element_size()
+        self.device.submit(Launch("d2h", None, n, 0.0, kind="dma", dma_bytes=n))
+        self.device.host_us = max(self.device.host_us, self.device.free_at_us)
+        self.metrics.d2h_bytes += n
+        if n == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        with torch._C._DisableTorchDispatch():
+            return torch.empty(0, dtype=t.dtype).set_(
+                h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
+
+    def write(self, dst, src: torch.Tensor) -> None:
+        """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
+        h = dst._handle
+        if any(h.uid in n.uids for n in self.queue):
+            self.flush("h2d")  # the copy must land after queued readers/writers of dst
+        src = src.detach()
+        if src.dtype == torch.float64:
+            self._check_dtype(torch.float64)
+            src = src.to(torch.float32)  # Note [float64 policy] in fusion/program.py
+        n = src.numel() * src.element_size()
+        self.device.submit(Launch("h2d", None, n, 0.0, kind="dma", dma_bytes=n))
+        self.metrics.h2d_bytes += n
+        with torch._C._DisableTorchDispatch():
+            torch.empty(0, dtype=dst.dtype).set_(
+                h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
+
+    def run_now(self, func, args, kwargs, fallback: bool):
+        """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or
+        data-dependent output shapes (a device launch the host waits for)."""
+        from ._tensor import NeuronTensor
+        name = func._schema.name
+        cfg = _config.config
+        if fallback:
+            if cfg.fallback_only_unimplemented and op_class(func) is not None \
+                    or not cfg.fallback_enabled:
+                raise NeuronFallbackError(
+                    f"Operator '{name}' could not run on Neuron and CPU fallback is off "
+                    f"(TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS / "
+                    f"NEURON_FALLBACK_ENABLED)")
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning, stacklevel=4)
+            self.metrics.cpu_fallbacks[name] += 1
+        self.sync(("fallback:" if fallback else "data-dependent:") + name)
+        views = {}
+
+        def to_cpu(v):
+            if isinstance(v, NeuronTensor):
+                h = v._handle
+                views[id(v)] = v
+                if v.numel() == 0 or h.buffer is None:
+                    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+                return torch.empty(0, dtype=v.dtype).set_(
+                    h.buffer.storage, v.storage_offset(), v.shape, v.stride())
+            if isinstance(v, (list, tuple)):
+                return type(v)(to_cpu(x) for x in v)
+            if isinstance(v, torch.device) and v.type == DEVICE.type:
+                return torch.device("cpu")
+            return v
+
+        with torch._C._DisableTorchDispatch():
+            c_args = [to_cpu(a) for a in args]
+            c_kwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+            nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
+            result = {}
+
+            def work():
+                result["out"] = func(*c_args, **c_kwargs)
+
+            if fallback:
+                self.device.submit(Launch("d2h", None, nbytes_in, 0, kind="dma",
+                                          dma_bytes=nbytes_in))
+                self.metrics.d2h_bytes += nbytes_in
+                work()
+                self.device.advance_host(self.spec.host_op_overhead_us)
+            else:
+                self.device.submit(Launch(name, work, nbytes_in, 0.0,
+                                          context=[_FakeNode(func)]))
+                self.metrics.launches += 1
+                self.synchronize()
+            out = result["out"]
+        # Outputs: tensors sharing an argument's storage stay views of its buffer.
+        by_storage = {}
+        for v in views.values():
+            if v._handle.buffer is not None:
+                by_storage[v._handle.buffer.storage.data_ptr()] = v
+        leaves, spec = tree_flatten(out)
+        new_leaves = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                new_leaves.append(leaf)
+                continue
+            owner = by_storage.get(leaf.untyped_storage().data_ptr()) if leaf.numel() else None
+            if owner is not None:
+                same = next((v for v in views.values() if v._handle is owner._handle
+                             and v.shape == leaf.shape and v.stride() == leaf.stride()
+                             and v.storage_offset() == leaf.storage_offset()), None)
+                new_leaves.append(same if same is not None else self.wrap(
+                    owner._handle, tuple(leaf.shape), leaf.stride(), leaf.storage_offset(),
+                    leaf.dtype))
+                continue
+            leaf = leaf.contiguous()
+            n = leaf.numel() * leaf.element_size()
+            self._make_room(n)
+            with torch._C._DisableTorchDispatch():
+                st = leaf.untyped_storage()
+                if leaf.storage_offset() or st.nbytes() != n:
+                    st = leaf.clone().untyped_storage()
+            h = Handle(n, self.device.alloc(n, st))
+            if fallback:
+                self.device.submit(Launch("h2d", None, n, 0, kind="dma", dma_bytes=n))
+                self.metrics.h2d_bytes += n
+            new_leaves.append(self.wrap(h, tuple(leaf.shape), leaf.stride(), 0, leaf.dtype))
+        return tree_unflatten(new_leaves, spec)
+
+
+class _FakeNode:
+    def __init__(self, func):
+        self.func = func
+        self.source = _source()
+
+
+def _source():
+    """(file, line, stack) of the user's code that issued the op."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
+        f = f.f_back
+    if f is None:
+        return None
+    stack = None
+    if _config.config.stack_trace:
+        stack = "".join(traceback.format_stack(f))
+    return (f.f_code.co_filename, f.f_lineno, stack)
+
+
+def _flops(func, args, kwargs, out) -> float:
+    from torch.utils.flop_counter import flop_registry
+    f = flop_registry.get(func.overloadpacket)
+    if f is not None:
+        try:
+            return float(f(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take these args: count elements
+            pass
+    return float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("adaptive-eager")
+    except Exception:
+        return "0+unknown"
+
+
+# -- ops the engine handles itself -----------------------------------------------------
+def _copy_(eng, func, args, kwargs):
+    from ._tensor import NeuronTensor
+    dst, src = args[0], args[1]
+    if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor):
+        return eng._dispatch(func, args, kwargs)
+    eng.metrics.ops += 1
+    if isinstance(dst, NeuronTensor):  # host -> device
+        if src.dim() == 0:
+            return eng._dispatch(func, args, kwargs)
+        eng.write(dst, src)
+        return dst
+    with torch._C._DisableTorchDispatch():  # device -> host
+        dst.copy_(eng.read(src, "d2h"))
+    return dst
+
+
+def _to_copy(eng, func, args, kwargs):
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == "cpu":
+        eng.metrics.ops += 1
+        cpu = eng.read(args[0], "cpu")
+        kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+        with torch._C._DisableTorchDispatch():
+            return aten._to_copy.default(cpu, **kw)
+    return eng._dispatch(func, args, kwargs)
+
+
+def _local_scalar_dense(eng, func, args, kwargs):
+    eng.metrics.ops += 1
+    v = eng.read(args[0], "item")
+    with torch._C._DisableTorchDispatch():
+        return v.item()
+
+
+def _unsafe_view(eng, func, args, kwargs):
+    return eng.dispatch(aten.view.default, args, kwargs)
+
+
+def _resize_(eng, func, args, kwargs):
+    t, size = args[0], tuple(args[1])
+    if tuple(t.shape) == size:
+        return t
+    raise RuntimeError(f"resize_ of a neuron tensor from {tuple(t.shape)} to {size} is not "
+                       f"supported; allocate a new tensor (torch.empty(..., device='neuron')).")
+
+
+def _set_(eng, func, args, kwargs):
+    raise RuntimeError(f"{func._schema.name} (Tensor.set_) is not supported on neuron tensors; "
+                       f"use copy_ or a new tensor.")
+
+
+_SPECIAL = {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten._unsafe_view.default: _unsafe_view,
+    aten.resize_.default: _resize_,
+}
+for _op in aten.set_.overloads():
+    _SPECIAL[getattr(aten.set_, _op)] = _set_
+
+ENGINE = Engine()

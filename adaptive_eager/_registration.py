@@ -1,0 +1,76 @@
+"""Registers `neuron` into PyTorch from pure Python (PrivateUse1, renamed)."""
+from __future__ import annotations
+
+import torch
+
+from . import _engine, neuron
+
+_done = False
+_lib = None
+
+
+def register() -> None:
+    """Idempotent. Fails clearly when PrivateUse1 already belongs to another backend."""
+    global _done, _lib
+    if _done:
+        return
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "privateuseone":
+        raise RuntimeError(
+            f"Cannot register the 'neuron' device: PyTorch's PrivateUse1 slot already belongs "
+            f"to the backend '{name}' (only one out-of-tree backend can be loaded per "
+            f"process). Do not import both; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop "
+            f"backends from loading on `import torch`.")
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
+    _engine.DEVICE = torch.device("neuron", 0)
+    neuron._default_stream = neuron.Stream(_id=0)
+    neuron._current.append(neuron._default_stream)
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl("empty.memory_format", _empty, "PrivateUse1")
+    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    for op in _HOST_FACTORIES:
+        _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _done = True
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+           memory_format=None):
+    size = tuple(int(s) for s in size)
+    stride = torch.empty(size, device="meta",
+                         memory_format=memory_format or torch.contiguous_format).stride()
+    return _engine.ENGINE.empty(size, stride, dtype)
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    return _engine.ENGINE.empty(tuple(int(s) for s in size), tuple(int(s) for s in stride),
+                                dtype)
+
+
+# Factories whose default kernels write through a resizing `out=`: computed on the host and
+# copied in (random ones draw from the device generator, so seeds behave as on the device).
+_HOST_FACTORIES = ["arange", "arange.start", "arange.start_step", "linspace", "logspace",
+                   "eye", "eye.m", "randperm", "randperm.generator", "tril_indices",
+                   "triu_indices", "range", "range.step"]
+
+
+def _host_factory(name):
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    random = packet == "randperm"
+
+    def impl(*args, **kwargs):
+        kwargs = dict(kwargs, device=torch.device("cpu"))
+        eng = _engine.ENGINE
+        with torch._C._DisableTorchDispatch():
+            if random:
+                eng.flush("rng")
+                cpu = eng.device.rng.run(op, args, kwargs)
+            else:
+                cpu = op(*args, **kwargs)
+        eng.metrics.ops += 1
+        out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
+        eng.write(out, cpu)
+        return out
+
+    return impl

@@ -1,0 +1,88 @@
+"""`ae.explain()`: what the last flush did, and why each boundary fell where it did."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import networkx as nx
+
+
+class Explanation:
+    def __init__(self, report):
+        self.report = report
+
+    @property
+    def groups(self) -> list[dict]:
+        return self.report.groups
+
+    @property
+    def boundaries(self) -> list[str]:
+        return self.report.boundaries
+
+    @property
+    def launches(self) -> int:
+        return self.report.launches
+
+    @property
+    def launches_saved(self) -> int:
+        """Against eager mode, where every op is a launch."""
+        return self.report.n_ops - self.report.launches
+
+    def __str__(self) -> str:
+        r = self.report
+        lines = [f"last flush: {r.n_ops} ops -> {r.launches} launches "
+                 f"(eager: {r.n_ops}, saved {self.launches_saved}); reason: {r.reason}; "
+                 f"strategy: {r.strategy}; plan {'reused' if r.plan_hit else 'built'}; "
+                 f"bytes not written back: {r.bytes_saved}"]
+        for i, g in enumerate(r.groups):
+            if i:
+                lines.append(f"  -- boundary: {r.boundaries[i - 1]}")
+            name = g["name"] if len(g["name"]) <= 70 else g["name"][:67] + "..."
+            lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def to_dot(self) -> str:
+        """Graphviz DOT of the grouped dependency graph (one cluster per group)."""
+        g = self.report.graph.copy()
+        group_of = {}
+        start = 0
+        for gi, grp in enumerate(self.report.groups):
+            for i in range(start, start + grp["ops"]):
+                group_of[i] = gi
+            start += grp["ops"]
+        for i, data in g.nodes(data=True):
+            data.clear()
+            data["label"] = f"{i}: {self.report.graph.nodes[i]['name']}"
+            data["group"] = group_of.get(i, -1)
+        for _, _, data in g.edges(data=True):
+            data["label"] = data.pop("kind", "")
+        lines = ["digraph flush {", "  rankdir=TB;", "  node [shape=box, fontsize=10];"]
+        for gi, grp in enumerate(self.report.groups):
+            members = [i for i, d in g.nodes(data=True) if d["group"] == gi]
+            lines.append(f"  subgraph cluster_{gi} {{")
+            lines.append(f'    label="group {gi} ({grp["ops"]} ops)";')
+            for i in members:
+                lines.append(f'    n{i} [label="{g.nodes[i]["label"]}"];')
+            lines.append("  }")
+        for u, v, d in g.edges(data=True):
+            lines.append(f'  n{u} -> n{v} [label="{d["label"]}", fontsize=8];')
+        lines.append("}")
+        return "\n".join(lines)
+
+    def to_networkx(self) -> nx.DiGraph:
+        return self.report.graph
+
+    def save(self, path: str) -> str:
+        """Write DOT (or SVG/PNG, rendered by Graphviz's `dot` when installed). Returns path."""
+        dot = self.to_dot()
+        fmt = path.rsplit(".", 1)[-1].lower()
+        if fmt in ("svg", "png", "pdf") and shutil.which("dot"):
+            subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), check=True)
+            return path
+        if fmt in ("svg", "png", "pdf"):
+            path = path.rsplit(".", 1)[0] + ".dot"
+        with open(path, "w") as f:
+            f.write(dot)
+        return path

@@ -1,0 +1,8 @@
+"""The simulated NeuronCore: spec, HBM, hardware queue, clock and trace. Knows nothing of
+dispatch or fusion: it runs launches on buffers and accounts for time and memory."""
+from .core import Device, DeviceError, DeviceRNG, Launch
+from .memory import HBM, Buffer, NeuronOutOfMemoryError
+from .spec import DeviceSpec
+
+__all__ = ["Buffer", "Device", "DeviceError", "DeviceRNG", "DeviceSpec", "HBM", "Launch",
+           "NeuronOutOfMemoryError"]

@@ -1,0 +1,160 @@
+"""The simulated NeuronCore: one hardware queue, a simulated clock, trace events.
+
+Note [Simulated asynchrony]: a launch's work is done on host memory when it is submitted
+(the queue is in order, so nothing the host can observe differs), but its *time* is placed on
+the device timeline: it starts when the device is free and the host has enqueued it, and the
+host only waits for it at a sync. An exception raised by the work is kept on the launch and
+re-raised at the next sync, earliest first, exactly as an asynchronous runtime reports it.
+With `blocking=True` (NEURON_LAUNCH_BLOCKING=1) the host waits for every launch and errors
+are raised at once.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+
+from .memory import HBM, Buffer
+from .spec import DeviceSpec
+
+
+@dataclasses.dataclass
+class Launch:
+    """One executable launch (or DMA) on the hardware queue."""
+
+    name: str
+    run: Callable[[], Any] | None  # the work; None for pure accounting (DMA)
+    nbytes: int  # HBM bytes read + written
+    flops: float
+    low_precision: bool = False
+    kind: str = "launch"  # "launch" or "dma"
+    dma_bytes: int = 0
+    start_us: float = 0.0
+    end_us: float = 0.0
+    error: BaseException | None = None
+    context: Any = None  # what the engine wants back with an error (op name, source line)
+
+
+class DeviceError(RuntimeError):
+    """An error raised by a launch, reported at the next sync."""
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        super().__init__(str(launch.error))
+
+
+class Device:
+    """One simulated logical NeuronCore."""
+
+    def __init__(self, spec: DeviceSpec | None = None, *, blocking: bool = False,
+                 realtime: bool = False, trace_limit: int = 200_000):
+        self.spec = spec or DeviceSpec()
+        self.hbm = HBM(self.spec.hbm_bytes)
+        self.blocking = blocking
+        self.realtime = realtime  # each launch also takes its modeled time on the wall clock
+        self.host_us = 0.0  # simulated host clock
+        self.free_at_us = 0.0  # when the device finishes everything queued so far
+        self.busy_us = 0.0  # total simulated device time spent running launches
+        self._ends: collections.deque[float] = collections.deque()  # end times in flight
+        self._errors: list[Launch] = []
+        self.trace: collections.deque[dict] = collections.deque(maxlen=trace_limit)
+        self.launches = 0
+        self.dmas = 0
+        self.rng = DeviceRNG()
+
+    # -- host side -------------------------------------------------------------------
+    def advance_host(self, us: float) -> None:
+        self.host_us += us
+
+    def in_flight(self) -> int:
+        """Launches submitted and not finished by the host's current time."""
+        ends = self._ends
+        while ends and ends[0] <= self.host_us:
+            ends.popleft()
+        return len(ends)
+
+    def submit(self, launch: Launch) -> Launch:
+        spec = self.spec
+        if launch.kind == "dma":
+            cost = spec.dma_us(launch.dma_bytes)
+            self.dmas += 1
+        else:
+            cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
+            self.launches += 1
+        # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
+        if self.in_flight() >= spec.max_in_flight:
+            self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])
+        launch.start_us = max(self.host_us, self.free_at_us)
+        launch.end_us = launch.start_us + cost
+        self.free_at_us = launch.end_us
+        self.busy_us += cost
+        self._ends.append(launch.end_us)
+        if launch.run is not None:
+            try:
+                launch.run()
+            except Exception as e:  # kept for the next sync (Note [Simulated asynchrony])
+                launch.error = e
+                self._errors.append(launch)
+        if self.realtime:
+            _sleep_us(cost)
+        self.trace.append({"name": launch.name, "cat": launch.kind, "ph": "X",
+                           "ts": launch.start_us, "dur": cost, "pid": 0, "tid": 0,
+                           "args": {"bytes": launch.nbytes, "flops": launch.flops}})
+        if self.blocking:
+            self.synchronize()
+        return launch
+
+    def synchronize(self) -> None:
+        """The host waits for all queued work, then the earliest deferred error is raised."""
+        self.host_us = max(self.host_us, self.free_at_us)
+        self._ends.clear()
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise DeviceError(first)
+
+    def pending_errors(self) -> int:
+        return len(self._errors)
+
+    # -- memory ----------------------------------------------------------------------
+    def alloc(self, nbytes: int, storage=None) -> Buffer:
+        buf = Buffer(nbytes)
+        buf.allocate(self.hbm, storage)
+        return buf
+
+    def chrome_trace(self) -> dict:
+        """The device timeline in Chrome/Perfetto trace-event format."""
+        return {"traceEvents": list(self.trace), "displayTimeUnit": "ms"}
+
+
+def _sleep_us(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+class DeviceRNG:
+    """The device's random generator: a Philox/MT state separate from the CPU's.
+
+    Random ops run with this state swapped into the host generator, so a neuron tensor drawn
+    under `torch.manual_seed(s)` equals the CPU tensor drawn under the same seed."""
+
+    def __init__(self, seed: int = 67280421310721):
+        self.seed = seed
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed = int(seed)
+        self.state = torch.Generator().manual_seed(self.seed).get_state()
+
+    def run(self, op, args, kwargs):
+        gen = torch.default_generator
+        saved = gen.get_state()
+        gen.set_state(self.state)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            self.state = gen.get_state()
+            gen.set_state(saved)

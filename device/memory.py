@@ -1,0 +1,86 @@
+"""Simulated HBM: an allocator with capacity, peak and stats, and the buffers it hands out."""
+from __future__ import annotations
+
+import torch
+
+
+class NeuronOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised when an allocation does not fit in the simulated HBM."""
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+class HBM:
+    """Byte accounting for the simulated device memory."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self.num_allocs = 0
+        self.num_frees = 0
+        self.num_ooms = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if self.used + nbytes > self.capacity:
+            self.num_ooms += 1
+            raise NeuronOutOfMemoryError(
+                f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
+                f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
+                f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
+                f"scope) or use smaller batches; the device stays usable."
+            )
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        self.num_allocs += 1
+
+    def release(self, nbytes: int) -> None:
+        assert self.used >= nbytes, (self.used, nbytes)
+        self.used -= nbytes
+        self.num_frees += 1
+
+    def stats(self) -> dict:
+        return {
+            "allocated_bytes.all.current": self.used,
+            "allocated_bytes.all.peak": self.peak,
+            "reserved_bytes.all.current": self.used,
+            "num_alloc_retries": 0,
+            "num_ooms": self.num_ooms,
+            "allocation.all.allocated": self.num_allocs,
+            "allocation.all.freed": self.num_frees,
+            "capacity_bytes": self.capacity,
+        }
+
+
+class Buffer:
+    """A device allocation: nbytes of simulated HBM, backed by host bytes once written.
+
+    The HBM bytes are reserved when the buffer first gets storage (a value written back or an
+    `empty` allocation) and released when the last reference to the buffer goes away.
+    """
+
+    __slots__ = ("nbytes", "storage", "_hbm", "__weakref__")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.storage: torch.UntypedStorage | None = None
+        self._hbm: HBM | None = None
+
+    def allocate(self, hbm: HBM, storage: torch.UntypedStorage | None = None) -> None:
+        assert self.storage is None
+        hbm.reserve(self.nbytes)
+        self._hbm = hbm
+        if storage is None:
+            storage = torch.UntypedStorage(self.nbytes)
+        assert storage.nbytes() >= self.nbytes, (storage.nbytes(), self.nbytes)
+        self.storage = storage
+
+    def __del__(self):
+        if self._hbm is not None:
+            self._hbm.release(self.nbytes)

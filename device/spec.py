@@ -1,0 +1,48 @@
+"""The figures of the simulated NeuronCore, and the cost model built on them."""
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 1 << 30
+
+# Note [Device assumptions]: every default below is an assumption, not a measurement of a
+# real Trainium2. One logical NeuronCore (LNC=2) is taken as a quarter of a Trn2 chip
+# (96 GiB HBM, 2.9 TB/s, ~667 dense BF16 TFLOP/s per chip, public launch figures). Launch
+# overhead and compile time are order-of-magnitude figures from the third-party report in
+# TORCHNEURON.md (~0.22 ms per eager elementwise op, most of it host + launch overhead).
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Figures of one simulated logical NeuronCore; all overridable."""
+
+    hbm_bytes: int = 24 * GiB  # assumption: 96 GiB per chip / 4 logical cores
+    hbm_bandwidth_gbps: float = 725.0  # assumption: 2.9 TB/s per chip / 4, in GB/s
+    peak_tflops_bf16: float = 167.0  # assumption: ~667 dense BF16 TFLOP/s per chip / 4
+    peak_tflops_fp32: float = 42.0  # assumption: a quarter of the BF16 rate
+    launch_overhead_us: float = 20.0  # assumption: fixed cost of one executable launch
+    dma_overhead_us: float = 5.0  # assumption: fixed cost of one host<->device DMA
+    host_link_gbps: float = 25.0  # assumption: host<->device bandwidth (PCIe-class), GB/s
+    host_op_overhead_us: float = 10.0  # assumption: host time to dispatch one op (sim. clock)
+    compile_base_us: float = 200_000.0  # assumption: fixed cost of one compile (0.2 s)
+    compile_per_op_us: float = 20_000.0  # assumption: added compile cost per fused op
+    max_in_flight: int = 8  # the reference runtime keeps up to 8 launches in flight
+
+    def launch_us(self, nbytes: int, flops: float, low_precision: bool = False) -> float:
+        """Launch overhead + max(bytes / bandwidth, FLOPs / peak), in microseconds."""
+        mem_us = nbytes / (self.hbm_bandwidth_gbps * 1e3)
+        peak = self.peak_tflops_bf16 if low_precision else self.peak_tflops_fp32
+        compute_us = flops / (peak * 1e6)
+        return self.launch_overhead_us + max(mem_us, compute_us)
+
+    def dma_us(self, nbytes: int) -> float:
+        """One host<->device copy."""
+        return self.dma_overhead_us + nbytes / (self.host_link_gbps * 1e3)
+
+    def compile_us(self, n_ops: int) -> float:
+        """Modeled compile time of an executable holding n_ops ops."""
+        return self.compile_base_us + self.compile_per_op_us * max(n_ops - 1, 0)
+
+    def fingerprint(self) -> str:
+        """Stable text naming every figure; part of the disk-cache key."""
+        return repr(dataclasses.astuple(self))

@@ -1,0 +1,210 @@
+"""Running a queued segment: plan (graph, partition, executables), launch, write back.
+
+Note [Plan cache]: a segment's signature is its nodes' signatures, how they share buffers
+(uids renumbered by first appearance) and which pending values are still alive. A segment
+identical to one seen before reuses its plan, i.e. its groups and resolved executables,
+without building the graph or partitioning again: a steady-state loop pays neither.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import warnings
+import weakref
+
+import networkx as nx
+import torch
+
+from device import Device, Launch
+
+from .cache import ExecutableCache
+from .ir import Handle, Node
+from .partition import Strategy, dependency_graph, partition
+from .program import Executable, Program, build_program
+
+log = logging.getLogger("adaptive_eager.fusion")
+
+
+@dataclasses.dataclass
+class GroupPlan:
+    start: int  # node indices [start, end) of the segment
+    end: int
+    exe: Executable
+    slots: list[int]  # canonical buffer index held by each slot
+    outputs: list[int]  # slots written back
+    nbytes: int
+    flops: float
+    level: str  # where its executable came from when the plan was built
+
+
+@dataclasses.dataclass
+class Plan:
+    groups: list[GroupPlan]
+    reasons: list[str]  # boundary before group i+1
+    graph: nx.DiGraph
+    skipped: list[int]  # canonical indices of created values never written back
+
+
+@dataclasses.dataclass
+class FlushReport:
+    """What one flush did: the data behind `ae.explain()`."""
+
+    reason: str
+    strategy: str
+    n_ops: int
+    groups: list[dict]
+    boundaries: list[str]
+    launches: int
+    bytes_saved: int
+    plan_hit: bool
+    graph: nx.DiGraph
+
+
+class Runner:
+    def __init__(self, device: Device, cache: ExecutableCache, max_plans: int = 256):
+        self.device = device
+        self.cache = cache
+        self.plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
+        self.max_plans = max_plans
+        self.compile_hook = None  # tests: called with each Program compiled; may raise
+        self.counters = collections.Counter()
+
+    def compile(self, program: Program) -> Executable:
+        if self.compile_hook is not None:
+            self.compile_hook(program)
+        exe = Executable(program)
+        us = self.device.spec.compile_us(len(program.instrs))
+        self.counters["compile_time_us"] += us
+        self.device.advance_host(us)  # the host waits for the compiler
+        return exe
+
+    def run(self, nodes: list[Node], reason: str, strategy: Strategy) -> FlushReport:
+        canon: dict[int, int] = {}
+        handles: list[Handle | None] = []
+        shape = []
+        for n in nodes:
+            idx = []
+            for u, r in zip(n.uids, n.refs):
+                c = canon.get(u)
+                if c is None:
+                    c = canon[u] = len(handles)
+                    handles.append(r() if type(r) is weakref.ref else r)
+                idx.append(c)
+            shape.append(tuple(idx))
+        live = tuple(h is not None for h in handles)
+        sig = (strategy.name, tuple(n.sig for n in nodes), tuple(shape), live)
+        plan = self.plans.get(sig)
+        hit = plan is not None
+        if hit:
+            self.plans.move_to_end(sig)
+            self.counters["plan_hits"] += 1
+            self.cache.stats.memory_hits += len(plan.groups)
+        else:
+            plan = self._plan(nodes, canon, handles, strategy)
+            self.plans[sig] = plan
+            if len(self.plans) > self.max_plans:
+                self.plans.popitem(last=False)
+            self.counters["plan_misses"] += 1
+        self._execute(nodes, plan, handles)
+        saved = sum(handles[c].nbytes if handles[c] else _nbytes_of(nodes, canon, c)
+                    for c in plan.skipped)
+        self.counters["bytes_saved"] += saved
+        return FlushReport(
+            reason=reason, strategy=strategy.name, n_ops=len(nodes),
+            groups=[{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
+                     "flops": g.flops, "level": "plan" if hit else g.level}
+                    for g in plan.groups],
+            boundaries=plan.reasons, launches=len(plan.groups), bytes_saved=saved,
+            plan_hit=hit, graph=plan.graph)
+
+    def _plan(self, nodes, canon, handles, strategy) -> Plan:
+        graph = dependency_graph(nodes)
+        groups, reasons = partition(nodes, graph, strategy)
+        last_read = {}
+        for gi, g in enumerate(groups):
+            for i in g:
+                n = nodes[i]
+                for li in n.reads:
+                    last_read[canon[n.uids[li]]] = gi
+        plans, skipped = [], []
+        for gi, g in enumerate(groups):
+            members = [nodes[i] for i in g]
+            created = {n.uids[li] for n in members for li in n.writes if n.is_new(li)}
+            keep = {u for u in created
+                    if handles[canon[u]] is not None or last_read.get(canon[u], -1) > gi}
+            skipped += [canon[u] for u in created - keep]
+            program, slot_uids = build_program(members, keep)
+            exe, level = self._executable(program)
+            slots = [canon[u] for u in slot_uids]
+            ext_bytes = {}
+            for n in members:
+                for li in n.reads:
+                    u = n.uids[li]
+                    if u not in created:
+                        ext_bytes[u] = max(ext_bytes.get(u, 0), n.vbytes[li])
+            out_bytes = sum(n.vbytes[li] for n in members for li in n.writes
+                            if n.uids[li] in keep or n.uids[li] not in created)
+            plans.append(GroupPlan(g[0], g[-1] + 1, exe, slots, list(program.outputs),
+                                   sum(ext_bytes.values()) + out_bytes,
+                                   sum(n.flops for n in members), level))
+        return Plan(plans, reasons, graph, skipped)
+
+    def _executable(self, program: Program) -> tuple[Executable, str]:
+        if program.key in self.cache.bad:
+            return _OneByOne(program), "bad"
+        try:
+            return self.cache.get(program, self.compile)
+        except Exception as e:  # a fused compile failed: run its ops one by one (reference)
+            if len(program.instrs) == 1:
+                raise
+            self.cache.bad.add(program.key)
+            self.cache.stats.bad += 1
+            warnings.warn(f"Fused executable '{program.name[:80]}' failed to compile ({e}); "
+                          f"its ops run one by one for the rest of this process.")
+            return _OneByOne(program), "bad"
+
+    def _execute(self, nodes, plan: Plan, handles) -> None:
+        env: dict[int, torch.UntypedStorage] = {}
+        dev = self.device
+        for gp in plan.groups:
+            exe = gp.exe
+            st = [None] * exe.program.n_slots
+            for s in range(exe.program.n_inputs):
+                c = gp.slots[s]
+                st[s] = env[c] if c in env else handles[c].buffer.storage
+            members = nodes[gp.start:gp.end]
+            inputs = [n.inputs for n in members]
+            launch = Launch(exe.name, lambda: exe.run(st, inputs, dev.rng), gp.nbytes,
+                            gp.flops, context=members)
+            dev.submit(launch)
+            for s in range(exe.program.n_inputs, exe.program.n_slots):
+                c = gp.slots[s]
+                if st[s] is None:  # the launch failed: its outputs hold garbage
+                    st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)
+                env[c] = st[s]
+            for s in gp.outputs:
+                h = handles[gp.slots[s]]
+                if h is not None and h.pending:
+                    h.buffer = dev.alloc(h.nbytes, st[s])
+                    h.pending = False
+
+
+def _nbytes_of(nodes, canon, c) -> int:
+    for n in nodes:
+        for li, u in enumerate(n.uids):
+            if canon[u] == c:
+                return n.vbytes[li]
+    return 0
+
+
+class _OneByOne:
+    """A bad fused executable's stand-in: each op its own executable, results unchanged."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.name = program.name
+        self.exe = Executable(program)
+
+    def run(self, st, inputs, rng):
+        self.exe.run(st, inputs, rng)

@@ -1,0 +1,122 @@
+"""Graph IR of recorded ops: a Node per queued ATen op, and the argument templates it carries.
+
+Note [Templates]: a node's arguments are stored as a template, a tree of tuples in which
+  ("T", i, size, stride, offset, dtype)  is a device tensor viewing the node's buffer i,
+  ("S", k, type)                         is a runtime scalar (value k of node.inputs),
+  ("H", k, dtype, shape)                 is a host (CPU) tensor input (value k of node.inputs),
+  ("L", *items)                          is a list, ("dt"|"dev"|"lay"|"mf", name) a torch enum,
+and anything else (int, float, bool, str, None) is a static argument. Static arguments and
+tensor metadata are part of the cache key; runtime scalars contribute only their type, so
+`x * 0.5` and `x * 0.25` share one executable (as in the reference). Buffers are numbered
+locally per node; a group maps them to its own slots, so a node's template (and its
+signature) never depends on which buffers it touched.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_ENUMS = ((torch.dtype, "dt"), (torch.device, "dev"), (torch.layout, "lay"),
+          (torch.memory_format, "mf"))
+
+
+@functools.lru_cache(maxsize=None)
+def scalar_positions(func) -> tuple[frozenset, frozenset]:
+    """(positional indices, kwarg names) of the op's `Scalar` arguments: runtime inputs."""
+    pos, names = set(), set()
+    for i, a in enumerate(func._schema.arguments):
+        if str(a.type).rstrip("?") in ("Scalar", "number"):
+            names.add(a.name)
+            if not a.kwarg_only:
+                pos.add(i)
+    return frozenset(pos), frozenset(names)
+
+
+def encode_static(v: Any) -> Any:
+    """Template form of a non-tensor, non-runtime-scalar argument."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return ("L",) + tuple(encode_static(x) for x in v)
+    for typ, tag in _ENUMS:
+        if isinstance(v, typ):
+            return (tag, str(v).replace("torch.", "") if tag != "dev" else v.type)
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    raise TypeError(f"unsupported static argument {v!r} of type {type(v).__name__}")
+
+
+_DECODE_ENUM = {
+    "dt": lambda s: getattr(torch, s),
+    # Every executable runs on host memory (Note [Simulated asynchrony]): device args -> cpu.
+    "dev": lambda s: torch.device("cpu"),
+    "lay": lambda s: getattr(torch, s),
+    "mf": lambda s: getattr(torch, s),
+}
+
+
+def to_json(t: Any) -> Any:
+    """Templates are tuples; JSON has lists. Tags survive (first element a str)."""
+    if isinstance(t, tuple):
+        return [to_json(x) for x in t]
+    return t
+
+
+def from_json(t: Any) -> Any:
+    if isinstance(t, list):
+        return tuple(from_json(x) for x in t)
+    return t
+
+
+class Node:
+    """One queued ATen op."""
+
+    __slots__ = ("func", "name", "cls", "sig", "args", "kwargs", "outs", "uids", "refs",
+                 "reads", "writes", "inputs", "flops", "vbytes", "in_bytes", "out_bytes",
+                 "source")
+
+    def __init__(self, func, cls, args, kwargs, outs, uids, refs, reads, writes, inputs,
+                 flops, vbytes, source):
+        self.func = func
+        self.name = func._schema.name.split("::")[-1] + (
+            "." + func._overloadname if func._overloadname != "default" else "")
+        self.cls = cls
+        self.args, self.kwargs, self.outs = args, kwargs, outs
+        # Why each signature field is there: the op overload picks the kernel, the templates
+        # carry every static argument and tensor layout, `outs` says which results get new
+        # buffers. Buffer identity across nodes is added by the group (fusion.program).
+        self.sig = (func._schema.name, func._overloadname, args, kwargs, outs)
+        self.uids = uids  # buffer uid per local buffer index
+        self.refs = refs  # handle (or weakref to a pending handle) per local buffer index
+        self.reads = reads  # local buffer indices read
+        self.writes = writes  # local buffer indices written (new outputs and in-place)
+        self.inputs = inputs  # runtime scalar / host tensor values
+        self.flops = flops
+        self.vbytes = vbytes  # bytes of the views touched, per local buffer index
+        self.in_bytes = sum(vbytes[li] for li in reads)
+        self.out_bytes = sum(vbytes[li] for li in writes)
+        self.source = source  # (filename, lineno, stack or None) of the user's call
+
+    def is_new(self, li: int) -> bool:
+        """Is local buffer li created by this op (rather than read or updated in place)?"""
+        return any(o is not None and o[1] == li for o in self.outs)
+
+
+class Handle:
+    """A device buffer as the engine sees it: pending (its value is queued) or in HBM.
+
+    Tensors (and views) hold their handle strongly; queued nodes hold a pending handle only
+    weakly, so a value whose tensors were all freed before the flush is never written back.
+    """
+
+    __slots__ = ("uid", "nbytes", "buffer", "pending", "__weakref__")
+    _next = 0
+
+    def __init__(self, nbytes: int, buffer=None, pending: bool = False):
+        Handle._next += 1
+        self.uid = Handle._next
+        self.nbytes = nbytes
+        self.buffer = buffer  # device.Buffer once the value is in HBM
+        self.pending = pending

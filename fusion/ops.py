@@ -1,0 +1,91 @@
+"""The one table of op classes: which ATen ops the simulated device implements, and how.
+
+Classes: view (free), pointwise, reduction, contraction, indexing (gather/scatter/data
+movement), random, barrier (data-dependent output shapes: they force a sync). An op with no
+class has no device implementation and runs on CPU (see adaptive_eager's fallback).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+aten = torch.ops.aten
+
+VIEW, POINTWISE, REDUCTION, CONTRACTION, INDEXING, RANDOM, BARRIER = (
+    "view", "pointwise", "reduction", "contraction", "indexing", "random", "barrier")
+
+_CONTRACTION = {
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
+    "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
+    "_addmm_activation", "tensordot",
+}
+_REDUCTION = {
+    "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
+    "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "native_batch_norm_backward", "native_group_norm",
+    "native_group_norm_backward", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward",
+    "nll_loss2d_backward", "cumsum", "cumprod", "all", "any", "_foreach_norm", "mse_loss",
+    "mse_loss_backward", "binary_cross_entropy", "binary_cross_entropy_backward",
+    "count_nonzero", "nansum", "logcumsumexp", "cummax", "cummin", "_cdist_forward",
+    "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "soft_margin_loss", "renorm",
+    "_weight_norm_interface", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
+    "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
+    "_foreach_max", "trace", "_euclidean_dist", "dist",
+}
+_INDEXING = {
+    "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
+    "_index_put_impl", "index_add", "index_copy", "index_fill", "embedding",
+    "embedding_dense_backward", "cat", "stack", "constant_pad_nd", "repeat", "flip", "roll",
+    "tril", "triu", "max_pool2d_with_indices", "max_pool2d_with_indices_backward",
+    "avg_pool2d", "avg_pool2d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
+    "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
+    "upsample_nearest2d", "upsample_bilinear2d", "im2col", "col2im", "take", "take_along_dim",
+    "masked_scatter", "diag_embed", "diagonal_backward", "select_backward", "slice_backward",
+    "as_strided_scatter", "select_scatter", "slice_scatter", "diagonal_scatter", "new_zeros",
+    "new_empty", "new_empty_strided", "new_full", "new_ones", "empty_like", "zeros_like",
+    "ones_like", "full_like", "fill", "unfold_backward", "_to_copy", "copy", "copy_",
+    "index_reduce", "searchsorted", "bucketize", "max_pool1d", "max_pool3d_with_indices",
+    "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+    "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
+    "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
+    "arange", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy", "resize_",
+}
+# Ops the schema marks as views but that need to touch data on our device, or are not
+# views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
+_VIEW_EXTRA = {"_unsafe_view"}
+_RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
+
+
+@functools.lru_cache(maxsize=None)
+def op_class(func: torch._ops.OpOverload) -> str | None:
+    """The class of an ATen op on our device, or None when the device lacks it (CPU fallback)."""
+    name = func.overloadpacket.__name__
+    base = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
+    tags = func.tags
+    if func.is_view or name in _VIEW_EXTRA:
+        return VIEW
+    if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+        return BARRIER
+    if torch.Tag.nondeterministic_seeded in tags or base in _RANDOM_EXTRA or any(
+            a.type.kind() == "OptionalType" and "Generator" in str(a.type)
+            for a in func._schema.arguments):
+        return RANDOM
+    if base in _CONTRACTION:
+        return CONTRACTION
+    if torch.Tag.reduction in tags or base in _REDUCTION:
+        return REDUCTION
+    if torch.Tag.pointwise in tags or base.startswith("_foreach_") or base in {
+            "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
+            "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not"}:
+        return POINTWISE
+    if base in _INDEXING:
+        return INDEXING
+    return None
+
+
+def is_random(func) -> bool:
+    return op_class(func) == RANDOM

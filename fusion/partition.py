@@ -1,0 +1,182 @@
+"""The dependency graph of a queued segment, and its partition into fusable groups.
+
+Note [Partitioning]: the partitioner is shared; strategies only answer "must a boundary fall
+between the open group and this node, and why?". Groups are contiguous runs of the queue
+order, a topological order of the graph, so every group is convex (a path leaving a group
+and coming back would need a node between two of its members in that order, and all such
+nodes are members), and random ops keep their eager order. Legality (`legal`) and
+profitability (`pays`) are separate questions; every "no" returns a reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+
+from device import DeviceSpec
+
+from .ir import Node
+from .ops import CONTRACTION
+
+
+def dependency_graph(nodes: list[Node]) -> nx.DiGraph:
+    """Edges for read-after-write, write-after-read and write-after-write on buffers."""
+    g = nx.DiGraph()
+    writer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for i, n in enumerate(nodes):
+        g.add_node(i, name=n.name, cls=n.cls)
+        reads = {n.uids[li] for li in n.reads}
+        writes = {n.uids[li] for li in n.writes}
+        for u in reads:
+            if u in writer:
+                g.add_edge(writer[u], i, kind="RAW")
+        for u in writes:
+            if u in writer:
+                g.add_edge(writer[u], i, kind="WAW")
+            for r in readers.get(u, ()):
+                if r != i:
+                    g.add_edge(r, i, kind="WAR")
+        for u in reads:
+            readers.setdefault(u, []).append(i)
+        for u in writes:
+            writer[u] = i
+            readers[u] = []
+    return g
+
+
+@dataclasses.dataclass
+class GroupState:
+    """What a strategy may ask of the open group."""
+
+    size: int = 0
+    contractions: int = 0
+    inplace: bool = False
+    nbytes: int = 0
+    flops: float = 0.0
+
+    def add(self, n: Node) -> None:
+        self.size += 1
+        self.contractions += n.cls == CONTRACTION
+        self.inplace = self.inplace or is_inplace(n)
+        self.nbytes += n.in_bytes + n.out_bytes
+        self.flops += n.flops
+
+
+def is_inplace(n: Node) -> bool:
+    """Writes a buffer it did not create (in-place op or out= argument)."""
+    return any(not n.is_new(li) for li in n.writes)
+
+
+class Strategy:
+    """Where boundaries fall. `cut` returns the reason for a boundary before `n`, or None."""
+
+    name = "base"
+
+    def __init__(self, spec: DeviceSpec | None = None, max_group_ops: int = 128):
+        self.spec = spec or DeviceSpec()
+        self.max_group_ops = max_group_ops
+
+    def cut(self, g: GroupState, n: Node, dependent: bool) -> str | None:
+        raise NotImplementedError
+
+
+class GraphStrategy(Strategy):
+    """Our default (DESIGN.md fusion rules): pointwise chains, pointwise into and out of
+    reductions, contraction epilogues, horizontal concatenation when the cost model pays."""
+
+    name = "graph"
+
+    def cut(self, g, n, dependent):
+        return self.legal(g, n) or (None if dependent else self.pays(g, n))
+
+    def legal(self, g, n) -> str | None:
+        if g.size >= self.max_group_ops:
+            return f"size limit ({self.max_group_ops} ops)"
+        if n.cls == CONTRACTION and g.contractions:
+            return "second contraction"
+        return None
+
+    def pays(self, g, n) -> str | None:
+        """Horizontal fusion of an independent op: one launch must cost less than two.
+        A heuristic, not needed for correctness."""
+        s = self.spec
+        apart = s.launch_us(g.nbytes, g.flops) + s.launch_us(n.in_bytes + n.out_bytes, n.flops)
+        joined = s.launch_us(g.nbytes + n.in_bytes + n.out_bytes, g.flops + n.flops)
+        return None if joined < apart else "horizontal fusion does not pay"
+
+
+class MatmulStrategy(Strategy):
+    """The reference's policy: a group is everything since the last boundary up to and
+    including the next matmul-class op; in-place ops are boundaries and run unfused."""
+
+    name = "matmul"
+
+    def cut(self, g, n, dependent):
+        if g.contractions:
+            return "after matmul"
+        if g.inplace or is_inplace(n):
+            return "in-place op"
+        return None
+
+
+class NoneStrategy(Strategy):
+    """Every op its own launch (eager's grouping, with adaptive's laziness)."""
+
+    name = "none"
+
+    def cut(self, g, n, dependent):
+        return "strategy none"
+
+
+STRATEGIES = {s.name: s for s in (GraphStrategy, MatmulStrategy, NoneStrategy)}
+
+
+def partition(nodes: list[Node], graph: nx.DiGraph, strategy: Strategy
+              ) -> tuple[list[list[int]], list[str]]:
+    """Groups (node indices) and, for each group after the first, why it was cut."""
+    groups: list[list[int]] = []
+    reasons: list[str] = []
+    cur: list[int] = []
+    members: set[int] = set()
+    state = GroupState()
+    for i, n in enumerate(nodes):
+        if cur:
+            dependent = any(p in members for p in graph.predecessors(i))
+            why = strategy.cut(state, n, dependent)
+            if why is not None:
+                groups.append(cur)
+                reasons.append(why)
+                cur, members, state = [], set(), GroupState()
+        cur.append(i)
+        members.add(i)
+        state.add(n)
+    if cur:
+        groups.append(cur)
+    return groups, reasons
+
+
+class OnlineGroup:
+    """The open group at the queue's tail, kept as ops are recorded, so the adaptive policy
+    can flush at a natural cut without partitioning. Its dependence test is the graph's
+    edge relation (RAW, WAR, WAW) restricted to the group."""
+
+    def __init__(self):
+        self.state = GroupState()
+        self.reads: set[int] = set()
+        self.writes: set[int] = set()
+
+    def cut(self, strategy: Strategy, n: Node) -> str | None:
+        if not self.state.size:
+            return None
+        r = {n.uids[li] for li in n.reads}
+        w = {n.uids[li] for li in n.writes}
+        dependent = bool(r & self.writes or w & self.reads or w & self.writes)
+        return strategy.cut(self.state, n, dependent)
+
+    def add(self, n: Node, reason: str | None) -> None:
+        if reason is not None:
+            self.__init__()
+        self.state.add(n)
+        self.reads.update(n.uids[li] for li in n.reads)
+        self.writes.update(n.uids[li] for li in n.writes)

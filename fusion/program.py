@@ -1,0 +1,186 @@
+"""Fused-executable codegen: a group of nodes becomes a Program (plain data, the cache entry)
+and an Executable (the Program's ops resolved against an allow-list, ready to run).
+
+The default executor runs the group's ops in order on host memory, so fused results are
+bit-for-bit those of eager mode; fusion changes what the device *costs*, not what it computes.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .ir import Node, from_json, to_json, _DECODE_ENUM
+from .ops import BARRIER, RANDOM, op_class
+
+FORMAT_VERSION = 1
+
+
+class Program:
+    """A group's canonical form: what the cache stores and the key is made of."""
+
+    __slots__ = ("name", "n_inputs", "n_slots", "instrs", "outputs", "key")
+
+    def __init__(self, name, n_inputs, n_slots, instrs, outputs):
+        self.name = name
+        self.n_inputs = n_inputs  # slots [0, n_inputs) are buffers from outside the group
+        self.n_slots = n_slots
+        self.instrs = instrs  # (schema name, overload, args, kwargs, outs, slot map)
+        self.outputs = outputs  # created slots written back to HBM
+        self.key = (instrs, n_inputs, outputs)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "n_inputs": self.n_inputs, "n_slots": self.n_slots,
+                "instrs": to_json(self.instrs), "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Program":
+        return cls(d["name"], d["n_inputs"], d["n_slots"], from_json(d["instrs"]),
+                   tuple(d["outputs"]))
+
+
+def build_program(nodes: list[Node], keep: set[int]) -> tuple[Program, list[int]]:
+    """The program of a group, and the buffer uid held by each of its slots.
+
+    `keep`: uids whose values must leave the group (live tensors or later readers)."""
+    created, ext, order = set(), [], []
+    for n in nodes:
+        for li, u in enumerate(n.uids):
+            if u not in created and u not in ext and not n.is_new(li):
+                ext.append(u)
+        for li in n.writes:
+            if n.is_new(li):
+                created.add(n.uids[li])
+                order.append(n.uids[li])
+    slot_uids = ext + order
+    slot = {u: s for s, u in enumerate(slot_uids)}
+    instrs = tuple(n.sig + (tuple(slot[u] for u in n.uids),) for n in nodes)
+    outputs = tuple(slot[u] for u in order if u in keep)
+    name = "|".join(n.name for n in nodes)
+    return Program(name, len(ext), len(slot_uids), instrs, outputs), slot_uids
+
+
+class BadProgram(ValueError):
+    """A program names an op outside the allow-list (or is malformed)."""
+
+
+def _resolve(schema_name: str, overload: str):
+    ns, _, packet = schema_name.partition("::")
+    if ns != "aten":
+        raise BadProgram(f"op {schema_name} is not an aten op")
+    try:
+        op = getattr(getattr(torch.ops.aten, packet), overload)
+    except AttributeError:
+        raise BadProgram(f"unknown op {schema_name}.{overload}") from None
+    if op_class(op) in (None, BARRIER):
+        raise BadProgram(f"op {schema_name} is not implemented by the device")
+    return op
+
+
+def _bind(t, smap):
+    """Resolve a template against slot numbers: tensors get their slot, enums their object."""
+    if type(t) is tuple and t and type(t[0]) is str:
+        tag = t[0]
+        if tag == "T":
+            return ("T", smap[t[1]], t[2], t[3], t[4], getattr(torch, t[5]))
+        if tag == "L":
+            return ("L",) + tuple(_bind(x, smap) for x in t[1:])
+        if tag in ("S", "H"):
+            return t
+        if tag in _DECODE_ENUM:
+            return ("C", _DECODE_ENUM[tag](t[1]))
+        raise BadProgram(f"unknown template tag {tag!r}")
+    if t is None or type(t) in (bool, int, float, str):
+        return t
+    raise BadProgram(f"malformed template {t!r}")
+
+
+def _value(t, st, inputs):
+    if type(t) is tuple:
+        tag = t[0]
+        if tag == "T":
+            return torch.empty(0, dtype=t[5]).set_(st[t[1]], t[4], t[2], t[3])
+        if tag == "L":
+            return [_value(x, st, inputs) for x in t[1:]]
+        if tag == "C":
+            return t[1]
+        return inputs[t[1]]  # "S" / "H"
+    return t
+
+
+class Instr:
+    __slots__ = ("op", "args", "kwargs", "outs", "random", "f64", "mutated")
+
+    def __init__(self, schema_name, overload, args, kwargs, outs, smap):
+        self.op = _resolve(schema_name, overload)
+        self.args = tuple(_bind(a, smap) for a in args)
+        self.kwargs = {k: _bind(v, smap) for k, v in kwargs}
+        self.outs = tuple(None if o is None else
+                          (smap[o[1]], o[2], o[3], getattr(torch, o[4])) for o in outs)
+        self.random = op_class(self.op) == RANDOM
+        # Note [float64 policy]: the device computes float64 as float32, like the reference.
+        self.f64 = "'float64'" in repr((args, kwargs))
+        self.mutated = [i for i, a in enumerate(self.op._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write]
+
+
+class Executable:
+    """A Program whose ops were resolved: callable on slot storages."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.name = program.name
+        self.instrs = [Instr(*i[:5], i[5]) for i in program.instrs]
+
+    def run(self, st: list, inputs: list[list], rng) -> None:
+        """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i."""
+        for k, ins in enumerate(self.instrs):
+            try:
+                _run_instr(ins, st, inputs[k], rng)
+            except Exception as e:
+                e.instr_index = k  # the engine maps it back to the op and its source line
+                raise
+
+
+def _run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
+    args = [_value(a, st, inputs) for a in ins.args]
+    kwargs = {k: _value(v, st, inputs) for k, v in ins.kwargs.items()}
+    if ins.f64:
+        args, kwargs, writeback = _as_f32(ins, args, kwargs)
+    if ins.random:
+        out = rng.run(ins.op, args, kwargs)
+    else:
+        out = ins.op(*args, **kwargs)
+    if ins.f64:
+        for orig, low in writeback:
+            orig.copy_(low)
+    if not any(ins.outs):
+        return
+    for o, r in zip(ins.outs, tree_leaves(out)):
+        if o is None:
+            continue
+        s, size, stride, dtype = o
+        if (r.dtype != dtype or r.storage_offset() != 0 or tuple(r.stride()) != stride
+                or tuple(r.shape) != size):
+            e = torch.empty_strided(size, stride, dtype=dtype)
+            e.copy_(r)
+            r = e
+        st[s] = r.untyped_storage()
+
+
+def _as_f32(ins, args, kwargs):
+    writeback = []
+
+    def low(a, mutated):
+        if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
+            b = a.to(torch.float32)
+            if mutated:
+                writeback.append((a, b))
+            return b
+        if isinstance(a, list):
+            return [low(x, mutated) for x in a]
+        return a
+
+    args = [low(a, i in ins.mutated) for i, a in enumerate(args)]
+    names = [a.name for a in ins.op._schema.arguments]
+    kwargs = {k: low(v, names.index(k) in ins.mutated) for k, v in kwargs.items()}
+    return args, kwargs, writeback
