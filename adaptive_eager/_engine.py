@@ -199,67 +199,21 @@ class Engine:
 
     def _template(self, func, args, kwargs):
         """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...)."""
-        from ._tensor import NeuronTensor
-        handles: list[Handle] = []
-        where: dict[int, int] = {}
-        inputs: list = []
-        vbytes: list[int] = []
+        e = _Encoder(func)
         spos, snames = scalar_positions(func)
-
-        def enc(v, scalar):
-            if isinstance(v, NeuronTensor):
-                h = v._handle
-                li = where.get(h.uid)
-                if li is None:
-                    li = where[h.uid] = len(handles)
-                    handles.append(h)
-                    vbytes.append(0)
-                size, stride, off = tuple(v.shape), v.stride(), v.storage_offset()
-                vbytes[li] = min(h.nbytes, max(vbytes[li], v.numel() * v.element_size()))
-                return ("T", li, size, stride, off, str(v.dtype)[6:])
-            if isinstance(v, torch.Tensor):
-                if v.device.type != "cpu" or (v.dim() != 0 and func is not aten.copy_.default):
-                    raise RuntimeError(
-                        f"Expected all tensors to be on the same device, but found at least "
-                        f"two devices, {DEVICE} and {v.device}! (in {func._schema.name}; "
-                        f"move the tensor with .to('neuron'))")
-                inputs.append(v.detach().clone())
-                return ("H", len(inputs) - 1, str(v.dtype)[6:], tuple(v.shape))
-            if scalar and isinstance(v, (int, float, bool, complex)):
-                inputs.append(v)
-                return ("S", len(inputs) - 1, type(v).__name__)
-            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
-                return ("L",) + tuple(enc(x, scalar) for x in v)
-            return encode_static(v)
-
-        args_t = tuple(enc(a, i in spos) for i, a in enumerate(args))
-        kwargs_t = tuple((k, enc(v, k in snames)) for k, v in kwargs.items())
-        return args_t, kwargs_t, handles, inputs, vbytes
+        args_t = tuple(e.enc(a, i in spos) for i, a in enumerate(args))
+        kwargs_t = tuple((k, e.enc(v, k in snames)) for k, v in kwargs.items())
+        return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
 
     def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
         (shapes, dtypes) propagate with PyTorch's own message."""
-        from ._tensor import NeuronTensor
         metas = [torch.empty(0, dtype=torch.uint8, device="meta").set_(
             torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,))
             for h in handles]
 
-        def to_meta(t):
-            if type(t) is tuple and t and t[0] == "T":
-                _, li, size, stride, off, dt = t
-                return torch.empty(0, dtype=getattr(torch, dt), device="meta").set_(
-                    metas[li].untyped_storage(), off, size, stride)
-            if type(t) is tuple and t and t[0] == "L":
-                return [to_meta(x) for x in t[1:]]
-            return None
-
-        def margs(vals, tpls):
-            return [to_meta(t) if isinstance(v, NeuronTensor) or (
-                isinstance(v, (list, tuple)) and v and isinstance(v[0], NeuronTensor))
-                    else v for v, t in zip(vals, tpls)]
-
-        m_args = margs(args, args_t)
-        m_kwargs = dict(zip(kwargs, margs(kwargs.values(), [t for _, t in kwargs_t])))
+        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
+        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
         try:
             out = func(*m_args, **m_kwargs)
         except NotImplementedError as e:
@@ -445,7 +399,6 @@ class Engine:
     def run_now(self, func, args, kwargs, fallback: bool):
         """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or
         data-dependent output shapes (a device launch the host waits for)."""
-        from ._tensor import NeuronTensor
         name = func._schema.name
         cfg = _config.config
         if fallback:
@@ -461,24 +414,9 @@ class Engine:
             self.metrics.cpu_fallbacks[name] += 1
         self.sync(("fallback:" if fallback else "data-dependent:") + name)
         views = {}
-
-        def to_cpu(v):
-            if isinstance(v, NeuronTensor):
-                h = v._handle
-                views[id(v)] = v
-                if v.numel() == 0 or h.buffer is None:
-                    return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-                return torch.empty(0, dtype=v.dtype).set_(
-                    h.buffer.storage, v.storage_offset(), v.shape, v.stride())
-            if isinstance(v, (list, tuple)):
-                return type(v)(to_cpu(x) for x in v)
-            if isinstance(v, torch.device) and v.type == DEVICE.type:
-                return torch.device("cpu")
-            return v
-
         with torch._C._DisableTorchDispatch():
-            c_args = [to_cpu(a) for a in args]
-            c_kwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+            c_args = [_to_host(a, views) for a in args]
+            c_kwargs = {k: _to_host(v, views) for k, v in kwargs.items()}
             nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
             result = {}
 
@@ -532,10 +470,78 @@ class Engine:
         return tree_unflatten(new_leaves, spec)
 
 
+class _Encoder:
+    """Builds a node's templates; a class, not a closure, so no reference cycle keeps the
+    handles it collected (and so the values they name) alive past the call."""
+
+    def __init__(self, func):
+        self.func = func
+        self.handles: list[Handle] = []
+        self.where: dict[int, int] = {}
+        self.inputs: list = []
+        self.vbytes: list[int] = []
+
+    def enc(self, v, scalar):
+        from ._tensor import NeuronTensor
+        if isinstance(v, NeuronTensor):
+            h = v._handle
+            li = self.where.get(h.uid)
+            if li is None:
+                li = self.where[h.uid] = len(self.handles)
+                self.handles.append(h)
+                self.vbytes.append(0)
+            self.vbytes[li] = min(h.nbytes, max(self.vbytes[li], v.numel() * v.element_size()))
+            return ("T", li, tuple(v.shape), v.stride(), v.storage_offset(), str(v.dtype)[6:])
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least "
+                    f"two devices, {DEVICE} and {v.device}! (in {self.func._schema.name}; "
+                    f"move the tensor with .to('neuron'))")
+            self.inputs.append(v.detach().clone())
+            return ("H", len(self.inputs) - 1, str(v.dtype)[6:], tuple(v.shape))
+        if scalar and isinstance(v, (int, float, bool, complex)):
+            self.inputs.append(v)
+            return ("S", len(self.inputs) - 1, type(v).__name__)
+        if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+            return ("L",) + tuple(self.enc(x, scalar) for x in v)
+        return encode_static(v)
+
+
 class _FakeNode:
     def __init__(self, func):
         self.func = func
         self.source = _source()
+
+
+def _to_meta(v, t, metas):
+    """The meta twin of argument v (template t): same sizes, strides, offsets, aliasing."""
+    if type(t) is tuple and t and t[0] == "T":
+        _, li, size, stride, off, dt = t
+        return torch.empty(0, dtype=getattr(torch, dt), device="meta").set_(
+            metas[li].untyped_storage(), off, size, stride)
+    if type(t) is tuple and t and t[0] == "L":
+        return [_to_meta(x, tt, metas) for x, tt in zip(v, t[1:])]
+    if type(t) is tuple and t and t[0] == "H":
+        return v
+    return v
+
+
+def _to_host(v, views: dict):
+    """Argument v with neuron tensors replaced by host views of their device buffers."""
+    from ._tensor import NeuronTensor
+    if isinstance(v, NeuronTensor):
+        h = v._handle
+        views[id(v)] = v
+        if v.numel() == 0 or h.buffer is None:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+        return torch.empty(0, dtype=v.dtype).set_(
+            h.buffer.storage, v.storage_offset(), v.shape, v.stride())
+    if isinstance(v, (list, tuple)):
+        return type(v)(_to_host(x, views) for x in v)
+    if isinstance(v, torch.device) and v.type == DEVICE.type:
+        return torch.device("cpu")
+    return v
 
 
 def _source():
