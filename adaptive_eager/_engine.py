@@ -63,10 +63,10 @@ class MetaResult:
     __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops")
 
     def __init__(self, leaves, spec, outs, new_bytes, writes, flops):
-        self.leaves = leaves  # per output leaf: ("new", k) | ("view", li, size, stride, off,
+        self.leaves = leaves  # per leaf: ("new", k, leaf) | ("view", li, size, stride, off,
         #                       dtype) | ("arg", schema index, list index) | ("value", v)
         self.spec = spec
-        self.outs = outs  # node out templates: ("N", li, size, stride, dtype) per new leaf
+        self.outs = outs  # per leaf: ("N", li, size, stride, dtype) if new, else None
         self.new_bytes = new_bytes  # bytes of each new output, in order
         self.writes = writes  # local buffer indices updated in place
         self.flops = flops
@@ -162,7 +162,7 @@ class Engine:
             self._warned.add("f64")
             warnings.warn("float64 is not supported on Neuron: it is computed as float32 "
                           "(results may differ from CPU). Use float32 to silence this.",
-                          stacklevel=4)
+                          stacklevel=_user_stacklevel())
 
     # -- dispatch --------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
@@ -230,7 +230,7 @@ class Engine:
         ret_alias = []
         for r in rets:
             ai = r.alias_info
-            if ai is None:
+            if ai is None or not ai.before_set:  # lists keep it on the element type
                 ret_alias.append(None)
                 continue
             j = next(j for j, a in enumerate(schema_args)
@@ -248,17 +248,20 @@ class Engine:
             alias = leaf_alias[i][0] if i < len(leaf_alias) else None
             if not isinstance(leaf, torch.Tensor):
                 out_leaves.append(("value", leaf))
+                outs.append(None)
                 continue
             size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
             dt = str(leaf.dtype)[6:]
             li = storage_li.get(leaf.untyped_storage()._cdata)
             if alias is not None and alias[1]:  # in-place or out=: hand back the argument
                 out_leaves.append(("arg", alias[0], leaf_alias[i][1]))
+                outs.append(None)
             elif (alias is not None or cls == VIEW) and li is not None:
                 out_leaves.append(("view", li, size, stride, off, dt))
+                outs.append(None)
             else:
                 k = len(new_bytes)
-                out_leaves.append(("new", k))
+                out_leaves.append(("new", k, i))
                 outs.append(("N", nh + k, size, stride, dt))
                 new_bytes.append(_extent_bytes(size, stride, off, leaf.element_size()))
         writes = []
@@ -271,7 +274,7 @@ class Engine:
                     if type(x) is tuple and x[0] == "T" and x[1] not in writes:
                         writes.append(x[1])
         flops = _flops(func, m_args, m_kwargs, out)
-        return MetaResult(tuple(out_leaves), spec, tuple(outs) if outs else None,
+        return MetaResult(tuple(out_leaves), spec, tuple(outs) if new_bytes else None,
                           tuple(new_bytes), tuple(writes), flops)
 
     def _record(self, func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta):
@@ -279,13 +282,12 @@ class Engine:
         self._make_room(new_bytes)
         new = [Handle(b, pending=True) for b in meta.new_bytes]
         for o in meta.outs or ():
-            self._check_dtype(getattr(torch, o[4]))
-        refs = [weakref.ref(h) if h.pending else h for h in handles]
-        refs += [weakref.ref(h) for h in new]
+            if o is not None:
+                self._check_dtype(getattr(torch, o[4]))
         uids = tuple(h.uid for h in handles) + tuple(h.uid for h in new)
         reads = tuple(range(len(handles)))
         writes = meta.writes + tuple(range(len(handles), len(handles) + len(new)))
-        node = Node(func, cls, args_t, kwargs_t, meta.outs or (), uids, refs, reads, writes,
+        node = Node(func, cls, args_t, kwargs_t, meta.outs or (), uids, None, reads, writes,
                     inputs, meta.flops, tuple(vbytes) + meta.new_bytes, _source())
         lazy = self.is_lazy()
         if lazy and self.queue:
@@ -296,6 +298,10 @@ class Engine:
             self.online.add(node, cut)
         else:
             self.online.add(node, "start")
+        # Only now (a flush above may have written pending inputs back): hold values in HBM
+        # strongly, pending ones weakly (Handle's docstring).
+        node.refs = [weakref.ref(h) if h.pending else h for h in handles]
+        node.refs += [weakref.ref(h) for h in new]
         self.queue.append(node)
         self.pending_bytes += new_bytes
         if not lazy:
@@ -311,7 +317,7 @@ class Engine:
         for leaf in meta.leaves:
             kind = leaf[0]
             if kind == "new":
-                o = meta.outs[leaf[1]]
+                o = meta.outs[leaf[2]]
                 out.append(self.wrap(new[leaf[1]], o[2], o[3], 0, getattr(torch, o[4])))
             elif kind == "view":
                 _, li, size, stride, off, dt = leaf
@@ -410,7 +416,8 @@ class Engine:
                     f"NEURON_FALLBACK_ENABLED)")
             if name not in self._warned:
                 self._warned.add(name)
-                warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning, stacklevel=4)
+                warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning,
+                              stacklevel=_user_stacklevel())
             self.metrics.cpu_fallbacks[name] += 1
         self.sync(("fallback:" if fallback else "data-dependent:") + name)
         views = {}
@@ -542,6 +549,14 @@ def _to_host(v, views: dict):
     if isinstance(v, torch.device) and v.type == DEVICE.type:
         return torch.device("cpu")
     return v
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the user's line, not at our frames."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
+        f, level = f.f_back, level + 1
+    return level
 
 
 def _source():

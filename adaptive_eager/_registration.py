@@ -29,6 +29,7 @@ def register() -> None:
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("empty.memory_format", _empty, "PrivateUse1")
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _done = True
@@ -45,6 +46,13 @@ def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     return _engine.ENGINE.empty(tuple(int(s) for s in size), tuple(int(s) for s in stride),
                                 dtype)
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
+    device="neuron")` builds on the host, then copies)."""
+    from ._engine import _copy_
+    return _copy_(_engine.ENGINE, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
 # Factories whose default kernels write through a resizing `out=`: computed on the host and

@@ -23,7 +23,7 @@ _CONTRACTION = {
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
-    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "_softmax", "_log_softmax", "_safe_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
     "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "native_group_norm",

@@ -1,0 +1,36 @@
+"""Models train the same on CPU, neuron eager and neuron adaptive (both strategies)."""
+import pytest
+import torch
+
+import adaptive_eager as ae
+from models import train
+
+KINDS = ["mlp", "cnn", "encoder", "gpt"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_losses_match_cpu_and_eager(kind, foreach):
+    cpu, _ = train(kind, "cpu", foreach=foreach)
+    eager, m_eager = train(kind, "neuron", foreach=foreach)
+    torch.testing.assert_close(eager, cpu, rtol=1e-4, atol=1e-5)
+    for strategy in ("graph", "matmul"):
+        with ae.adaptive(strategy=strategy):
+            lazy, m_lazy = train(kind, "neuron", foreach=foreach)
+        assert lazy == eager, f"adaptive {strategy} differs from eager"  # bit for bit
+        for p, q in zip(m_eager.parameters(), m_lazy.parameters()):
+            assert torch.equal(p.cpu(), q.cpu())
+
+
+@pytest.mark.parametrize("kind", ["encoder", "gpt"])
+def test_dropout_same_seed_is_bit_exact(kind):
+    eager, _ = train(kind, "neuron", dropout=0.1)
+    with ae.adaptive():
+        lazy, _ = train(kind, "neuron", dropout=0.1)
+    assert lazy == eager
+
+
+def test_dropout_matches_cpu_under_same_seed():
+    cpu, _ = train("gpt", "cpu", dropout=0.1)
+    neuron, _ = train("gpt", "neuron", dropout=0.1)
+    torch.testing.assert_close(neuron, cpu, rtol=1e-4, atol=1e-5)

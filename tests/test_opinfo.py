@@ -1,0 +1,502 @@
+"""OpInfo differential test: CPU vs neuron eager vs neuron adaptive (graph strategy).
+
+For every OpInfo of PyTorch's `op_db` (float32, forward, function variant only) we take the
+first `SAMPLES_PER_OP` sample inputs, run the op on CPU and on the `neuron` device, move the
+outputs back with `.cpu()` and compare:
+
+* eager    : neuron eager vs CPU (assert_close, float32 tolerances, equal_nan);
+* adaptive : neuron adaptive eager (`ae.adaptive()`, strategy "graph") vs CPU, and, when
+             eager passes, adaptive vs eager bit for bit (DESIGN.md: "adaptive eager gives
+             the same values as eager mode, bit for bit with the default executor").
+
+Random ops are seeded with `torch.manual_seed(0)` right before every call on both sides (it
+seeds the neuron generator too), so they must produce the same values as CPU.
+
+Expected failures live in `tests/opinfo_xfail.txt`, one line per entry:
+
+    <mode>:<op id>   # reason        (mode is "eager" or "adaptive")
+    <op id>          # reason        (fails in both modes)
+
+`<op id>` is the OpInfo name, plus ".<variant_test_name>" when it has one. The list is
+strict both ways: a listed op that passes fails its test ("unexpected success: remove it
+from opinfo_xfail.txt"), an unlisted op that fails fails its test.
+
+After every op the test checks that the engine is still usable (a tiny eager and adaptive
+computation); a failure there is a *cascading failure* (an earlier op broke the engine) and is
+reported as such, never covered by the xfail list.
+
+Run: `python -m pytest tests/test_opinfo.py -q`. The last test prints the summary
+"OpInfo: N ops tested, P pass in eager, Q pass in adaptive (x%)". Regenerate a draft xfail
+list with `python tests/test_opinfo.py --write-xfail` (review the reasons before checking in).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import adaptive_eager as ae
+
+pytest.importorskip("expecttest")  # op_db needs it
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+
+XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.txt")
+DEVICE = "neuron"
+DTYPE = torch.float32
+SAMPLES_PER_OP = 2          # the first N samples of each op (runtime budget)
+MAX_SAMPLE_NUMEL = 1 << 18  # skip samples with a bigger tensor (keeps the simulator fast)
+OP_TIMEOUT_S = 30           # per-op guard (SIGALRM) against hangs
+RTOL, ATOL = 1e-4, 1e-5     # float32: the executor runs CPU kernels, but allow reassociation
+MODES = ("eager", "adaptive")
+
+# ------------------------------------------------------------------------------------------
+# Skip rules (generic; a skipped op is not counted). Each returns a reason or None.
+# ------------------------------------------------------------------------------------------
+#  1. float32 unsupported on CPU (complex-only, integer/bool-only ops): nothing to test.
+#  2. sparse / nested / quantized / CUDA-only OpInfos, by name: these exercise other
+#     layouts or other backends, not the strided neuron device.
+#  3. sample inputs cannot be constructed on CPU, or there are none.
+#  4. every sample uses a non-strided layout or nested tensors (inputs or CPU outputs).
+#  5. the CPU reference itself raises on every sample (e.g. needs CUDA / a missing library).
+#  6. every sample exceeds MAX_SAMPLE_NUMEL elements.
+_SKIP_NAME = re.compile(r"(^|[._])(sparse|to_sparse|nested|quantize|quantized|cuda|_cudnn|"
+                        r"jiterator|_refs)([._]|$)")
+
+
+def op_id(op) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def is_random(op) -> bool:
+    if getattr(op, "nondeterministic_seeded", False):
+        return True
+    return bool(re.search(r"rand|dropout|bernoulli|normal|multinomial|uniform|poisson|"
+                          r"exponential|geometric|cauchy|log_normal|rrelu|randperm|"
+                          r"feature_alpha", op.name))
+
+
+# Ops whose result is undefined memory on CPU too (empty*, resize_, ...) are detected
+# generically: the CPU reference is run twice and, if it is not reproducible, only
+# metadata (shape, dtype) is compared.
+
+
+# ------------------------------------------------------------------------------------------
+# Moving arguments / results
+# ------------------------------------------------------------------------------------------
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _clone(x):
+    return tree_map(lambda t: t.clone() if _is_tensor(t) else t, x)
+
+
+def _to_neuron(x):
+    def f(v):
+        if _is_tensor(v):
+            return v.to(DEVICE)
+        if isinstance(v, torch.device) and v.type == "cpu":
+            return torch.device(DEVICE)
+        return v
+    return tree_map(f, x)
+
+
+def _kwargs_to_neuron(kwargs: dict) -> dict:
+    out = _to_neuron(kwargs)
+    if out.get("device") in ("cpu", torch.device("cpu")):
+        out["device"] = DEVICE
+    return out
+
+
+def _to_cpu(x):
+    """Move tensors back; non-tensors pass through. Also records devices of outputs."""
+    return tree_map(lambda v: v.cpu() if _is_tensor(v) else v, x)
+
+
+def _devices(x) -> list:
+    leaves, _ = tree_flatten(x)
+    return [v.device.type for v in leaves if _is_tensor(v)]
+
+
+def _numel_ok(sample) -> bool:
+    leaves, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+    return all(v.numel() <= MAX_SAMPLE_NUMEL for v in leaves if _is_tensor(v))
+
+
+def _strided(x) -> bool:
+    leaves, _ = tree_flatten(x)
+    return all(v.layout == torch.strided and not v.is_nested and not v.is_quantized
+               for v in leaves if _is_tensor(v))
+
+
+# ------------------------------------------------------------------------------------------
+# Comparison
+# ------------------------------------------------------------------------------------------
+class Mismatch(AssertionError):
+    pass
+
+
+def compare(actual, expected, *, exact: bool = False, meta_only: bool = False) -> None:
+    a_leaves, a_spec = tree_flatten(actual)
+    e_leaves, e_spec = tree_flatten(expected)
+    if len(a_leaves) != len(e_leaves):
+        raise Mismatch(f"output structure differs: {a_spec} vs {e_spec}")
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        where = f"output {i}"
+        if _is_tensor(e):
+            if not _is_tensor(a):
+                raise Mismatch(f"{where}: expected a tensor, got {type(a).__name__}")
+            if a.shape != e.shape:
+                raise Mismatch(f"{where}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+            # DESIGN.md: float64 runs as float32 on neuron (the reference's policy).
+            if a.dtype != e.dtype and not (e.dtype == torch.float64 and a.dtype == torch.float32):
+                raise Mismatch(f"{where}: dtype {a.dtype} != {e.dtype}")
+            if meta_only:
+                continue
+            if a.dtype != e.dtype:
+                e = e.to(a.dtype)
+            try:
+                if exact:
+                    torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
+                else:
+                    torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+            except AssertionError as exc:
+                msg = str(exc).strip().splitlines()
+                raise Mismatch(f"{where}: values differ: " + " ".join(msg[:4])) from None
+        elif isinstance(e, float) and isinstance(a, float):
+            if not (math.isclose(a, e, rel_tol=RTOL, abs_tol=ATOL)
+                    or (math.isnan(a) and math.isnan(e))):
+                raise Mismatch(f"{where}: {a!r} != {e!r}")
+        elif isinstance(e, (torch.dtype, torch.device)):
+            continue  # e.g. .dtype of a result: device differs by construction
+        else:
+            try:
+                same = a == e
+                same = bool(same)
+            except Exception:
+                same = True  # not comparable: skip
+            if not same:
+                raise Mismatch(f"{where}: {a!r} != {e!r}")
+
+
+# ------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    if seconds <= 0 or not hasattr(signal, "SIGALRM") or \
+            __import__("threading").current_thread() is not __import__("threading").main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Timeout(f"timed out after {seconds}s")
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _call(op, sample, random: bool):
+    inp, args, kwargs = sample
+    if random:
+        torch.manual_seed(0)
+    return op(inp, *args, **kwargs)
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    text = text.splitlines()[0] if text else type(exc).__name__
+    return text[:300]
+
+
+@dataclass
+class OpResult:
+    op_id: str
+    skipped: str | None = None               # reason if skipped (not counted)
+    errors: dict = field(default_factory=dict)  # mode -> first failure message
+    samples: int = 0
+    seconds: float = 0.0
+
+    def passed(self, mode: str) -> bool:
+        return self.skipped is None and mode not in self.errors
+
+
+def _run_neuron(op, sample, random: bool, mode: str):
+    inp, args, kwargs = sample
+    s = (_to_neuron(inp), _to_neuron(args), _kwargs_to_neuron(kwargs))
+    if mode == "adaptive":
+        with ae.adaptive():
+            out = _call(op, s, random)
+            devs = _devices(out)
+            res = _to_cpu(out)
+    else:
+        out = _call(op, s, random)
+        devs = _devices(out)
+        res = _to_cpu(out)
+    return res, devs
+
+
+def _samples(op):
+    """Materialize up to SAMPLES_PER_OP usable samples, or return a skip reason (str)."""
+    if DTYPE not in op.supported_dtypes("cpu"):
+        return "float32 not supported on CPU (complex-/integer-only op)"
+    if _SKIP_NAME.search(op.name):
+        return "sparse/nested/quantized/CUDA-specific OpInfo"
+    torch.manual_seed(0)
+    try:
+        it = iter(op.sample_inputs("cpu", DTYPE, requires_grad=False))
+        out, seen, reasons = [], 0, set()
+        for s in it:
+            seen += 1
+            if not _strided((s.input, s.args, s.kwargs)):
+                reasons.add("non-strided layout")
+            elif not _numel_ok(s):
+                reasons.add("sample too big")
+            else:
+                out.append(s)
+            if len(out) >= SAMPLES_PER_OP or seen >= 20:
+                break
+    except Exception as exc:  # noqa: BLE001
+        return f"sample inputs cannot be constructed: {_short(exc)}"
+    if not out:
+        return "no usable sample (" + (", ".join(sorted(reasons)) or "none") + ")"
+    return out
+
+
+def run_op(op, modes=MODES) -> OpResult:
+    res = OpResult(op_id(op))
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with _time_limit(OP_TIMEOUT_S):
+                _run_op(op, res, modes)
+        except _Timeout as exc:
+            for m in modes:
+                res.errors.setdefault(m, f"{exc}")
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _run_op(op, res: OpResult, modes) -> None:
+    samples = _samples(op)
+    if isinstance(samples, str):
+        res.skipped = samples
+        return
+    random = is_random(op)
+    cpu_ok = 0
+    for si, sample in enumerate(samples):
+        # CPU reference, twice: if not reproducible (uninitialized memory), compare metadata.
+        try:
+            expected = _to_cpu(_call(op, _clone_sample(sample), random))
+            again = _to_cpu(_call(op, _clone_sample(sample), random))
+        except Exception:  # noqa: BLE001  the op does not run on CPU with this sample
+            continue
+        if not _strided(expected):
+            continue
+        cpu_ok += 1
+        try:
+            compare(again, expected, exact=True)
+            meta_only = False
+        except Mismatch:
+            meta_only = True
+        eager_out = None
+        for mode in modes:
+            if mode in res.errors:
+                continue
+            try:
+                got, devs = _run_neuron(op, _clone_sample(sample), random, mode)
+                if any(d != DEVICE for d in devs):
+                    raise Mismatch(f"output on device {devs} (expected all on {DEVICE})")
+                compare(got, expected, meta_only=meta_only)
+                if mode == "eager":
+                    eager_out = got
+                elif eager_out is not None and not meta_only:
+                    try:
+                        compare(got, eager_out, exact=True)
+                    except Mismatch as exc:
+                        raise Mismatch(f"adaptive != eager bit for bit: {exc}") from None
+            except _Timeout:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                res.errors[mode] = f"sample {si}: {_short(exc)}"
+    res.samples = cpu_ok
+    if cpu_ok == 0:
+        res.skipped = "CPU reference fails on every sample"
+        res.errors.clear()
+
+
+def _clone_sample(sample):
+    """(input, args, kwargs) with fresh tensors (ops may write into their inputs)."""
+    return _clone(sample.input), _clone(tuple(sample.args)), _clone(dict(sample.kwargs))
+
+
+def engine_healthy() -> str | None:
+    """A tiny computation in both modes; returns an error text if the engine is broken."""
+    try:
+        if ae.is_adaptive():
+            return "adaptive mode left on after the op"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            x = torch.arange(6, dtype=torch.float32).to(DEVICE)
+            if (x * 2 + 1).sum().item() != 36.0:
+                return "eager: wrong value for (x*2+1).sum()"
+            with ae.adaptive():
+                y = (x.view(2, 3) * 2 + 1).relu().sum(0)
+                v = y.cpu()
+            if v.tolist() != [8.0, 12.0, 16.0]:
+                return f"adaptive: wrong value {v.tolist()}"
+    except Exception as exc:  # noqa: BLE001
+        return _short(exc)
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# The expected-failure list
+# ------------------------------------------------------------------------------------------
+def load_xfail(path: Path = XFAIL_FILE) -> dict:
+    """{(mode, op_id): reason}; a bare op id expands to both modes."""
+    out = {}
+    if not path.exists():
+        return out
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        body, _, reason = line.partition("#")
+        body = body.strip()
+        if not body:
+            continue
+        mode, sep, name = body.partition(":")
+        modes = (mode,) if sep else MODES
+        if not sep:
+            name = body
+        if sep and mode not in MODES:
+            raise ValueError(f"{path}:{n}: unknown mode {mode!r}")
+        for m in modes:
+            out[(m, name.strip())] = reason.strip()
+    return out
+
+
+XFAIL = load_xfail()
+OPS = sorted(op_db, key=op_id)
+_ids = [op_id(op) for op in OPS]
+assert len(set(_ids)) == len(_ids), "duplicate OpInfo ids"
+_unknown = {name for (_, name) in XFAIL} - set(_ids)
+RESULTS: dict[str, OpResult] = {}
+_PROCESS_T0 = time.perf_counter()
+
+
+def setup_module(module):
+    ae.set_strategy("graph")
+    ae.set_adaptive(False)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_xfail_file_names_exist():
+    assert not _unknown, f"opinfo_xfail.txt names unknown ops: {sorted(_unknown)}"
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_opinfo(op):
+    ae.set_strategy("graph")
+    res = run_op(op)
+    RESULTS[res.op_id] = res
+    health = engine_healthy()
+    if health is not None:
+        ae.set_adaptive(False)
+        pytest.fail(f"CASCADING FAILURE: the engine is unusable after {res.op_id}: {health}")
+    if res.skipped:
+        stale = [m for m in MODES if (m, res.op_id) in XFAIL]
+        if stale:
+            pytest.fail(f"{res.op_id} is skipped ({res.skipped}) but listed in "
+                        f"opinfo_xfail.txt for {stale}: remove it")
+        pytest.skip(res.skipped)
+    problems = []
+    for mode in MODES:
+        listed = (mode, res.op_id) in XFAIL
+        failed = mode in res.errors
+        if failed and not listed:
+            problems.append(f"[{mode}] {res.errors[mode]}")
+        elif listed and not failed:
+            problems.append(f"[{mode}] unexpected success: remove it from opinfo_xfail.txt "
+                            f"(listed as: {XFAIL[(mode, res.op_id)]})")
+    if problems:
+        pytest.fail(f"{res.op_id}: " + "; ".join(problems), pytrace=False)
+
+
+def summary(results) -> str:
+    tested = [r for r in results.values() if r.skipped is None]
+    n = len(tested)
+    p = sum(r.passed("eager") for r in tested)
+    q = sum(r.passed("adaptive") for r in tested)
+    pct = lambda k: (100.0 * k / n) if n else 0.0  # noqa: E731
+    return (f"OpInfo: {n} ops tested, {p} pass in eager ({pct(p):.1f}%), "
+            f"{q} pass in adaptive ({pct(q):.1f}%)")
+
+
+def test_zz_summary(capsys):
+    """Prints the pass rate over the ops run in this session (runs last: name order)."""
+    if not RESULTS:
+        pytest.skip("no OpInfo test ran")
+    text = summary(RESULTS)
+    skipped = sum(r.skipped is not None for r in RESULTS.values())
+    with capsys.disabled():
+        print(f"\n{text}; {skipped} skipped; "
+              f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
+
+
+# ------------------------------------------------------------------------------------------
+# CLI: python tests/test_opinfo.py [--write-xfail] [op ids...]
+# ------------------------------------------------------------------------------------------
+def _main(argv) -> int:
+    write = "--write-xfail" in argv
+    names = [a for a in argv if not a.startswith("--")]
+    ae.set_strategy("graph")
+    results = {}
+    for op in OPS:
+        if names and op_id(op) not in names:
+            continue
+        r = run_op(op)
+        results[r.op_id] = r
+        h = engine_healthy()
+        status = "SKIP " + r.skipped if r.skipped else \
+            ("ok" if not r.errors else "; ".join(f"{m}: {e}" for m, e in r.errors.items()))
+        print(f"{r.seconds:6.2f}s n={r.samples} {r.op_id}: {status}" + (f"  !!HEALTH: {h}" if h else ""),
+              flush=True)
+    print(summary(results))
+    if write:
+        lines = []
+        for r in results.values():
+            if r.skipped or not r.errors:
+                continue
+            if set(r.errors) == set(MODES) and r.errors["eager"].split(": ", 1)[-1] == \
+                    r.errors["adaptive"].split(": ", 1)[-1]:
+                lines.append(f"{r.op_id}  # {r.errors['eager']}")
+            else:
+                for m, e in r.errors.items():
+                    lines.append(f"{m}:{r.op_id}  # {e}")
+        XFAIL_FILE.write_text("\n".join(lines) + "\n")
+        print(f"wrote {len(lines)} entries to {XFAIL_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
