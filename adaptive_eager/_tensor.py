@@ -94,10 +94,9 @@ def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
         body = "[]"
     else:
         body = torch._tensor_str._tensor_str(cpu, len(prefix))
-    suffixes = []
+    suffixes = [f"device='{t.device}'"]  # torch's order: device, size, dtype, grad
     if cpu.numel() == 0 and tuple(cpu.shape) != (0,):
         suffixes.append(f"size={tuple(cpu.shape)}")
-    suffixes.append(f"device='{t.device}'")
     if t.dtype not in (torch.get_default_dtype(), torch.int64, torch.bool,
                        torch.complex64 if torch.get_default_dtype() == torch.float32
                        else torch.complex128):

@@ -1,0 +1,212 @@
+"""The neuron device as users touch it: registration, factories, copies, views, module API."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+
+
+def test_device_registered_and_cuda_like_module():
+    assert torch._C._get_privateuse1_backend_name() == "neuron"
+    assert torch.neuron.is_available() and torch.neuron.device_count() == 1
+    assert torch.neuron.current_device() == 0
+    torch.neuron.set_device(0)
+    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
+        torch.neuron.set_device(1)
+    assert torch.accelerator.is_available()
+    assert torch.accelerator.current_accelerator().type == "neuron"
+    x = torch.ones(2).neuron()
+    assert x.is_neuron and x.device == torch.device("neuron:0")
+    assert torch.nn.Linear(2, 2).neuron().weight.is_neuron
+
+
+def test_plain_import_torch_registers_through_entry_point():
+    code = "import torch; print(torch.ones(2, device='neuron').device)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "neuron:0"
+
+
+def test_autoload_off_is_honoured():
+    code = "import torch; print(torch._C._get_privateuse1_backend_name())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "privateuseone"
+
+
+def test_privateuse1_taken_by_another_backend_fails_clearly():
+    code = ("import torch; torch.utils.rename_privateuse1_backend('other');"
+            "import adaptive_eager")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": ""})
+    assert out.returncode != 0
+    assert "already belongs to the backend 'other'" in out.stderr
+
+
+FACTORIES = {
+    "empty": lambda d: torch.empty(2, 3, device=d).shape,
+    "zeros": lambda d: torch.zeros(2, 3, device=d),
+    "ones": lambda d: torch.ones(2, 3, dtype=torch.int32, device=d),
+    "full": lambda d: torch.full((2, 3), 7.5, device=d),
+    "arange": lambda d: torch.arange(2, 11, 3, device=d),
+    "linspace": lambda d: torch.linspace(0, 1, 5, device=d),
+    "eye": lambda d: torch.eye(3, 4, device=d),
+    "tensor": lambda d: torch.tensor([[1, 2], [3, 4]], device=d),
+    "rand": lambda d: (torch.manual_seed(3), torch.rand(4, device=d))[1],
+    "randn": lambda d: (torch.manual_seed(3), torch.randn(4, device=d))[1],
+    "randint": lambda d: (torch.manual_seed(3), torch.randint(0, 9, (6,), device=d))[1],
+    "randperm": lambda d: (torch.manual_seed(3), torch.randperm(6, device=d))[1],
+    "zeros_like": lambda d: torch.zeros_like(torch.ones(3, device=d)),
+    "ones_like": lambda d: torch.ones_like(torch.ones(3, device=d)),
+    "full_like": lambda d: torch.full_like(torch.ones(3, device=d), 2.0),
+    "randn_like": lambda d: (torch.manual_seed(3), torch.randn_like(torch.ones(3, device=d)))[1],
+}
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_factories_match_cpu(name, mode):
+    cpu, neu = FACTORIES[name]("cpu"), FACTORIES[name]("neuron")
+    if isinstance(cpu, torch.Tensor):
+        assert neu.device.type == "neuron" and neu.dtype == cpu.dtype
+        torch.testing.assert_close(neu.cpu(), cpu, rtol=0, atol=0)
+    else:
+        assert cpu == neu
+
+
+def test_copies_and_dtype_conversions(mode):
+    a = torch.randn(3, 4)
+    x = a.to("neuron", non_blocking=True)
+    assert torch.equal(x.cpu(), a) and torch.equal(x.to("cpu"), a)
+    y = x.to(torch.float16)
+    assert y.dtype == torch.float16 and torch.equal(y.cpu(), a.half())
+    z = torch.empty(3, 4, device="neuron")
+    z.copy_(x)  # neuron -> neuron
+    assert torch.equal(z.cpu(), a)
+    out = torch.empty(3, 4)
+    out.copy_(x)  # neuron -> cpu
+    assert torch.equal(out, a)
+    z.copy_(torch.ones(4))  # cpu -> neuron, broadcast
+    assert torch.equal(z.cpu(), torch.ones(3, 4))
+    assert torch.equal(x.int().cpu(), a.int())
+
+
+def test_views_share_buffer_and_inplace_is_visible(mode):
+    c = torch.arange(24.0).view(4, 6)
+    x = c.clone().to("neuron")
+    for t in (c, x):
+        t[0].add_(1)
+        t.t().mul_(2)
+        t.view(-1)[::2].zero_()
+        t[1:3, 2:5] += 10
+        t.select(1, 4).fill_(-1)
+        t.narrow(0, 3, 1).sub_(t[0:1])
+    assert torch.equal(x.cpu(), c)
+    d = x.detach()
+    d.add_(1)  # detach shares the buffer
+    assert torch.equal(x.cpu(), c + 1)
+
+
+def test_inplace_through_view_of_pending_tensor(mode):
+    a = torch.randn(4, 5)
+    x = a.to("neuron") * 2  # pending in adaptive mode
+    ca = a * 2
+    x[0].add_(1), ca[0].add_(1)
+    x.t().mul_(2), ca.t().mul_(2)
+    x.view(-1)[::2].zero_(), ca.view(-1)[::2].zero_()
+    assert torch.equal(x.cpu(), ca)
+
+
+def test_version_counter_catches_inplace_on_saved_tensor(mode):
+    x = torch.randn(3, device="neuron", requires_grad=True)
+    y = x.exp()
+    y.add_(1)  # exp saves its output for backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_numpy_raises_like_cuda():
+    x = torch.ones(2, device="neuron")
+    with pytest.raises(TypeError, match="can't convert neuron:0 device type tensor to numpy"):
+        x.numpy()
+    assert x.cpu().numpy().tolist() == [1.0, 1.0]
+
+
+def test_repr_shows_values_and_device():
+    x = torch.tensor([1.5, 2.0], device="neuron")
+    assert repr(x) == "tensor([1.5000, 2.0000], device='neuron:0')"
+    h = torch.tensor([1, 2], dtype=torch.float16, device="neuron")
+    assert repr(h) == "tensor([1., 2.], device='neuron:0', dtype=torch.float16)"
+    r = torch.ones(2, device="neuron", requires_grad=True)
+    assert repr(r) == "tensor([1., 1.], device='neuron:0', requires_grad=True)"
+    assert repr(r * 2) == "tensor([2., 2.], device='neuron:0', grad_fn=<MulBackward0>)"
+    assert repr(torch.empty(0, 3, device="neuron")) == "tensor([], device='neuron:0', size=(0, 3))"
+    assert f"{torch.tensor(2.5, device='neuron'):.2f}" == "2.50"
+    assert str(x) == repr(x)
+
+
+def test_scalar_reads(mode):
+    x = torch.tensor([[1.0, -2.0], [3.0, 4.0]], device="neuron")
+    assert x.sum().item() == 6.0
+    assert bool((x > 0).any()) and not bool((x > 10).any())
+    assert int(x[1, 1]) == 4 and float(x[0, 1]) == -2.0
+    assert x.tolist() == [[1.0, -2.0], [3.0, 4.0]]
+    if (x < 0).any():
+        hit = True
+    assert hit
+
+
+def test_seeded_random_is_reproducible(mode):
+    torch.neuron.manual_seed(5)
+    a = torch.randn(8, device="neuron")
+    state = torch.neuron.get_rng_state()
+    b = torch.rand(8, device="neuron")
+    torch.neuron.set_rng_state(state)
+    b2 = torch.rand(8, device="neuron")
+    torch.manual_seed(5)
+    a2 = torch.randn(8, device="neuron")
+    assert torch.equal(a.cpu(), a2.cpu()) and torch.equal(b.cpu(), b2.cpu())
+    assert torch.neuron.initial_seed() == 5
+
+
+def test_deepcopy_and_pickle_roundtrip(tmp_path):
+    x = torch.randn(3, device="neuron", requires_grad=True)
+    y = copy.deepcopy(x)
+    assert y.is_neuron and y.requires_grad and torch.equal(y.cpu(), x.cpu())
+    y.data.add_(1)
+    assert not torch.equal(y.cpu(), x.cpu())
+    torch.save({"w": x.detach()}, tmp_path / "t.pt")
+    z = torch.load(tmp_path / "t.pt", weights_only=False)["w"]
+    assert z.is_neuron and torch.equal(z.cpu(), x.detach().cpu())
+
+
+def test_memory_stats_and_streams_events():
+    torch.neuron.synchronize()
+    base = torch.neuron.memory_allocated()
+    x = torch.empty(1000, device="neuron")
+    assert torch.neuron.memory_allocated() == base + 4000
+    assert torch.neuron.max_memory_allocated() >= base + 4000
+    del x
+    assert torch.neuron.memory_allocated() == base
+    torch.neuron.reset_peak_memory_stats()
+    assert torch.neuron.max_memory_allocated() == base
+    assert torch.neuron.memory_stats()["allocated_bytes.all.current"] == base
+    s = torch.neuron.Stream()
+    start = torch.neuron.Event(enable_timing=True)
+    end = torch.neuron.Event(enable_timing=True)
+    a = torch.randn(64, 64, device="neuron")
+    start.record()
+    with torch.neuron.stream(s):
+        assert torch.neuron.current_stream() == s
+        b = a @ a
+    end.record()
+    end.synchronize()
+    assert end.query() and s.query()
+    assert end.elapsed_time(start) < 0 < start.elapsed_time(end)
+    s.wait_event(end)
+    s.synchronize()
+    assert torch.neuron.current_stream() == torch.neuron.default_stream()
+    assert torch.equal(b.cpu(), a.cpu() @ a.cpu())
