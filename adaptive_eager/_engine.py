@@ -222,6 +222,7 @@ class Engine:
             if "meta" in str(e).lower() or "data-dependent" in str(e).lower() \
                     or "dynamic" in str(e).lower():
                 raise _NoMeta(str(e)) from e
+            _raise_as_cpu_would(func, args, kwargs)
             raise
         storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
         leaves, spec = tree_flatten(out)
@@ -519,6 +520,24 @@ class _FakeNode:
     def __init__(self, func):
         self.func = func
         self.source = _source()
+
+
+def _raise_as_cpu_would(func, args, kwargs) -> None:
+    """A user error found by meta execution: raise it with CPU's own message (meta kernels
+    word some checks differently), by running the op on uninitialized host tensors."""
+    from ._tensor import NeuronTensor
+
+    def host(v):
+        if isinstance(v, NeuronTensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+        if isinstance(v, (list, tuple)):
+            return type(v)(host(x) for x in v)
+        if isinstance(v, torch.device) and v.type == DEVICE.type:
+            return torch.device("cpu")
+        return v
+
+    with torch._C._DisableTorchDispatch():
+        func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
 
 
 def _to_meta(v, t, metas):

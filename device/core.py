@@ -5,8 +5,8 @@ Note [Simulated asynchrony]: a launch's work is done on host memory when it is s
 the device timeline: it starts when the device is free and the host has enqueued it, and the
 host only waits for it at a sync. An exception raised by the work is kept on the launch and
 re-raised at the next sync, earliest first, exactly as an asynchronous runtime reports it.
-With `blocking=True` (NEURON_LAUNCH_BLOCKING=1) the host waits for every launch and errors
-are raised at once.
+With `blocking=True` (NEURON_LAUNCH_BLOCKING=1) the host waits for every launch, and the
+engine synchronizes after each flush, so errors are raised at the op that issued it.
 """
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ class Device:
         self.trace.append({"name": launch.name, "cat": launch.kind, "ph": "X",
                            "ts": launch.start_us, "dur": cost, "pid": 0, "tid": 0,
                            "args": {"bytes": launch.nbytes, "flops": launch.flops}})
-        if self.blocking:
-            self.synchronize()
+        if self.blocking:  # the host waits; the caller raises any error at its sync
+            self.host_us = max(self.host_us, launch.end_us)
         return launch
 
     def synchronize(self) -> None:

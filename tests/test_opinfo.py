@@ -54,7 +54,7 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.txt")
 DEVICE = "neuron"
 DTYPE = torch.float32
-SAMPLES_PER_OP = 2          # the first N samples of each op (runtime budget)
+SAMPLES_PER_OP = 3          # the first N samples of each op (runtime budget)
 MAX_SAMPLE_NUMEL = 1 << 18  # skip samples with a bigger tensor (keeps the simulator fast)
 OP_TIMEOUT_S = 30           # per-op guard (SIGALRM) against hangs
 RTOL, ATOL = 1e-4, 1e-5     # float32: the executor runs CPU kernels, but allow reassociation
@@ -102,12 +102,22 @@ def _clone(x):
     return tree_map(lambda t: t.clone() if _is_tensor(t) else t, x)
 
 
+# Ops whose extra tensor arguments must stay on CPU, as on CUDA (only `input` is moved).
+_INPUT_ONLY_TO_NEURON = {
+    "tensor_split",  # tensor_indices_or_sections must be a CPU tensor
+}
+
+
 def _to_neuron(x):
+    """Tensors (also inside lists/tuples/dicts) to neuron; a "cpu" device argument (e.g.
+    `x.to("cpu")`, `device="cpu"`) becomes "neuron"."""
     def f(v):
         if _is_tensor(v):
             return v.to(DEVICE)
         if isinstance(v, torch.device) and v.type == "cpu":
             return torch.device(DEVICE)
+        if isinstance(v, str) and v == "cpu":
+            return DEVICE
         return v
     return tree_map(f, x)
 
@@ -147,13 +157,14 @@ class Mismatch(AssertionError):
     pass
 
 
-def compare(actual, expected, *, exact: bool = False, meta_only: bool = False) -> None:
+def compare(actual, expected, *, exact: bool = False, meta_only: bool = False,
+            what: str = "output") -> None:
     a_leaves, a_spec = tree_flatten(actual)
     e_leaves, e_spec = tree_flatten(expected)
     if len(a_leaves) != len(e_leaves):
-        raise Mismatch(f"output structure differs: {a_spec} vs {e_spec}")
+        raise Mismatch(f"{what} structure differs: {a_spec} vs {e_spec}")
     for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        where = f"output {i}"
+        where = f"{what} {i}"
         if _is_tensor(e):
             if not _is_tensor(a):
                 raise Mismatch(f"{where}: expected a tensor, got {type(a).__name__}")
@@ -178,8 +189,8 @@ def compare(actual, expected, *, exact: bool = False, meta_only: bool = False) -
             if not (math.isclose(a, e, rel_tol=RTOL, abs_tol=ATOL)
                     or (math.isnan(a) and math.isnan(e))):
                 raise Mismatch(f"{where}: {a!r} != {e!r}")
-        elif isinstance(e, (torch.dtype, torch.device)):
-            continue  # e.g. .dtype of a result: device differs by construction
+        elif isinstance(e, torch.device) or (isinstance(e, str) and e == "cpu"):
+            continue  # a device argument: differs by construction
         else:
             try:
                 same = a == e
@@ -240,19 +251,34 @@ class OpResult:
         return self.skipped is None and mode not in self.errors
 
 
+def _lazy_clone(x):
+    """Adaptive mode only: route contiguous tensor inputs through a pending `clone`, so the
+    op reads values produced inside the same flush (exercises the lazy queue and fusion,
+    not just a one-op flush)."""
+    return tree_map(lambda t: t.clone() if _is_tensor(t) and t.is_contiguous() else t, x)
+
+
 def _run_neuron(op, sample, random: bool, mode: str):
+    """Returns (outputs, inputs after the call, output clones or None) on CPU, and the device
+    types of the outputs."""
     inp, args, kwargs = sample
-    s = (_to_neuron(inp), _to_neuron(args), _kwargs_to_neuron(kwargs))
+    if op.name in _INPUT_ONLY_TO_NEURON:
+        s = (_to_neuron(inp), args, kwargs)
+    else:
+        s = (_to_neuron(inp), _to_neuron(args), _kwargs_to_neuron(kwargs))
     if mode == "adaptive":
-        with ae.adaptive():
+        with ae.adaptive(strategy="graph"):
+            s = _lazy_clone(s)
             out = _call(op, s, random)
             devs = _devices(out)
-            res = _to_cpu(out)
-    else:
-        out = _call(op, s, random)
-        devs = _devices(out)
-        res = _to_cpu(out)
-    return res, devs
+            # an epilogue in the same flush: clones of the outputs
+            clones = tree_map(lambda t: t.clone() if _is_tensor(t) else t, out)
+            res = _to_cpu((out, s, clones))
+        return res, devs
+    out = _call(op, s, random)
+    devs = _devices(out)
+    out_cpu, s_cpu = _to_cpu((out, s))
+    return (out_cpu, s_cpu, None), devs
 
 
 def _samples(op):
@@ -305,10 +331,12 @@ def _run_op(op, res: OpResult, modes) -> None:
     random = is_random(op)
     cpu_ok = 0
     for si, sample in enumerate(samples):
-        # CPU reference, twice: if not reproducible (uninitialized memory), compare metadata.
+        # CPU reference (outputs, and inputs after the call: some ops write into them), run
+        # twice: if it is not reproducible (uninitialized memory), compare metadata only.
         try:
-            expected = _to_cpu(_call(op, _clone_sample(sample), random))
-            again = _to_cpu(_call(op, _clone_sample(sample), random))
+            s1, s2 = _clone_sample(sample), _clone_sample(sample)
+            expected = _to_cpu((_call(op, s1, random), s1))
+            again = _to_cpu((_call(op, s2, random), s2))
         except Exception:  # noqa: BLE001  the op does not run on CPU with this sample
             continue
         if not _strided(expected):
@@ -319,20 +347,26 @@ def _run_op(op, res: OpResult, modes) -> None:
             meta_only = False
         except Mismatch:
             meta_only = True
-        eager_out = None
+        eager = None
         for mode in modes:
             if mode in res.errors:
                 continue
             try:
-                got, devs = _run_neuron(op, _clone_sample(sample), random, mode)
+                (out, inputs, clones), devs = _run_neuron(op, _clone_sample(sample), random,
+                                                          mode)
                 if any(d != DEVICE for d in devs):
                     raise Mismatch(f"output on device {devs} (expected all on {DEVICE})")
-                compare(got, expected, meta_only=meta_only)
+                compare(out, expected[0], meta_only=meta_only)
+                compare(inputs, expected[1], meta_only=meta_only, what="input")
+                if clones is not None:
+                    compare(clones, out, exact=True, meta_only=meta_only,
+                            what="clone of output")
                 if mode == "eager":
-                    eager_out = got
-                elif eager_out is not None and not meta_only:
+                    eager = (out, inputs)
+                elif eager is not None and not meta_only:
                     try:
-                        compare(got, eager_out, exact=True)
+                        compare(out, eager[0], exact=True)
+                        compare(inputs, eager[1], exact=True, what="input")
                     except Mismatch as exc:
                         raise Mismatch(f"adaptive != eager bit for bit: {exc}") from None
             except _Timeout:

@@ -1,0 +1,253 @@
+"""Warnings, errors, out-of-memory, the disk cache across processes, metrics."""
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import _engine
+from device import DeviceSpec
+
+FALLBACK_OP = "aten::_linalg_det"  # no device implementation: runs on CPU
+
+
+def _forget_warnings():
+    _engine.ENGINE._warned.clear()
+
+
+def test_fallback_warns_once_per_op_and_is_counted(mode):
+    _forget_warnings()
+    a = torch.randn(3, 3) + 3 * torch.eye(3)
+    x = a.to("neuron")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        d1 = torch.linalg.det(x)
+        d2 = torch.linalg.det(x * 2)
+        _ = x.t()  # view ops never warn
+    msgs = [str(m.message) for m in w]
+    assert msgs.count(f"Operator '{FALLBACK_OP}' fell back to CPU") == 1, msgs
+    assert w[0].filename == __file__  # the warning points at the user's line
+    torch.testing.assert_close(d1.cpu(), torch.linalg.det(a))
+    torch.testing.assert_close(d2.cpu(), torch.linalg.det(a * 2))
+    m = ae.metrics()
+    assert m.cpu_fallbacks == {FALLBACK_OP: 2}
+    assert any(k.startswith("fallback:") for k in m.flushes) or mode == "eager"
+
+
+def test_fallback_only_for_unimplemented_raises_when_cpu_recovery_is_off():
+    x = torch.randn(3, 3, device="neuron")
+    with ae.override(fallback_enabled=False):
+        with pytest.raises(ae.NeuronFallbackError, match="_linalg_det"):
+            torch.linalg.det(x)
+    assert (x + 1).cpu().shape == (3, 3)  # still usable
+
+
+def test_float64_warns_once_and_computes_as_float32():
+    _forget_warnings()
+    a = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        x = a.to("neuron")
+        y = x * 3
+        z = y + 1
+    assert sum("float64" in str(m.message) for m in w) == 1
+    assert x.dtype == torch.float64 and z.dtype == torch.float64
+    expected = ((a.float() * 3) + 1).double()
+    assert torch.equal(z.cpu(), expected)  # float32 arithmetic, stored as float64
+    assert torch.equal(x.cpu(), a.float().double())  # rounded to float32 on the way in
+    assert not torch.equal(x.cpu(), a)
+
+
+def test_out_of_memory_names_sizes_and_device_recovers():
+    ae.set_device_spec(DeviceSpec(hbm_bytes=1 << 20))
+    try:
+        a = torch.empty(150_000, device="neuron")  # 600 kB
+        with pytest.raises(ae.NeuronOutOfMemoryError) as e:
+            torch.empty(150_000, device="neuron")
+        assert isinstance(e.value, torch.OutOfMemoryError)
+        msg = str(e.value)
+        assert "tried to allocate 585.94 KiB" in msg and "in use" in msg and "free" in msg
+        with pytest.raises(torch.OutOfMemoryError):
+            a * 2  # an op's output does not fit either
+        del a
+        b = torch.ones(150_000, device="neuron")  # fits after the free
+        assert b.sum().item() == 150_000
+    finally:
+        ae.set_device_spec(DeviceSpec())
+
+
+def test_out_of_memory_in_adaptive_mode_flushes_freed_values_first():
+    ae.set_device_spec(DeviceSpec(hbm_bytes=1 << 20))
+    try:
+        with ae.adaptive():
+            x = torch.ones(50_000, device="neuron")  # 200 kB
+            for _ in range(20):  # 20 x 200 kB of intermediates, only one alive at a time
+                x = x + 1
+            assert x[0].item() == 21
+    finally:
+        ae.set_device_spec(DeviceSpec())
+
+
+def test_deferred_error_names_op_and_line_and_device_keeps_working(mode):
+    x = torch.randn(4, device="neuron")
+    idx = torch.tensor([7], device="neuron")
+    y = x.index_select(0, idx); line = sys._getframe().f_lineno  # noqa: E702
+    with pytest.raises(ae.NeuronRuntimeError) as e:
+        torch.neuron.synchronize()
+    msg = str(e.value)
+    assert "operation=aten::index_select" in msg
+    assert f'{os.path.basename(__file__)}", line {line}' in msg
+    z = x + 1  # the device keeps working
+    torch.testing.assert_close(z.cpu(), x.cpu() + 1)
+    torch.neuron.synchronize()  # the error was reported once
+    del y
+
+
+def test_earliest_deferred_error_first():
+    x = torch.randn(4, device="neuron")
+    x.index_select(0, torch.tensor([9], device="neuron"))
+    x.gather(0, torch.tensor([11], device="neuron"))
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        x.sum().item()
+
+
+def test_launch_blocking_raises_at_the_op():
+    x = torch.randn(4, device="neuron")
+    idx = torch.tensor([7], device="neuron")
+    with ae.override(launch_blocking=True):
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+            x.index_select(0, idx)
+        assert (x * 2).cpu().shape == (4,)
+
+
+def test_stack_trace_option_adds_the_python_stack():
+    x = torch.randn(4, device="neuron")
+    with ae.override(stack_trace=True):
+        x.index_select(0, torch.tensor([7], device="neuron"))
+    with pytest.raises(ae.NeuronRuntimeError) as e:
+        torch.neuron.synchronize()
+    assert "test_stack_trace_option_adds_the_python_stack" in str(e.value)
+
+
+def test_shape_errors_raise_at_the_call_with_torchs_message(mode):
+    a, b = torch.randn(2, 3, device="neuron"), torch.randn(4, 5, device="neuron")
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied"):
+        a @ b
+    with pytest.raises(RuntimeError, match="must match the size"):
+        a + b
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + torch.randn(2, 3)
+    assert (a + 1).shape == (2, 3)
+
+
+def test_eager_launches_equal_ops_executed():
+    x = torch.randn(8, 8, device="neuron")
+    w = torch.randn(8, 8, device="neuron")
+    ae.reset_metrics()
+    y = torch.relu(x @ w + 1).sum(0).exp()
+    m = ae.metrics()
+    assert m.ops == 5 and m.launches == 5, m
+    assert m.flushes == {"eager": 5}
+    y.cpu()
+    assert ae.metrics().d2h_bytes == 32
+
+
+def test_metrics_fields_and_report():
+    x = torch.randn(16, device="neuron")
+    (x * 2).cpu()
+    m = ae.metrics()
+    for field in ("ops", "launches", "flushes", "compiles", "cache_memory_hits",
+                  "cache_disk_hits", "cache_misses", "cpu_fallbacks", "h2d_bytes",
+                  "d2h_bytes", "device_time_us", "compile_time_us", "peak_memory_bytes"):
+        assert hasattr(m, field), field
+    assert m.h2d_bytes == 0 and m.d2h_bytes == 64 and m.device_time_us > 0
+    text = ae.metrics_report()
+    assert "launches" in text and "device time (simulated)" in text
+
+
+# -- the executable cache on disk ----------------------------------------------------
+SCRIPT = textwrap.dedent("""
+    import json, warnings, torch, adaptive_eager as ae
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as w:
+        x = torch.arange(12.0).view(3, 4).to("neuron")
+        y = (torch.relu(x @ x.t() + 1.5) * 0.5).sum(1)
+        vals = y.tolist()
+    m = ae.metrics()
+    print(json.dumps({"vals": vals, "compiles": m.compiles, "disk": m.cache_disk_hits,
+                      "warnings": [str(x.message) for x in w]}))
+""")
+
+
+def _run(cache_dir, adaptive=False):
+    env = dict(os.environ, TORCH_NEURONX_NEFF_CACHE_DIR=str(cache_dir))
+    if adaptive:
+        env["TORCH_NEURONX_ENABLE_CONCATENATION"] = "1"
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_second_process_reuses_disk_cache(tmp_path, adaptive):
+    first = _run(tmp_path, adaptive)
+    assert first["compiles"] > 0 and first["disk"] == 0
+    second = _run(tmp_path, adaptive)
+    assert second["compiles"] == 0 and second["disk"] == first["compiles"]
+    assert second["vals"] == first["vals"]
+
+
+def test_corrupt_cache_file_is_survived(tmp_path):
+    first = _run(tmp_path)
+    files = glob.glob(str(tmp_path / "**" / "*.neff"), recursive=True)
+    assert len(files) == first["compiles"]
+    with open(files[0], "wb") as f:
+        f.write(b"garbage")
+    with open(files[1], "r+b") as f:  # a flipped byte in the payload: checksum mismatch
+        data = bytearray(f.read())
+        data[-3] ^= 0xFF
+        f.seek(0)
+        f.write(bytes(data))
+    second = _run(tmp_path)
+    assert second["vals"] == first["vals"]
+    assert second["compiles"] == 2
+    bad = [w for w in second["warnings"] if "Ignoring executable cache file" in w]
+    assert len(bad) == 2
+    third = _run(tmp_path)  # the bad files were rewritten
+    assert third["compiles"] == 0 and not third["warnings"]
+
+
+def test_disable_disk_cache(tmp_path):
+    env = dict(os.environ, TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path),
+               TORCH_NEURONX_NEFF_DISABLE_CACHE="1")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not glob.glob(str(tmp_path / "**" / "*.neff"), recursive=True)
+
+
+def test_shared_cache_directory_concurrent_writers(tmp_path):
+    env = dict(os.environ, TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert all(r["vals"] == results[0]["vals"] and not r["warnings"] for r in results)
+    assert _run(tmp_path)["compiles"] == 0
+
+
+def test_memory_cache_lru_bound():
+    with ae.override(cache_max_entries=5, disable_disk_cache=True):
+        x = torch.randn(4, device="neuron")
+        for k in range(1, 12):
+            x = x.view(-1)[:k].sum() + x if k % 2 else x * k  # new signatures
+        cache = _engine.ENGINE.runner.cache
+        assert len(cache) <= 5 and cache.stats.evictions > 0
