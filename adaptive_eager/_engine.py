@@ -293,7 +293,8 @@ class Engine:
         lazy = self.is_lazy()
         if lazy and self.queue:
             cut = self.online.cut(self.strategy, node)
-            if cut is not None and self.device.in_flight() <= _config.config.queue_low_threshold:
+            low = _config.config.queue_low_threshold  # 0: purely lazy, never flush for idling
+            if cut is not None and low > 0 and self.device.in_flight() <= low:
                 self.flush("device idle")
                 cut = None
             self.online.add(node, cut)
@@ -302,7 +303,10 @@ class Engine:
         # Only now (a flush above may have written pending inputs back): hold values in HBM
         # strongly, pending ones weakly (Handle's docstring).
         node.refs = [weakref.ref(h) if h.pending else h for h in handles]
-        node.refs += [weakref.ref(h) for h in new]
+        if _config.config.skip_intermediate:
+            node.refs += [weakref.ref(h) for h in new]
+        else:  # every value is written back: the queue keeps it alive until the flush
+            node.refs += new
         self.queue.append(node)
         self.pending_bytes += new_bytes
         if not lazy:
@@ -339,9 +343,6 @@ class Engine:
         nodes, self.queue = self.queue, []
         self.online = OnlineGroup()
         self.pending_bytes = 0
-        if not _config.config.skip_intermediate:
-            for n in nodes:  # keep every value alive: all are written back
-                n.refs = [r() if type(r) is weakref.ref else r for r in n.refs]
         with torch._C._DisableTorchDispatch():
             report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
                                      else STRATEGIES["none"]())

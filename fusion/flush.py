@@ -21,7 +21,7 @@ from device import Device, Launch
 from .cache import ExecutableCache
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
-from .program import Executable, Program, build_program
+from .program import Executable, Program, build_program, run_instr
 
 log = logging.getLogger("adaptive_eager.fusion")
 
@@ -115,7 +115,9 @@ class Runner:
             groups=[{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
                      "flops": g.flops, "level": "plan" if hit else g.level}
                     for g in plan.groups],
-            boundaries=plan.reasons, launches=len(plan.groups), bytes_saved=saved,
+            boundaries=plan.reasons, bytes_saved=saved,
+            launches=sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
+                         for g in plan.groups),
             plan_hit=hit, graph=plan.graph)
 
     def _plan(self, nodes, canon, handles, strategy) -> Plan:
@@ -152,7 +154,7 @@ class Runner:
 
     def _executable(self, program: Program) -> tuple[Executable, str]:
         if program.key in self.cache.bad:
-            return _OneByOne(program), "bad"
+            return OneByOne(program), "bad"
         try:
             return self.cache.get(program, self.compile)
         except Exception as e:  # a fused compile failed: run its ops one by one (reference)
@@ -162,7 +164,7 @@ class Runner:
             self.cache.stats.bad += 1
             warnings.warn(f"Fused executable '{program.name[:80]}' failed to compile ({e}); "
                           f"its ops run one by one for the rest of this process.")
-            return _OneByOne(program), "bad"
+            return OneByOne(program), "bad"
 
     def _execute(self, nodes, plan: Plan, handles) -> None:
         env: dict[int, torch.UntypedStorage] = {}
@@ -175,9 +177,13 @@ class Runner:
                 st[s] = env[c] if c in env else handles[c].buffer.storage
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
-            launch = Launch(exe.name, lambda: exe.run(st, inputs, dev.rng), gp.nbytes,
-                            gp.flops, context=members)
-            dev.submit(launch)
+            if isinstance(exe, OneByOne):
+                for k, n in enumerate(members):
+                    dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng),
+                                      n.in_bytes + n.out_bytes, n.flops, context=[n]))
+            else:
+                dev.submit(Launch(exe.name, lambda: exe.run(st, inputs, dev.rng), gp.nbytes,
+                                  gp.flops, context=members))
             for s in range(exe.program.n_inputs, exe.program.n_slots):
                 c = gp.slots[s]
                 if st[s] is None:  # the launch failed: its outputs hold garbage
@@ -198,13 +204,14 @@ def _nbytes_of(nodes, canon, c) -> int:
     return 0
 
 
-class _OneByOne:
-    """A bad fused executable's stand-in: each op its own executable, results unchanged."""
+class OneByOne(Executable):
+    """A bad fused executable's stand-in: each op is launched on its own, results unchanged."""
 
-    def __init__(self, program: Program):
-        self.program = program
-        self.name = program.name
-        self.exe = Executable(program)
-
-    def run(self, st, inputs, rng):
-        self.exe.run(st, inputs, rng)
+    def runner(self, k, st, inputs, rng):
+        def run():
+            try:
+                run_instr(self.instrs[k], st, inputs[k], rng)
+            except Exception as e:
+                e.instr_index = 0
+                raise
+        return run

@@ -24,10 +24,11 @@ _ENUMS = ((torch.dtype, "dt"), (torch.device, "dev"), (torch.layout, "lay"),
 
 @functools.lru_cache(maxsize=None)
 def scalar_positions(func) -> tuple[frozenset, frozenset]:
-    """(positional indices, kwarg names) of the op's `Scalar` arguments: runtime inputs."""
+    """(positional indices, kwarg names) where a Python number is a runtime input: `Scalar`
+    arguments, and `Tensor` ones (`x * 0.5` reaches `mul.Tensor` with a plain float)."""
     pos, names = set(), set()
     for i, a in enumerate(func._schema.arguments):
-        if str(a.type).rstrip("?") in ("Scalar", "number"):
+        if str(a.type).rstrip("?") in ("Scalar", "number", "Tensor"):
             names.add(a.name)
             if not a.kwarg_only:
                 pos.add(i)

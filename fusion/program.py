@@ -135,13 +135,13 @@ class Executable:
         """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i."""
         for k, ins in enumerate(self.instrs):
             try:
-                _run_instr(ins, st, inputs[k], rng)
+                run_instr(ins, st, inputs[k], rng)
             except Exception as e:
                 e.instr_index = k  # the engine maps it back to the op and its source line
                 raise
 
 
-def _run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
+def run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
     args = [_value(a, st, inputs) for a in ins.args]
     kwargs = {k: _value(v, st, inputs) for k, v in ins.kwargs.items()}
     if ins.f64:

@@ -1,0 +1,244 @@
+"""One structural test per fusion pattern (launches and groups), known non-fusions pinned.
+
+Each runs purely lazily (queue threshold 0) so groups do not depend on simulated timing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+
+
+def lazy(fn, strategy="graph", **settings):
+    """Run fn lazily; return (result, explanation of its one flush, metrics)."""
+    with ae.override(queue_low_threshold=0, **settings), ae.adaptive(strategy=strategy):
+        ae.reset_metrics()
+        out = fn()
+        torch.neuron.synchronize()
+    m = ae.metrics()
+    return out, ae.explain(), m
+
+
+def rand(*shape):
+    return torch.randn(*shape).to("neuron")
+
+
+def names(ex):
+    return [g["name"] for g in ex.groups]
+
+
+def test_pointwise_chain_is_one_launch():
+    x = rand(64, 64)
+    out, ex, m = lazy(lambda: ((x * 2 + 1).relu() * 0.5).sigmoid())
+    assert m.launches == 1 and m.ops == 5
+    assert names(ex) == ["mul.Tensor|add.Tensor|relu|mul.Tensor|sigmoid"]
+    torch.testing.assert_close(out.cpu(), ((x.cpu() * 2 + 1).relu() * 0.5).sigmoid())
+
+
+def test_softmax_decomposed_reductions_and_pointwise_is_one_launch():
+    x = rand(8, 32)
+
+    def softmax():
+        e = (x - x.amax(-1, keepdim=True)).exp()
+        return e / e.sum(-1, keepdim=True)
+
+    out, ex, m = lazy(softmax)
+    assert m.launches == 1 and ex.groups[0]["ops"] == 5
+    torch.testing.assert_close(out.cpu(), x.cpu().softmax(-1))
+
+
+def test_layer_norm_decomposed_is_one_launch():
+    x, w, b = rand(8, 32), rand(32), rand(32)
+
+    def layer_norm():
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) * torch.rsqrt(var + 1e-5) * w + b
+
+    out, ex, m = lazy(layer_norm)
+    assert m.launches == 1 and m.ops >= 8
+    torch.testing.assert_close(out.cpu(), F.layer_norm(x.cpu(), (32,), w.cpu(), b.cpu()),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_gelu_mlp_contraction_epilogues():
+    x, w1, b1, w2, b2 = rand(16, 32), rand(64, 32), rand(64), rand(32, 64), rand(32)
+    out, ex, m = lazy(lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + x)
+    assert names(ex) == ["addmm|gelu", "addmm|add.Tensor"]
+    assert m.launches == 2
+    ref = F.linear(F.gelu(F.linear(x.cpu(), w1.cpu(), b1.cpu())), w2.cpu(), b2.cpu()) + x.cpu()
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_scores_scale_mask_softmax_fuse_with_their_matmul():
+    q, k, v = rand(2, 4, 8, 16), rand(2, 4, 8, 16), rand(2, 4, 8, 16)
+    mask = torch.triu(torch.full((8, 8), float("-inf")), 1).to("neuron")
+    out, ex, m = lazy(lambda: ((q @ k.transpose(-2, -1)) * 0.25 + mask).softmax(-1) @ v)
+    assert m.launches == 2
+    first, second = ex.groups
+    assert "bmm" in first["name"] and first["name"].endswith("mul.Tensor|add.Tensor|_softmax")
+    assert second["name"].count("bmm") == 1
+    ref = ((q.cpu() @ k.cpu().transpose(-2, -1)) * 0.25 + mask.cpu()).softmax(-1) @ v.cpu()
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_optimizer_step_over_many_parameters_is_one_launch(foreach):
+    params = [torch.nn.Parameter(rand(16, 16)) for _ in range(10)]
+    for p in params:
+        p.grad = rand(16, 16)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    _, ex, m = lazy(opt.step)
+    assert m.launches == 1, ex
+    if foreach:
+        assert m.ops < 3 * len(params)  # a few foreach calls for all parameters
+    else:
+        assert m.ops >= 10 * len(params)  # ~10 ops per parameter, all in one launch
+
+
+def test_freed_intermediates_are_not_written_back():
+    x = rand(256)
+    _, ex, m = lazy(lambda: (x * 2 + 1).exp())
+    assert m.bytes_saved == 2 * 1024  # (x*2) and (x*2+1) died before the flush
+    _, _, m = lazy(lambda: (x * 2 + 1).exp(), skip_intermediate=False)
+    assert m.bytes_saved == 0
+
+
+# -- known non-fusions ---------------------------------------------------------------
+def test_two_contractions_never_share_a_group():
+    x, w1, w2 = rand(8, 8), rand(8, 8), rand(8, 8)
+    _, ex, m = lazy(lambda: x @ w1 @ w2)
+    assert m.launches == 2 and ex.boundaries == ["second contraction"]
+
+
+def test_data_dependent_op_is_a_barrier():
+    x = rand(32)
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        ae.reset_metrics()
+        y = (x * 2).relu()
+        nz = torch.nonzero(y)  # needs y's values now
+        z = (y + 1).sum()
+        z.item()
+    m = ae.metrics()
+    assert m.flushes.get("data-dependent:aten::nonzero") == 1 and m.flushes.get("item") == 1
+    assert m.launches == 3  # [mul|relu], nonzero, [add|sum]
+    assert nz.shape[1] == 1
+
+
+def test_cpu_fallback_is_a_barrier():
+    x = rand(3, 3)
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        ae.reset_metrics()
+        y = torch.linalg.det(x * 2 + torch.eye(3, device="neuron"))
+        (y + 1).item()
+    assert ae.metrics().flushes.get("fallback:aten::_linalg_det") == 1
+
+
+def test_size_limit_bounds_groups():
+    x = rand(8)
+    _, ex, m = lazy(lambda: [x.add_(1) for _ in range(10)][-1], max_group_ops=4)
+    assert [g["ops"] for g in ex.groups] == [4, 4, 2]
+    assert set(ex.boundaries) == {"size limit (4 ops)"}
+
+
+def test_random_ops_keep_eager_order():
+    def draw():
+        torch.manual_seed(7)
+        a = torch.rand(5, device="neuron") * 2
+        b = torch.randn(5, device="neuron") + a
+        return a, b
+
+    ea, eb = draw()
+    (la, lb), ex, _ = lazy(draw)
+    assert torch.equal(ea.cpu(), la.cpu()) and torch.equal(eb.cpu(), lb.cpu())
+
+
+# -- the reference's matmul strategy ------------------------------------------------
+def test_matmul_strategy_reproduces_reference_grouping_on_linear_stack():
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 8)).to("neuron")
+    x = rand(4, 8)
+    with torch.no_grad():
+        _, ref, _ = lazy(lambda: stack(x), strategy="matmul")
+        _, ours, _ = lazy(lambda: stack(x), strategy="graph")
+    assert names(ref) == ["addmm", "relu|addmm", "relu|addmm"]
+    assert set(ref.boundaries) == {"after matmul"}
+    assert names(ours) == ["addmm|relu", "addmm|relu", "addmm"]
+
+
+def test_matmul_strategy_runs_inplace_ops_unfused():
+    x = rand(8)
+    _, ex, m = lazy(lambda: (x * 2).add_(1).mul(3), strategy="matmul")
+    assert names(ex) == ["mul.Tensor", "add_.Tensor", "mul.Tensor"]
+    assert set(ex.boundaries) == {"in-place op"}
+
+
+def test_none_strategy_is_eager_grouping():
+    x = rand(8)
+    _, ex, m = lazy(lambda: (x * 2 + 1).relu(), strategy="none")
+    assert m.launches == 3
+
+
+# -- plans, caches, failures, explain ------------------------------------------------
+def test_identical_step_reuses_plan_and_compiles_nothing():
+    x, w = rand(16, 16), rand(16, 16)
+
+    def step():
+        return ((x @ w).relu() * 0.5 + x).sum()
+
+    lazy(step)
+    _, ex, m = lazy(step)
+    assert m.compiles == 0 and m.plan_hits == 1 and m.cache_memory_hits == m.launches
+    assert ex.report.plan_hit
+
+
+def test_runtime_scalars_do_not_recompile():
+    x = rand(16)
+    lazy(lambda: x * 0.5 + 1)
+    _, _, m = lazy(lambda: x * 0.25 + 3)
+    assert m.compiles == 0 and m.plan_hits == 1
+
+
+def test_bad_fused_executable_runs_ops_one_by_one(recwarn):
+    runner = ae._engine.ENGINE.runner
+
+    def fail_fused(program):
+        if len(program.instrs) > 1:
+            raise RuntimeError("injected compiler failure")
+
+    x = rand(32)
+    runner.compile_hook = fail_fused
+    try:
+        out, ex, m = lazy(lambda: (x * 3 - 1).abs().neg())
+        assert m.launches == 4  # the group's 4 ops, one by one
+        assert any("failed to compile" in str(w.message) for w in recwarn.list)
+        torch.testing.assert_close(out.cpu(), -((x.cpu() * 3 - 1).abs()))
+        _, _, m2 = lazy(lambda: (x * 3 - 1).abs().neg())
+        assert m2.launches == 4  # marked bad for the process
+    finally:
+        runner.compile_hook = None
+
+
+def test_explain_and_dot():
+    x = rand(4, 4)
+    _, ex, _ = lazy(lambda: (x @ x).relu() @ x)
+    text = str(ex)
+    assert "3 ops -> 2 launches" in text and "second contraction" in text
+    dot = ex.to_dot()
+    assert dot.startswith("digraph") and "cluster_0" in dot and "cluster_1" in dot
+    assert '[label="RAW"' in dot
+
+
+def test_dependency_graph_edges_raw_war_waw():
+    x = rand(4)
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        y = x * 2        # 0: reads x
+        x.add_(1)        # 1: writes x after 0 read it (WAR), reads x
+        z = x + y        # 2: RAW on x (1) and y (0)
+        x.zero_()        # 3: WAW with 1, WAR with 2
+        torch.neuron.synchronize()
+    g = ae.explain().to_networkx()
+    kinds = {(u, v): d["kind"] for u, v, d in g.edges(data=True)}
+    assert kinds[(0, 1)] == "WAR" and kinds[(0, 2)] == "RAW"
+    assert kinds[(1, 2)] == "RAW" and kinds[(1, 3)] == "WAW" and kinds[(2, 3)] == "WAR"
+    assert torch.equal(z.cpu(), (x.cpu() * 0 + 1) * 0 + z.cpu())
