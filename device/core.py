@@ -50,7 +50,7 @@ class Device:
     """One simulated logical NeuronCore."""
 
     def __init__(self, spec: DeviceSpec | None = None, *, blocking: bool = False,
-                 realtime: bool = False, trace_limit: int = 200_000):
+                 realtime: bool = False, trace_limit: int = 100_000):
         self.spec = spec or DeviceSpec()
         self.hbm = HBM(self.spec.hbm_bytes)
         self.blocking = blocking
@@ -60,7 +60,8 @@ class Device:
         self.busy_us = 0.0  # total simulated device time spent running launches
         self._ends: collections.deque[float] = collections.deque()  # end times in flight
         self._errors: list[Launch] = []
-        self.trace: collections.deque[dict] = collections.deque(maxlen=trace_limit)
+        # (name, kind, start, duration, bytes, flops) per launch: the newest trace_limit
+        self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.launches = 0
         self.dmas = 0
         self.rng = DeviceRNG()
@@ -100,9 +101,8 @@ class Device:
                 self._errors.append(launch)
         if self.realtime:
             _sleep_us(cost)
-        self.trace.append({"name": launch.name, "cat": launch.kind, "ph": "X",
-                           "ts": launch.start_us, "dur": cost, "pid": 0, "tid": 0,
-                           "args": {"bytes": launch.nbytes, "flops": launch.flops}})
+        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
+                           launch.flops))
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
@@ -126,7 +126,12 @@ class Device:
 
     def chrome_trace(self) -> dict:
         """The device timeline in Chrome/Perfetto trace-event format."""
-        return {"traceEvents": list(self.trace), "displayTimeUnit": "ms"}
+        events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": 0,
+                   "tid": 0 if kind == "launch" else 1, "args": {"bytes": b, "flops": f}}
+                  for name, kind, ts, dur, b, f in self.trace]
+        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+                for t, n in ((0, "NeuronCore launches"), (1, "DMA"))]
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
 def _sleep_us(us: float) -> None:
