@@ -31,6 +31,7 @@ from .metrics import Metrics
 
 aten = torch.ops.aten
 DEVICE = None  # torch.device("neuron", 0), set by registration
+NeuronTensor = None  # the tensor class, set by _tensor (which imports this module)
 _SKIP_FILES = tuple(os.path.dirname(m.__file__) + os.sep
                     for m in (torch, _dev, fusion, sys.modules[__name__.rpartition(".")[0]]))
 _SKIP_FILES += ("<frozen", os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
@@ -138,7 +139,6 @@ class Engine:
 
     # -- tensors ---------------------------------------------------------------------
     def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:
-        from ._tensor import NeuronTensor
         return NeuronTensor(handle, size, stride, offset, dtype)
 
     def empty(self, size, stride, dtype) -> torch.Tensor:
@@ -491,7 +491,6 @@ class _Encoder:
         self.vbytes: list[int] = []
 
     def enc(self, v, scalar):
-        from ._tensor import NeuronTensor
         if isinstance(v, NeuronTensor):
             h = v._handle
             li = self.where.get(h.uid)
@@ -526,7 +525,6 @@ class _FakeNode:
 def _raise_as_cpu_would(func, args, kwargs) -> None:
     """A user error found by meta execution: raise it with CPU's own message (meta kernels
     word some checks differently), by running the op on uninitialized host tensors."""
-    from ._tensor import NeuronTensor
 
     def host(v):
         if isinstance(v, NeuronTensor):
@@ -556,7 +554,6 @@ def _to_meta(v, t, metas):
 
 def _to_host(v, views: dict):
     """Argument v with neuron tensors replaced by host views of their device buffers."""
-    from ._tensor import NeuronTensor
     if isinstance(v, NeuronTensor):
         h = v._handle
         views[id(v)] = v
@@ -613,7 +610,6 @@ def _package_version() -> str:
 
 # -- ops the engine handles itself -----------------------------------------------------
 def _copy_(eng, func, args, kwargs):
-    from ._tensor import NeuronTensor
     dst, src = args[0], args[1]
     if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor):
         return eng._dispatch(func, args, kwargs)

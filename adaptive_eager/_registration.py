@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _engine, neuron
+from . import _engine, _tensor, neuron  # noqa: F401  (_tensor sets the class)
 
 _done = False
 _lib = None

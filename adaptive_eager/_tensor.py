@@ -82,6 +82,9 @@ class NeuronTensor(torch.Tensor):
         return new
 
 
+_engine.NeuronTensor = NeuronTensor
+
+
 def _rebuild(cpu, requires_grad):
     t = cpu.to(_engine.DEVICE)
     return t.requires_grad_(requires_grad) if requires_grad else t

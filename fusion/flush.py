@@ -43,7 +43,7 @@ class Plan:
     groups: list[GroupPlan]
     reasons: list[str]  # boundary before group i+1
     graph: nx.DiGraph
-    skipped: list[int]  # canonical indices of created values never written back
+    skipped_bytes: int  # bytes of created values never written back (freed before flush)
 
 
 @dataclasses.dataclass
@@ -107,8 +107,7 @@ class Runner:
                 self.plans.popitem(last=False)
             self.counters["plan_misses"] += 1
         self._execute(nodes, plan, handles)
-        saved = sum(handles[c].nbytes if handles[c] else _nbytes_of(nodes, canon, c)
-                    for c in plan.skipped)
+        saved = plan.skipped_bytes
         self.counters["bytes_saved"] += saved
         return FlushReport(
             reason=reason, strategy=strategy.name, n_ops=len(nodes),
@@ -129,13 +128,14 @@ class Runner:
                 n = nodes[i]
                 for li in n.reads:
                     last_read[canon[n.uids[li]]] = gi
-        plans, skipped = [], []
+        plans, skipped = [], 0
         for gi, g in enumerate(groups):
             members = [nodes[i] for i in g]
             created = {n.uids[li] for n in members for li in n.writes if n.is_new(li)}
             keep = {u for u in created
                     if handles[canon[u]] is not None or last_read.get(canon[u], -1) > gi}
-            skipped += [canon[u] for u in created - keep]
+            skipped += sum(n.vbytes[li] for n in members for li in n.writes
+                           if n.uids[li] in created and n.uids[li] not in keep)
             program, slot_uids = build_program(members, keep)
             exe, level = self._executable(program)
             slots = [canon[u] for u in slot_uids]
@@ -194,14 +194,6 @@ class Runner:
                 if h is not None and h.pending:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
-
-
-def _nbytes_of(nodes, canon, c) -> int:
-    for n in nodes:
-        for li, u in enumerate(n.uids):
-            if canon[u] == c:
-                return n.vbytes[li]
-    return 0
 
 
 class OneByOne(Executable):

@@ -71,6 +71,13 @@ def from_json(t: Any) -> Any:
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def op_name(func) -> str:
+    """Short name in fused names (`mul.Tensor|add.Tensor|gelu`, as the reference)."""
+    name = func._schema.name.split("::")[-1]
+    return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
+
+
 class Node:
     """One queued ATen op."""
 
@@ -81,8 +88,7 @@ class Node:
     def __init__(self, func, cls, args, kwargs, outs, uids, refs, reads, writes, inputs,
                  flops, vbytes, source):
         self.func = func
-        self.name = func._schema.name.split("::")[-1] + (
-            "." + func._overloadname if func._overloadname != "default" else "")
+        self.name = op_name(func)
         self.cls = cls
         self.args, self.kwargs, self.outs = args, kwargs, outs
         # Why each signature field is there: the op overload picks the kernel, the templates

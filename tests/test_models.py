@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from models import train
+from adaptive_eager.models import train
 
 KINDS = ["mlp", "cnn", "encoder", "gpt"]
 

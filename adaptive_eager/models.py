@@ -1,4 +1,4 @@
-"""Small models shared by tests, benchmarks and the demo."""
+"""Small models shared by the demo, the benchmarks and the tests."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
