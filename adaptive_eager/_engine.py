@@ -110,7 +110,8 @@ class Engine:
         if cfg.strategy not in STRATEGIES:
             raise ValueError(f"unknown fusion strategy {cfg.strategy!r}; "
                              f"choose one of {sorted(STRATEGIES)}")
-        self.strategy = STRATEGIES[cfg.strategy](self.spec, cfg.max_group_ops)
+        self.strategy = STRATEGIES[cfg.strategy](self.spec, cfg.max_group_ops,
+                                                 cfg.max_group_contractions)
         cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
         salt = "|".join([_package_version(), torch.__version__, "executor=eager",
                          self.spec.fingerprint()])

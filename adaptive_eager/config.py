@@ -58,6 +58,8 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
     ("strategy", "ADAPTIVE_EAGER_FUSION_STRATEGY", "graph", str,
      "fusion strategy in adaptive mode: graph, matmul or none"),
     ("max_group_ops", "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group"),
+    ("max_group_contractions", "ADAPTIVE_EAGER_MAX_GROUP_CONTRACTIONS", 4, int,
+     "max contractions (matmul/conv) in one fused group of the graph strategy"),
     ("max_pending_mb", "ADAPTIVE_EAGER_MAX_PENDING_MB", 1024.0, float,
      "flush when queued (not yet written) values exceed this many MiB"),
     ("realtime", "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
@@ -82,6 +84,7 @@ class Config:
     log_level: int = 1
     strategy: str = "graph"
     max_group_ops: int = 128
+    max_group_contractions: int = 4
     max_pending_mb: float = 1024.0
     realtime: bool = False
 

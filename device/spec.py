@@ -17,6 +17,7 @@ class DeviceSpec:
     """Figures of one simulated logical NeuronCore; all overridable."""
 
     hbm_bytes: int = 24 * GiB  # assumption: 96 GiB per chip / 4 logical cores
+    sbuf_bytes: int = 24 * 2**20  # assumption: on-chip SBUF of one NeuronCore (24 MiB)
     hbm_bandwidth_gbps: float = 725.0  # assumption: 2.9 TB/s per chip / 4, in GB/s
     peak_tflops_bf16: float = 167.0  # assumption: ~667 dense BF16 TFLOP/s per chip / 4
     peak_tflops_fp32: float = 42.0  # assumption: a quarter of the BF16 rate

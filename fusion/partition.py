@@ -52,7 +52,8 @@ class GroupState:
     size: int = 0
     contractions: int = 0
     inplace: bool = False
-    nbytes: int = 0
+    nbytes: int = 0  # bytes read + written by its ops, counted per op
+    produced: int = 0  # bytes of the values its ops produce: the on-chip working set bound
     flops: float = 0.0
 
     def add(self, n: Node) -> None:
@@ -60,6 +61,7 @@ class GroupState:
         self.contractions += n.cls == CONTRACTION
         self.inplace = self.inplace or is_inplace(n)
         self.nbytes += n.in_bytes + n.out_bytes
+        self.produced += n.out_bytes
         self.flops += n.flops
 
 
@@ -73,9 +75,11 @@ class Strategy:
 
     name = "base"
 
-    def __init__(self, spec: DeviceSpec | None = None, max_group_ops: int = 128):
+    def __init__(self, spec: DeviceSpec | None = None, max_group_ops: int = 128,
+                 max_contractions: int = 4):
         self.spec = spec or DeviceSpec()
         self.max_group_ops = max_group_ops
+        self.max_contractions = max_contractions
 
     def cut(self, g: GroupState, n: Node, dependent: bool) -> str | None:
         raise NotImplementedError
@@ -83,7 +87,13 @@ class Strategy:
 
 class GraphStrategy(Strategy):
     """Our default (DESIGN.md fusion rules): pointwise chains, pointwise into and out of
-    reductions, contraction epilogues, horizontal concatenation when the cost model pays."""
+    reductions, contraction epilogues, horizontal concatenation when the cost model pays.
+
+    Note [Contractions per group]: a group may hold up to `max_contractions` (default 4)
+    contractions, the shapes of the fused kernels a NeuronCore runs well: attention's
+    QK^T -> softmax -> PV, an MLP's two linears with the activation between, a linear's
+    backward pair dX/dW (independent, concatenated). Its working set (every value its ops
+    produce) must fit in SBUF, so kernel-sized groups stay kernel-sized on large tensors."""
 
     name = "graph"
 
@@ -93,8 +103,10 @@ class GraphStrategy(Strategy):
     def legal(self, g, n) -> str | None:
         if g.size >= self.max_group_ops:
             return f"size limit ({self.max_group_ops} ops)"
-        if n.cls == CONTRACTION and g.contractions:
-            return "second contraction"
+        if n.cls == CONTRACTION and g.contractions >= self.max_contractions:
+            return f"contraction limit ({self.max_contractions})"
+        if g.produced + n.out_bytes > self.spec.sbuf_bytes:
+            return "SBUF capacity"
         return None
 
     def pays(self, g, n) -> str | None:
