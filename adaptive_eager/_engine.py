@@ -23,7 +23,7 @@ from device import Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, encode_static, scalar_positions
-from fusion.ops import BARRIER, RANDOM, VIEW, op_class
+from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
@@ -71,6 +71,11 @@ class MetaResult:
         self.new_bytes = new_bytes  # bytes of each new output, in order
         self.writes = writes  # local buffer indices updated in place
         self.flops = flops
+
+
+def _wrapper_bytes(t) -> int:
+    """Bytes the wrapper tensor was created over (fixed for its lifetime)."""
+    return t._wrapper_nbytes
 
 
 def _extent_bytes(size, stride, offset, itemsize) -> int:
@@ -181,6 +186,8 @@ class Engine:
             return self.run_now(func, args, kwargs, fallback=True)
         if cls == BARRIER:
             return self.run_now(func, args, kwargs, fallback=False)
+        if cls == INPLACE_VIEW:
+            return self._inplace_view(func, args, kwargs)
         args_t, kwargs_t, handles, inputs, vbytes = self._template(func, args, kwargs)
         key = (func, args_t, kwargs_t)
         meta = self.meta_cache.get(key)
@@ -225,6 +232,7 @@ class Engine:
                 raise _NoMeta(str(e)) from e
             _raise_as_cpu_would(func, args, kwargs)
             raise
+        out = _cpu_shaped(func, m_args, m_kwargs, out)
         storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
         leaves, spec = tree_flatten(out)
         rets = func._schema.returns
@@ -278,6 +286,28 @@ class Engine:
         flops = _flops(func, m_args, m_kwargs, out)
         return MetaResult(tuple(out_leaves), spec, tuple(outs) if new_bytes else None,
                           tuple(new_bytes), tuple(writes), flops)
+
+    def _inplace_view(self, func, args, kwargs):
+        """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
+        over the same buffer (resize_ cannot grow past the allocation the tensor was made
+        with: a wrapper tensor's extent is fixed when it is created)."""
+        t = args[0]
+        args_t, kwargs_t, handles, _, _ = self._template(func, args, kwargs)
+        metas = [torch.empty(0, dtype=torch.uint8, device="meta").set_(
+            torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,))
+            for h in handles]
+        m = _to_meta(t, args_t[0], metas)
+        func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
+             **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
+        need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
+        if need > _wrapper_bytes(t):
+            raise RuntimeError(
+                f"{func._schema.name}: growing a neuron tensor beyond its allocation "
+                f"({_wrapper_bytes(t)} bytes, {need} needed) is not supported; allocate a new "
+                f"tensor (torch.empty(..., device='neuron')) and copy into it.")
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
+        return t
 
     def _record(self, func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta):
         new_bytes = sum(meta.new_bytes)
@@ -523,6 +553,23 @@ class _FakeNode:
         self.source = _source()
 
 
+_BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"}
+
+
+def _cpu_shaped(func, m_args, m_kwargs, out):
+    """Where CPU kernels shape outputs unlike the meta kernels: eval-mode batch norm returns
+    empty saved statistics on CPU (meta says (C,)). Our device follows CPU."""
+    if func.overloadpacket.__name__ not in _BN:
+        return out
+    names = [a.name for a in func._schema.arguments]
+    training = (m_kwargs.get("training", m_args[names.index("training")]
+                             if "training" in names and names.index("training") < len(m_args)
+                             else False))
+    if training:
+        return out
+    return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
+
+
 def _raise_as_cpu_would(func, args, kwargs) -> None:
     """A user error found by meta execution: raise it with CPU's own message (meta kernels
     word some checks differently), by running the op on uninitialized host tensors."""
@@ -548,8 +595,8 @@ def _to_meta(v, t, metas):
             metas[li].untyped_storage(), off, size, stride)
     if type(t) is tuple and t and t[0] == "L":
         return [_to_meta(x, tt, metas) for x, tt in zip(v, t[1:])]
-    if type(t) is tuple and t and t[0] == "H":
-        return v
+    if isinstance(v, torch.device) and v.type == DEVICE.type:
+        return torch.device("meta")  # a device= argument must not allocate (or draw) for real
     return v
 
 
@@ -647,25 +694,19 @@ def _unsafe_view(eng, func, args, kwargs):
     return eng.dispatch(aten.view.default, args, kwargs)
 
 
-def _resize_(eng, func, args, kwargs):
-    t, size = args[0], tuple(args[1])
-    if tuple(t.shape) == size:
-        return t
-    raise RuntimeError(f"resize_ of a neuron tensor from {tuple(t.shape)} to {size} is not "
-                       f"supported; allocate a new tensor (torch.empty(..., device='neuron')).")
-
-
 def _set_(eng, func, args, kwargs):
     raise RuntimeError(f"{func._schema.name} (Tensor.set_) is not supported on neuron tensors; "
                        f"use copy_ or a new tensor.")
 
+
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
 
 _SPECIAL = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._unsafe_view.default: _unsafe_view,
-    aten.resize_.default: _resize_,
 }
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_

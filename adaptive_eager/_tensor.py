@@ -18,6 +18,7 @@ class NeuronTensor(torch.Tensor):
             cls, size, strides=stride, storage_offset=offset, dtype=dtype,
             device=_engine.DEVICE, requires_grad=requires_grad)
         t._handle = handle
+        t._wrapper_nbytes = _engine._extent_bytes(size, stride, offset, dtype.itemsize)
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl

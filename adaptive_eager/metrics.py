@@ -36,6 +36,7 @@ class Snapshot:
     peak_memory_bytes: int
     memory_bytes: int
     bytes_saved: int
+    hbm_bytes: int
     mean_group_size: float
     group_sizes: dict
 
@@ -72,6 +73,7 @@ def snapshot(engine, base: dict) -> Snapshot:
         compile_time_us=r.counters["compile_time_us"] - base.get("ctime", 0.0),
         peak_memory_bytes=dev.hbm.peak, memory_bytes=dev.hbm.used,
         bytes_saved=r.counters["bytes_saved"] - base.get("saved", 0),
+        hbm_bytes=dev.hbm_bytes - base.get("hbm", 0),
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
         group_sizes=groups)
 
@@ -81,7 +83,8 @@ def base_of(engine) -> dict:
     r, st = engine.runner, engine.runner.cache.stats
     return {"compiles": st.misses, "mem": st.memory_hits, "disk": st.disk_hits,
             "plan": r.counters["plan_hits"], "busy": engine.device.busy_us,
-            "ctime": r.counters["compile_time_us"], "saved": r.counters["bytes_saved"]}
+            "ctime": r.counters["compile_time_us"], "saved": r.counters["bytes_saved"],
+            "hbm": engine.device.hbm_bytes}
 
 
 def report(s: Snapshot) -> str:
@@ -96,6 +99,7 @@ def report(s: Snapshot) -> str:
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
         ("host->device bytes", s.h2d_bytes), ("device->host bytes", s.d2h_bytes),
+        ("HBM bytes moved by launches", s.hbm_bytes),
         ("bytes not written back", s.bytes_saved),
         ("device memory (now / peak)", f"{s.memory_bytes} / {s.peak_memory_bytes} B"),
     ]

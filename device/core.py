@@ -64,6 +64,7 @@ class Device:
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.launches = 0
         self.dmas = 0
+        self.hbm_bytes = 0  # HBM traffic of all launches
         self.rng = DeviceRNG()
 
     # -- host side -------------------------------------------------------------------
@@ -85,6 +86,7 @@ class Device:
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
             self.launches += 1
+            self.hbm_bytes += launch.nbytes
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
         if self.in_flight() >= spec.max_in_flight:
             self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])

@@ -14,6 +14,7 @@ aten = torch.ops.aten
 
 VIEW, POINTWISE, REDUCTION, CONTRACTION, INDEXING, RANDOM, BARRIER = (
     "view", "pointwise", "reduction", "contraction", "indexing", "random", "barrier")
+INPLACE_VIEW = "inplace_view"  # squeeze_, t_, as_strided_, resize_...: metadata only
 
 _CONTRACTION = {
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
@@ -52,7 +53,7 @@ _INDEXING = {
     "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
     "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
-    "arange", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy", "resize_",
+    "arange", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
 }
 # Ops the schema marks as views but that need to touch data on our device, or are not
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
@@ -66,6 +67,8 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
     name = func.overloadpacket.__name__
     base = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
     tags = func.tags
+    if torch.Tag.inplace_view in tags or name == "resize_":
+        return INPLACE_VIEW
     if func.is_view or name in _VIEW_EXTRA:
         return VIEW
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:

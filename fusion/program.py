@@ -159,6 +159,8 @@ def run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
         if o is None:
             continue
         s, size, stride, dtype = o
+        if dtype is torch.float64:  # Note [float64 policy]: values carry float32 precision
+            r = r.to(torch.float32)
         if (r.dtype != dtype or r.storage_offset() != 0 or tuple(r.stride()) != stride
                 or tuple(r.shape) != size):
             e = torch.empty_strided(size, stride, dtype=dtype)

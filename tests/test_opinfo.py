@@ -26,8 +26,11 @@ computation); a failure there is a *cascading failure* (an earlier op broke the 
 reported as such, never covered by the xfail list.
 
 Run: `python -m pytest tests/test_opinfo.py -q`. The last test prints the summary
-"OpInfo: N ops tested, P pass in eager, Q pass in adaptive (x%)". Regenerate a draft xfail
-list with `python tests/test_opinfo.py --write-xfail` (review the reasons before checking in).
+"OpInfo: N ops tested, P pass in eager, Q pass in adaptive (x%)". Print a draft xfail list
+(raw first errors as reasons) with `python tests/test_opinfo.py --draft-xfail`; the checked-in
+reasons are hand-written root causes, so merge by hand. `python tests/test_opinfo.py OP...`
+runs single ops and prints their errors. OPINFO_SAMPLES=N changes the samples per op (the
+xfail list is made for the default).
 """
 from __future__ import annotations
 
@@ -370,7 +373,9 @@ def _run_sample(op, fn, tag, si, sample, random, res, modes) -> bool:
         meta_only = True
     # Some CPU kernels (LAPACK gelsy, ...) give other bits for a differently aligned input:
     # then "adaptive == eager bit for bit" cannot hold either, and is checked with tolerance.
-    bitwise = not meta_only
+    # linalg.lstsq (gelsy) is known to be alignment-sensitive; the probe below can miss it
+    # when both allocations happen to share an alignment.
+    bitwise = not meta_only and not op.name.startswith("linalg.lstsq")
     if bitwise:
         try:
             s3 = _misaligned_sample(sample)
@@ -523,7 +528,7 @@ def summary(results) -> str:
 
 
 def test_zz_summary(capsys):
-    """Prints the pass rate over the ops run in this session (runs last: name order)."""
+    """Prints the pass rate over the ops run in this session (defined last, so runs last)."""
     if not RESULTS:
         pytest.skip("no OpInfo test ran")
     text = summary(RESULTS)
@@ -534,10 +539,10 @@ def test_zz_summary(capsys):
 
 
 # ------------------------------------------------------------------------------------------
-# CLI: python tests/test_opinfo.py [--write-xfail] [op ids...]
+# CLI: python tests/test_opinfo.py [--draft-xfail] [op ids...]
 # ------------------------------------------------------------------------------------------
 def _main(argv) -> int:
-    write = "--write-xfail" in argv
+    write = "--draft-xfail" in argv
     names = [a for a in argv if not a.startswith("--")]
     ae.set_strategy("graph")
     results = {}
@@ -563,8 +568,8 @@ def _main(argv) -> int:
             else:
                 for m, e in r.errors.items():
                     lines.append(f"{m}:{r.op_id}  # {e}")
-        XFAIL_FILE.write_text("\n".join(lines) + "\n")
-        print(f"wrote {len(lines)} entries to {XFAIL_FILE}")
+        print("# draft for opinfo_xfail.txt:")
+        print("\n".join(lines))
     return 0
 
 

@@ -1,0 +1,73 @@
+"""Per-step figures of one mode: what `benchmark.extra_info` carries."""
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import adaptive_eager as ae
+
+
+class CountOps(TorchDispatchMode):
+    """Counts ATen ops (the CPU reference's 'intercepted ops')."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def sync(device):
+    if device != "cpu":
+        torch.neuron.synchronize()
+
+
+def step_figures(step, device, steps=3) -> dict:
+    """Run `steps` warm steps; mean figures per step (deterministic ones from the simulator)."""
+    step()
+    sync(device)  # warm-up: compiles, plans
+    if device == "cpu":
+        with CountOps() as c:
+            step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - t0) / steps
+        return {"ops_per_step": c.n, "host_us_per_op": wall / c.n * 1e6}
+    before = ae.metrics()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+        sync(device)  # a step ends at a sync point (a training loop's loss.item())
+    wall = (time.perf_counter() - t0) / steps
+    m = ae.metrics() - before
+    return {
+        "ops_per_step": m.ops / steps,
+        "launches_per_step": m.launches / steps,
+        "mean_group_size": round(m.mean_group_size, 3),
+        "device_us_per_step": m.device_time_us / steps,
+        "host_us_per_op": wall / (m.ops / steps) * 1e6,
+        "compiles": m.compiles,
+        "cache_hits": m.cache_memory_hits + m.cache_disk_hits,
+        "plan_hits": m.plan_hits,
+        "hbm_bytes_per_step": m.hbm_bytes / steps,
+        "bytes_saved_per_step": m.bytes_saved / steps,
+        "cpu_fallbacks": sum(m.cpu_fallbacks.values()),
+    }
+
+
+def inductor_kernels(make) -> int:
+    """Kernels TorchInductor generates for the same step on CPU (torch.compile).
+
+    Counted with torch._inductor.metrics.generated_kernel_count: Inductor's own generated
+    (C++) kernels for every graph of the step (forward, backward, optimizer), not counting
+    extern calls such as mm, which Inductor hands to a library."""
+    import torch._dynamo
+    from torch._inductor import metrics
+    torch._dynamo.reset()
+    metrics.reset()
+    step = torch.compile(make("cpu"))
+    step()
+    return metrics.generated_kernel_count

@@ -1,0 +1,25 @@
+"""The modes every workload runs in, in the same run."""
+import contextlib
+
+import adaptive_eager as ae
+
+# name -> (device, adaptive strategy or None, settings)
+MODES = {
+    "cpu": ("cpu", None, {}),
+    "eager": ("neuron", None, {}),
+    "graph": ("neuron", "graph", {}),
+    "matmul": ("neuron", "matmul", {}),
+    # the compiled-graph bound of our partitioner: purely lazy, no sync inside the step
+    "whole-graph": ("neuron", "graph", {"queue_low_threshold": 0}),
+}
+
+
+@contextlib.contextmanager
+def mode_scope(mode, **extra):
+    device, strategy, settings = MODES[mode]
+    if device == "cpu":
+        yield device
+        return
+    with ae.override(**settings, **extra), ae.adaptive(on=strategy is not None,
+                                                       strategy=strategy):
+        yield device

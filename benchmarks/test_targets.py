@@ -1,0 +1,34 @@
+"""The suite's targets that are deterministic (simulated launches and device time): checked
+on every run. Wall-clock targets are reported by the full run, never asserted."""
+import pytest
+
+import adaptive_eager as ae
+from measure import step_figures
+from modes import mode_scope
+from workloads import WORKLOADS
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    figures = {}
+    for mode in ("eager", "graph", "matmul", "whole-graph"):
+        with mode_scope(mode) as device:
+            figures[mode] = step_figures(WORKLOADS["gpt_train"](device), device)
+    return figures
+
+
+def test_graph_launches_at_most_15_percent_of_eager_and_below_matmul(gpt):
+    assert gpt["graph"]["launches_per_step"] <= 0.15 * gpt["eager"]["launches_per_step"]
+    assert gpt["graph"]["launches_per_step"] < gpt["matmul"]["launches_per_step"]
+
+
+def test_graph_device_time_at_most_35_percent_of_eager_and_near_whole_graph(gpt):
+    g = gpt["graph"]["device_us_per_step"]
+    assert g <= 0.35 * gpt["eager"]["device_us_per_step"]
+    assert g <= 1.15 * gpt["whole-graph"]["device_us_per_step"]
+
+
+def test_steady_state_compiles_nothing(gpt):
+    for mode in ("graph", "matmul", "whole-graph"):
+        assert gpt[mode]["compiles"] == 0, mode
+        assert gpt[mode]["plan_hits"] > 0, mode

@@ -1,0 +1,75 @@
+"""Workloads of the launch-overhead suite. Each maker builds, on `device`, the inputs and
+model of one step and returns a callable running that step (no host sync inside)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptive_eager.models import CNN, GPT, batches
+
+
+def pointwise_chain(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g).to(device)
+    b = torch.randn(256, generator=g).to(device)
+    return lambda: F.gelu(x + b) * 0.5 + x  # bias, GELU, scale, residual
+
+
+def mlp_block(device):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)).to(device)
+    x = torch.randn(32, 128).to(device)
+
+    @torch.no_grad()
+    def step():
+        return mlp(x) + x
+    return step
+
+
+def layernorm_softmax(device):
+    torch.manual_seed(0)
+    x = torch.randn(32, 128).to(device)
+    w, b = torch.ones(128).to(device), torch.zeros(128).to(device)
+    return lambda: F.layer_norm(x, (128,), w, b).softmax(-1)
+
+
+def encoder_block(device):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.0,
+                                       batch_first=True).to(device)
+    x = torch.randn(4, 32, 64).to(device)
+
+    @torch.no_grad()
+    def step():
+        return layer(x)
+    return step
+
+
+def _train_step(model, opt, x, y):
+    def step():
+        out = model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def gpt_train(device):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = batches("gpt", 1)[0]
+    return _train_step(model, opt, x.to(device), y.to(device))
+
+
+def cnn_train(device):
+    torch.manual_seed(0)
+    model = CNN().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = batches("cnn", 1)[0]
+    return _train_step(model, opt, x.to(device), y.to(device))
+
+
+WORKLOADS = {f.__name__: f for f in (pointwise_chain, mlp_block, layernorm_softmax,
+                                     encoder_block, gpt_train, cnn_train)}
