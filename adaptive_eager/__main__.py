@@ -7,6 +7,9 @@ def main() -> int:
     if cmd == "demo":
         from .demo import main as demo
         return demo(rest)
+    if cmd == "report":
+        from .report import main as report
+        return report(rest)
     if cmd == "config":
         from .config import describe
         print(describe())

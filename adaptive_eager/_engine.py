@@ -61,16 +61,25 @@ class _NoMeta(Exception):
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops")
+    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops", "single", "f64")
 
     def __init__(self, leaves, spec, outs, new_bytes, writes, flops):
-        self.leaves = leaves  # per leaf: ("new", k, leaf) | ("view", li, size, stride, off,
-        #                       dtype) | ("arg", schema index, list index) | ("value", v)
+        self.single = spec.is_leaf()  # one output: no pytree rebuild per call
+        self.f64 = any(o is not None and o[4] == "float64" for o in outs or ())
+        self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
+        # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
+        # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
         self.spec = spec
         self.outs = outs  # per leaf: ("N", li, size, stride, dtype) if new, else None
         self.new_bytes = new_bytes  # bytes of each new output, in order
         self.writes = writes  # local buffer indices updated in place
         self.flops = flops
+
+
+def _info(size, stride, offset, t) -> tuple:
+    """(layout, view bytes, extent bytes) a NeuronTensor caches, from its meta twin."""
+    return ((size, stride, offset, str(t.dtype)[6:]), t.numel() * t.element_size(),
+            _extent_bytes(size, stride, offset, t.element_size()))
 
 
 def _wrapper_bytes(t) -> int:
@@ -267,11 +276,13 @@ class Engine:
                 out_leaves.append(("arg", alias[0], leaf_alias[i][1]))
                 outs.append(None)
             elif (alias is not None or cls == VIEW) and li is not None:
-                out_leaves.append(("view", li, size, stride, off, dt))
+                out_leaves.append(("view", li, size, stride, off, leaf.dtype,
+                                   _info(size, stride, off, leaf)))
                 outs.append(None)
             else:
                 k = len(new_bytes)
-                out_leaves.append(("new", k, i))
+                out_leaves.append(("new", k, size, stride, leaf.dtype,
+                                   _info(size, stride, 0, leaf)))
                 outs.append(("N", nh + k, size, stride, dt))
                 new_bytes.append(_extent_bytes(size, stride, off, leaf.element_size()))
         writes = []
@@ -307,15 +318,15 @@ class Engine:
                 f"tensor (torch.empty(..., device='neuron')) and copy into it.")
         with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
             aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
+        t._set_layout()
         return t
 
     def _record(self, func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta):
         new_bytes = sum(meta.new_bytes)
         self._make_room(new_bytes)
         new = [Handle(b, pending=True) for b in meta.new_bytes]
-        for o in meta.outs or ():
-            if o is not None:
-                self._check_dtype(getattr(torch, o[4]))
+        if meta.f64:
+            self._check_dtype(torch.float64)
         uids = tuple(h.uid for h in handles) + tuple(h.uid for h in new)
         reads = tuple(range(len(handles)))
         writes = meta.writes + tuple(range(len(handles), len(handles) + len(new)))
@@ -353,11 +364,11 @@ class Engine:
         for leaf in meta.leaves:
             kind = leaf[0]
             if kind == "new":
-                o = meta.outs[leaf[2]]
-                out.append(self.wrap(new[leaf[1]], o[2], o[3], 0, getattr(torch, o[4])))
+                _, k, size, stride, dtype, info = leaf
+                out.append(NeuronTensor(new[k], size, stride, 0, dtype, info=info))
             elif kind == "view":
-                _, li, size, stride, off, dt = leaf
-                out.append(self.wrap(handles[li], size, stride, off, getattr(torch, dt)))
+                _, li, size, stride, off, dtype, info = leaf
+                out.append(NeuronTensor(handles[li], size, stride, off, dtype, info=info))
             elif kind == "arg":
                 _, j, k = leaf
                 a = func._schema.arguments[j]
@@ -365,7 +376,7 @@ class Engine:
                 out.append(v[k] if isinstance(v, (list, tuple)) else v)
             else:
                 out.append(leaf[1])
-        return tree_unflatten(out, meta.spec)
+        return out[0] if meta.single else tree_unflatten(out, meta.spec)
 
     # -- flush and sync --------------------------------------------------------------
     def flush(self, reason: str) -> None:
@@ -522,15 +533,16 @@ class _Encoder:
         self.vbytes: list[int] = []
 
     def enc(self, v, scalar):
-        if isinstance(v, NeuronTensor):
+        if type(v) is NeuronTensor:
             h = v._handle
             li = self.where.get(h.uid)
             if li is None:
                 li = self.where[h.uid] = len(self.handles)
                 self.handles.append(h)
-                self.vbytes.append(0)
-            self.vbytes[li] = min(h.nbytes, max(self.vbytes[li], v.numel() * v.element_size()))
-            return ("T", li, tuple(v.shape), v.stride(), v.storage_offset(), str(v.dtype)[6:])
+                self.vbytes.append(min(h.nbytes, v._vbytes))
+            elif v._vbytes > self.vbytes[li]:
+                self.vbytes[li] = min(h.nbytes, v._vbytes)
+            return ("T", li) + v._layout
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(
@@ -542,6 +554,10 @@ class _Encoder:
         if scalar and isinstance(v, (int, float, bool, complex)):
             self.inputs.append(v)
             return ("S", len(self.inputs) - 1, type(v).__name__)
+        if scalar and isinstance(v, (list, tuple)) and v and all(
+                isinstance(x, (int, float, bool, complex)) for x in v):
+            self.inputs.append(list(v))  # a Scalar[]: runtime values, keyed by types only
+            return ("S", len(self.inputs) - 1, tuple(type(x).__name__ for x in v))
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
             return ("L",) + tuple(self.enc(x, scalar) for x in v)
         return encode_static(v)

@@ -13,13 +13,33 @@ class NeuronTensor(torch.Tensor):
     __slots__ = ()  # the handle lives in __dict__ (wrapper subclasses need one)
 
     @staticmethod
-    def __new__(cls, handle, size, stride, offset, dtype, requires_grad=False):
+    def __new__(cls, handle, size, stride, offset, dtype, requires_grad=False, info=None):
         t = torch.Tensor._make_wrapper_subclass(
             cls, size, strides=stride, storage_offset=offset, dtype=dtype,
             device=_engine.DEVICE, requires_grad=requires_grad)
         t._handle = handle
-        t._wrapper_nbytes = _engine._extent_bytes(size, stride, offset, dtype.itemsize)
+        if info is None:
+            t._wrapper_nbytes = _engine._extent_bytes(size, stride, offset, dtype.itemsize)
+            t._set_layout()
+        else:  # precomputed per op signature by the engine's meta cache
+            t._layout, t._vbytes, t._wrapper_nbytes = info
         return t
+
+    def _set_layout(self):
+        """Cache what every op's template needs (reading it back through torch is slower)."""
+        self._layout = (tuple(self.shape), self.stride(), self.storage_offset(),
+                        str(self.dtype)[6:])
+        self._vbytes = self.numel() * self.element_size()
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new):  # `p.data = q` (module.half(), ...) swaps the buffer too
+        torch.Tensor.data.__set__(self, new)
+        self._handle, self._wrapper_nbytes = new._handle, new._wrapper_nbytes
+        self._set_layout()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -1,0 +1,88 @@
+"""`python -m adaptive_eager report BENCH.json`: a saved pytest-benchmark run of
+benchmarks/ -> a Markdown table of ratios between modes, and a PNG chart."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+MODES = ["cpu", "eager", "graph", "matmul", "whole-graph"]
+
+
+def load(path: str) -> dict:
+    """{workload: {mode: extra_info + wall-clock mean (us)}}"""
+    with open(path) as f:
+        data = json.load(f)
+    out: dict = collections.defaultdict(dict)
+    for b in data["benchmarks"]:
+        e = dict(b["extra_info"])
+        e["wall_us"] = b["stats"]["mean"] * 1e6
+        out[e["workload"]][e["mode"]] = e
+    return out
+
+
+def markdown(res: dict) -> str:
+    head = ("workload", "mode", "launches/step", "vs eager", "mean group", "device us/step",
+            "vs eager", "host us/op", "vs CPU", "HBM KiB/step", "saved KiB/step",
+            "wall us/step")
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for wl, modes in res.items():
+        eager, cpu = modes.get("eager", {}), modes.get("cpu", {})
+        for mode in MODES:
+            e = modes.get(mode)
+            if e is None:
+                continue
+            if mode == "cpu":
+                k = e.get("inductor_kernels")
+                rows.append(f"| {wl} | cpu (inductor kernels: {k if k is not None else 'n/a'}) "
+                            f"| | | | | | {e['host_us_per_op']:.1f} | 1.00x | | | "
+                            f"{e['wall_us']:.0f} |")
+                continue
+            rows.append(
+                f"| {wl} | {mode} | {e['launches_per_step']:.1f} | "
+                f"{e['launches_per_step'] / eager['launches_per_step']:.1%} | "
+                f"{e['mean_group_size']:.1f} | {e['device_us_per_step']:.1f} | "
+                f"{e['device_us_per_step'] / eager['device_us_per_step']:.1%} | "
+                f"{e['host_us_per_op']:.1f} | "
+                f"{e['host_us_per_op'] / cpu['host_us_per_op']:.1f}x | "
+                f"{e['hbm_bytes_per_step'] / 1024:.1f} | {e['bytes_saved_per_step'] / 1024:.1f}"
+                f" | {e['wall_us']:.0f} |")
+    return "\n".join(rows)
+
+
+def chart(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = [m for m in MODES if m != "cpu"]
+    wls = list(res)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(modes)
+    for ax, key, title in ((axes[0], "launches_per_step", "launches per step"),
+                           (axes[1], "device_us_per_step", "simulated device time per step (us)")):
+        for i, m in enumerate(modes):
+            vals = [res[w].get(m, {}).get(key, 0) for w in wls]
+            ax.bar([x + i * width for x in range(len(wls))], vals, width, label=m)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(wls))])
+        ax.set_xticklabels(wls, rotation=20, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m adaptive_eager report", description=__doc__)
+    p.add_argument("json", help="pytest-benchmark JSON (--benchmark-json=...)")
+    p.add_argument("--md", default="benchmarks/results.md", help="Markdown table to write")
+    p.add_argument("--png", default="benchmarks/results.png", help="chart to write")
+    args = p.parse_args(argv)
+    res = load(args.json)
+    table = markdown(res)
+    with open(args.md, "w") as f:
+        f.write(table + "\n")
+    chart(res, args.png)
+    print(table)
+    print(f"\n-> {args.md}, {args.png}")
+    return 0
