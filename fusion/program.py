@@ -94,13 +94,16 @@ def _bind(t, smap):
     raise BadProgram(f"malformed template {t!r}")
 
 
-def _value(t, st, inputs):
+def _value(t, st, inputs, views):
     if type(t) is tuple:
         tag = t[0]
-        if tag == "T":
-            return torch.empty(0, dtype=t[5]).set_(st[t[1]], t[4], t[2], t[3])
+        if tag == "T":  # one tensor object per (slot, view) per run
+            v = views.get(t)
+            if v is None:
+                v = views[t] = torch.empty(0, dtype=t[5]).set_(st[t[1]], t[4], t[2], t[3])
+            return v
         if tag == "L":
-            return [_value(x, st, inputs) for x in t[1:]]
+            return [_value(x, st, inputs, views) for x in t[1:]]
         if tag == "C":
             return t[1]
         return inputs[t[1]]  # "S" / "H"
@@ -108,7 +111,7 @@ def _value(t, st, inputs):
 
 
 class Instr:
-    __slots__ = ("op", "args", "kwargs", "outs", "random", "f64", "mutated")
+    __slots__ = ("op", "args", "kwargs", "outs", "any_out", "random", "f64", "mutated")
 
     def __init__(self, schema_name, overload, args, kwargs, outs, smap):
         self.op = _resolve(schema_name, overload)
@@ -116,6 +119,7 @@ class Instr:
         self.kwargs = {k: _bind(v, smap) for k, v in kwargs}
         self.outs = tuple(None if o is None else
                           (smap[o[1]], o[2], o[3], getattr(torch, o[4])) for o in outs)
+        self.any_out = any(self.outs)
         self.random = op_class(self.op) == RANDOM
         # Note [float64 policy]: the device computes float64 as float32, like the reference.
         self.f64 = "'float64'" in repr((args, kwargs))
@@ -133,17 +137,20 @@ class Executable:
 
     def run(self, st: list, inputs: list[list], rng) -> None:
         """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i."""
+        views: dict = {}
         for k, ins in enumerate(self.instrs):
             try:
-                run_instr(ins, st, inputs[k], rng)
+                run_instr(ins, st, inputs[k], rng, views)
             except Exception as e:
                 e.instr_index = k  # the engine maps it back to the op and its source line
                 raise
 
 
-def run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
-    args = [_value(a, st, inputs) for a in ins.args]
-    kwargs = {k: _value(v, st, inputs) for k, v in ins.kwargs.items()}
+def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
+    """One op of a program. `views`: tensors already made over slots in this run, reused
+    (a chain's next op reads its producer's output object itself)."""
+    args = [_value(a, st, inputs, views) for a in ins.args]
+    kwargs = {k: _value(v, st, inputs, views) for k, v in ins.kwargs.items()}
     if ins.f64:
         args, kwargs, writeback = _as_f32(ins, args, kwargs)
     if ins.random:
@@ -153,9 +160,9 @@ def run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
     if ins.f64:
         for orig, low in writeback:
             orig.copy_(low)
-    if not any(ins.outs):
+    if not ins.any_out:
         return
-    for o, r in zip(ins.outs, tree_leaves(out)):
+    for o, r in zip(ins.outs, (out,) if type(out) is torch.Tensor else tree_leaves(out)):
         if o is None:
             continue
         s, size, stride, dtype = o
@@ -167,6 +174,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng) -> None:
             e.copy_(r)
             r = e
         st[s] = r.untyped_storage()
+        views[("T", s, size, stride, 0, dtype)] = r
 
 
 def _as_f32(ins, args, kwargs):
