@@ -32,7 +32,50 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _register_autocast()
     _done = True
+
+
+# torch.autocast(device_type="neuron"): every op falls through, except these, which run in
+# the autocast dtype (BF16 by default), as CUDA's lower-precision list does.
+_AUTOCAST_LOW = ["mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
+                 "conv2d", "conv3d", "conv_transpose2d", "_convolution", "convolution",
+                 "prelu", "chain_matmul", "mv", "addmv", "addr", "dot"]
+_autocast_libs = []
+
+
+def _register_autocast():
+    key = "AutocastPrivateUse1"
+    fallthrough = torch.library.Library("_", "IMPL")
+    fallthrough.fallback(torch.library.fallthrough_kernel, key)
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _AUTOCAST_LOW:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            lib.impl(op._schema.name.split("::")[1] + ("." + overload if overload != "default"
+                                                       else ""), _autocast_kernel(op), key)
+    _autocast_libs.extend([fallthrough, lib])
+    torch.set_autocast_dtype("neuron", torch.bfloat16)  # Neuron's native low precision
+
+
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+
+
+def _autocast_kernel(op):
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("neuron")
+
+        def cast(v):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+                return v.to(dtype)
+            if isinstance(v, (list, tuple)):
+                return type(v)(cast(x) for x in v)
+            return v
+
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return op(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+    return kernel
 
 
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,

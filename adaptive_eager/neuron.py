@@ -47,6 +47,11 @@ def set_device(device) -> None:
     _check(device)
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """torch.autocast(device_type="neuron", dtype=...) accepts these (BF16 first, as Neuron)."""
+    return [torch.bfloat16, torch.float16]
+
+
 def get_device_name(device=None) -> str:
     _check(device)
     return "Simulated NeuronCore (adaptive-eager)"

@@ -210,3 +210,18 @@ def test_memory_stats_and_streams_events():
     s.synchronize()
     assert torch.neuron.current_stream() == torch.neuron.default_stream()
     assert torch.equal(b.cpu(), a.cpu() @ a.cpu())
+
+
+def test_autocast_runs_matmuls_in_bf16(mode):
+    a = torch.randn(4, 8, device="neuron")
+    w = torch.randn(8, 8, device="neuron", requires_grad=True)
+    with torch.autocast("neuron"):
+        y = torch.nn.functional.linear(a, w)
+        z = (a + 1) @ w
+        loss = y.float().sum()
+    assert y.dtype == z.dtype == torch.bfloat16 and (a + 1).dtype == torch.float32
+    loss.backward()
+    assert w.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.linear(a.cpu(), w.detach().cpu())
+    assert torch.equal(y.cpu(), ref)
