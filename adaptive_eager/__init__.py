@@ -86,10 +86,11 @@ class adaptive(TorchDispatchMode):
 
     def __enter__(self):
         eng = _engine.ENGINE
-        self._saved.append((eng.adaptive, eng.strategy.name))
+        saved = (eng.adaptive, eng.strategy.name)
+        if self.strategy is not None and self.strategy != saved[1]:
+            eng.set_strategy(self.strategy)  # validates first: a bad name changes nothing
         eng.set_adaptive(self.on)
-        if self.strategy is not None and self.strategy != eng.strategy.name:
-            eng.set_strategy(self.strategy)
+        self._saved.append(saved)
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -144,6 +144,9 @@ class Engine:
         _config.config.adaptive = self.adaptive = bool(on)
 
     def set_strategy(self, name: str) -> None:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown fusion strategy {name!r}; choose one of "
+                             f"{sorted(STRATEGIES)}")
         self.flush("strategy switch")
         _config.config.strategy = name
         self.reconfigure()
@@ -205,6 +208,8 @@ class Engine:
                 meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
             except _NoMeta:
                 return self.run_now(func, args, kwargs, fallback=False)
+            if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
+                self.meta_cache.clear()
             self.meta_cache[key] = meta
         if meta.outs is None and cls != VIEW:
             cls = VIEW  # nothing new, nothing written: a pure alias / metadata query

@@ -251,3 +251,25 @@ def test_memory_cache_lru_bound():
             x = x.view(-1)[:k].sum() + x if k % 2 else x * k  # new signatures
         cache = _engine.ENGINE.runner.cache
         assert len(cache) <= 5 and cache.stats.evictions > 0
+
+
+def test_bad_settings_fail_clearly_and_leave_the_engine_usable():
+    with pytest.raises(ValueError, match="unknown fusion strategy 'fastest'"):
+        ae.set_strategy("fastest")
+    with pytest.raises(ValueError, match="unknown fusion strategy"):
+        with ae.adaptive(strategy="fastest"):
+            pass
+    with pytest.raises(AttributeError, match="no setting named 'adaptiv'"):
+        with ae.override(adaptiv=True):
+            pass
+    assert ae.strategy() == "graph" and not ae.is_adaptive()
+    with ae.adaptive():
+        assert (torch.ones(2, device="neuron") * 3).tolist() == [3.0, 3.0]
+
+
+def test_invalid_environment_value_names_the_variable():
+    env = dict(os.environ, TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT="lots")
+    out = subprocess.run([sys.executable, "-c", "import adaptive_eager"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT='lots' is not valid" in out.stderr
