@@ -54,6 +54,10 @@ class NeuronFallbackError(RuntimeError):
     """A device op could not run and CPU recovery is turned off."""
 
 
+_DATA_DEPENDENT_HINTS = ("nonzero", "output_size", "data-dependent", "data dependent",
+                         "dynamic")
+
+
 class _NoMeta(Exception):
     """Meta execution could not infer the op's outputs (data-dependent or unsupported)."""
 
@@ -206,8 +210,14 @@ class Engine:
         if meta is None:
             try:
                 meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
-            except _NoMeta:
-                return self.run_now(func, args, kwargs, fallback=False)
+            except _NoMeta as e:
+                # An output shape that needs the data (a boolean mask's nonzero inside index,
+                # repeat_interleave without output_size) runs now on the device; an op the
+                # shape inference cannot handle at all is a native op that failed to build:
+                # recovered on CPU (TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1 raises).
+                data_dependent = any(w in str(e) for w in _DATA_DEPENDENT_HINTS)
+                return self.run_now(func, args, kwargs, fallback=not data_dependent,
+                                    recovery=not data_dependent)
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
@@ -241,8 +251,7 @@ class Engine:
         except NotImplementedError as e:
             raise _NoMeta(str(e)) from e
         except RuntimeError as e:
-            if "meta" in str(e).lower() or "data-dependent" in str(e).lower() \
-                    or "dynamic" in str(e).lower():
+            if "meta" in str(e).lower() or any(w in str(e) for w in _DATA_DEPENDENT_HINTS):
                 raise _NoMeta(str(e)) from e
             _raise_as_cpu_would(func, args, kwargs)
             raise
@@ -451,18 +460,22 @@ class Engine:
             torch.empty(0, dtype=dst.dtype).set_(
                 h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
 
-    def run_now(self, func, args, kwargs, fallback: bool):
+    def run_now(self, func, args, kwargs, fallback: bool, recovery: bool = False):
         """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or
-        data-dependent output shapes (a device launch the host waits for)."""
+        data-dependent output shapes (a device launch the host waits for). `recovery`: a
+        device op that could not be built, recovered on CPU."""
         name = func._schema.name
         cfg = _config.config
         if fallback:
-            if cfg.fallback_only_unimplemented and op_class(func) is not None \
-                    or not cfg.fallback_enabled:
+            if recovery and cfg.fallback_only_unimplemented:
                 raise NeuronFallbackError(
-                    f"Operator '{name}' could not run on Neuron and CPU fallback is off "
-                    f"(TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS / "
-                    f"NEURON_FALLBACK_ENABLED)")
+                    f"Operator '{name}' has a Neuron implementation that failed to build for "
+                    f"these inputs, and TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1 "
+                    f"forbids recovering on CPU.")
+            if not cfg.fallback_enabled:
+                raise NeuronFallbackError(
+                    f"Operator '{name}' has no Neuron implementation and CPU fallback is off "
+                    f"(NEURON_FALLBACK_ENABLED=0); unset it to run the op on CPU.")
             if name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning,

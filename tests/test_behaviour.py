@@ -273,3 +273,73 @@ def test_invalid_environment_value_names_the_variable():
                          text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT='lots' is not valid" in out.stderr
+
+
+def test_failed_native_op_recovers_on_cpu_unless_told_not_to(monkeypatch):
+    """A table op whose device build fails (here: shape inference made to fail) is recovered
+    on CPU with the fallback warning; TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1
+    raises instead."""
+    _forget_warnings()
+    real = _engine.Engine.infer
+
+    def broken(self, func, *a):
+        if func is torch.ops.aten.cumsum.default:
+            raise _engine._NoMeta("no kernel for this shape")
+        return real(self, func, *a)
+
+    monkeypatch.setattr(_engine.Engine, "infer", broken)
+    _engine.ENGINE.meta_cache.clear()
+    x = torch.arange(5.0, device="neuron")
+    with pytest.warns(UserWarning, match="Operator 'aten::cumsum' fell back to CPU"):
+        assert x.cumsum(0).tolist() == [0.0, 1.0, 3.0, 6.0, 10.0]
+    with ae.override(fallback_only_unimplemented=True):
+        with pytest.raises(ae.NeuronFallbackError, match="forbids recovering on CPU"):
+            x.cumsum(0)
+        assert (x + 1).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("opt", ["SGD", "Adam", "AdamW"])
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+def test_optimizers_match_cpu(opt, foreach, mode):
+    kwargs = {"SGD": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+              "Adam": dict(lr=1e-2, amsgrad=True), "AdamW": dict(lr=1e-2)}[opt]
+    results = []
+    for device in ("cpu", "neuron"):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5, 4).to(device))
+        o = getattr(torch.optim, opt)([p], foreach=foreach, **kwargs)
+        for _ in range(3):
+            (p.sin() * p).sum().backward()
+            o.step()
+            o.zero_grad()
+        results.append(p.detach().cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_realtime_mode_spends_the_modeled_time_on_the_wall_clock():
+    import time
+    x = torch.randn(64, device="neuron")
+    (x * 2).cpu()  # compile outside the timed part
+    with ae.override(realtime=True):
+        before = ae.metrics()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            x = x * 2
+        torch.neuron.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    device_us = (ae.metrics() - before).device_time_us
+    assert device_us > 0 and wall_us >= device_us  # a lower bound: the spin waits at least that
+
+
+def test_demo_runs_and_writes_trace_and_graph(tmp_path):
+    env = dict(os.environ, TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "adaptive_eager", "demo", "--steps", "2",
+                          "--strategy", "all", "--trace", str(tmp_path / "t.json"),
+                          "--graph", str(tmp_path / "g.dot")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "adaptive graph" in out.stdout and "adaptive matmul" in out.stdout
+    assert "identical in every mode" in out.stdout
+    trace = json.load(open(tmp_path / "t.json"))
+    assert any(e.get("ph") == "X" and e.get("cat") == "launch" for e in trace["traceEvents"])
+    assert open(tmp_path / "g.dot").read().startswith("digraph")

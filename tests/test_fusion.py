@@ -256,3 +256,42 @@ def test_dependency_graph_edges_raw_war_waw():
     assert kinds[(0, 1)] == "WAR" and kinds[(0, 2)] == "RAW"
     assert kinds[(1, 2)] == "RAW" and kinds[(1, 3)] == "WAW" and kinds[(2, 3)] == "WAR"
     assert torch.equal(z.cpu(), (x.cpu() * 0 + 1) * 0 + z.cpu())
+
+
+def test_adaptive_policy_changes_launch_counts_not_results():
+    from device import DeviceSpec
+    x, w = rand(16, 16), rand(16, 16)
+
+    def work():
+        y = x
+        for _ in range(6):
+            y = (y @ w).tanh() * 0.5
+        return y
+
+    eager = work()
+    lazy_out, _, lm = lazy(work)  # threshold 0: flush only at the sync
+    with ae.adaptive():  # threshold 15, a fast host: flushes at natural cuts as it goes
+        ae.reset_metrics()
+        busy = work()
+        torch.neuron.synchronize()
+    m = ae.metrics()
+    assert m.flushes.get("device idle", 0) >= 1 and lm.flushes == {"synchronize": 1}
+    assert m.launches == lm.launches  # natural cuts: the same groups
+    ae.set_device_spec(DeviceSpec(launch_overhead_us=10_000.0))  # a device always behind
+    try:
+        with ae.adaptive(), ae.override(max_group_contractions=1):
+            ae.reset_metrics()
+            behind = work()
+            torch.neuron.synchronize()
+            assert ae.metrics().flushes.get("device idle", 0) < 6  # it kept buffering
+    finally:
+        ae.set_device_spec(DeviceSpec())
+    for r in (lazy_out, busy, behind):
+        assert torch.equal(r.cpu(), eager.cpu())
+
+
+def test_explain_save_writes_dot_without_graphviz(tmp_path):
+    x = rand(4, 4)
+    _, ex, _ = lazy(lambda: (x * 2).relu())
+    path = ex.save(str(tmp_path / "g.svg"))
+    assert open(path).read().startswith("digraph")
