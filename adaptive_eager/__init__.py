@@ -8,6 +8,7 @@ import json
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from . import _registration
 from ._engine import ENGINE as _ENGINE, NeuronFallbackError, NeuronRuntimeError
@@ -104,7 +105,12 @@ class adaptive(TorchDispatchMode):
                 eng.set_strategy(was_strategy)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if not _dispatch_mode_stack() and _engine.NeuronTensor in types:
+            # The only mode: go straight to the engine (what func() would reach anyway).
+            # Under other modes, redispatch so that they see the op too.
+            return _engine.ENGINE.dispatch(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 def explain() -> Explanation:

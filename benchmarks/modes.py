@@ -16,10 +16,17 @@ MODES = {
 
 @contextlib.contextmanager
 def mode_scope(mode, **extra):
+    """The mode as TORCH_NEURONX_ENABLE_CONCATENATION=1 sets it (no dispatch-mode scope)."""
     device, strategy, settings = MODES[mode]
     if device == "cpu":
         yield device
         return
-    with ae.override(**settings, **extra), ae.adaptive(on=strategy is not None,
-                                                       strategy=strategy):
-        yield device
+    with ae.override(**settings, **extra):
+        ae.set_adaptive(strategy is not None)
+        if strategy is not None:
+            ae.set_strategy(strategy)
+        try:
+            yield device
+        finally:
+            ae.set_adaptive(False)
+            ae.set_strategy("graph")

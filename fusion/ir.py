@@ -85,7 +85,7 @@ class Node:
 
     __slots__ = ("func", "name", "cls", "sig", "args", "kwargs", "outs", "uids", "refs",
                  "reads", "writes", "inputs", "flops", "vbytes", "in_bytes", "out_bytes",
-                 "source")
+                 "source", "new")
 
     def __init__(self, func, cls, args, kwargs, outs, uids, refs, reads, writes, inputs,
                  flops, vbytes, source):
@@ -107,10 +107,11 @@ class Node:
         self.in_bytes = sum(vbytes[li] for li in reads)
         self.out_bytes = sum(vbytes[li] for li in writes)
         self.source = source  # (filename, lineno, stack or None) of the user's call
+        self.new = frozenset(o[1] for o in outs if o is not None)
 
     def is_new(self, li: int) -> bool:
         """Is local buffer li created by this op (rather than read or updated in place)?"""
-        return any(o is not None and o[1] == li for o in self.outs)
+        return li in self.new
 
 
 class Handle:
