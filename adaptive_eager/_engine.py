@@ -240,9 +240,7 @@ class Engine:
     def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
         (shapes, dtypes) propagate with PyTorch's own message."""
-        metas = [torch.empty(0, dtype=torch.uint8, device="meta").set_(
-            torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,))
-            for h in handles]
+        metas = _meta_buffers(handles)
 
         m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
         m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
@@ -318,9 +316,7 @@ class Engine:
         with: a wrapper tensor's extent is fixed when it is created)."""
         t = args[0]
         args_t, kwargs_t, handles, _, _ = self._template(func, args, kwargs)
-        metas = [torch.empty(0, dtype=torch.uint8, device="meta").set_(
-            torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,))
-            for h in handles]
+        metas = _meta_buffers(handles)
         m = _to_meta(t, args_t[0], metas)
         func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
              **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
@@ -619,6 +615,13 @@ def _raise_as_cpu_would(func, args, kwargs) -> None:
 
     with torch._C._DisableTorchDispatch():
         func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
+
+
+def _meta_buffers(handles) -> list:
+    """One meta byte buffer per device buffer: meta twins of views share them, so aliasing
+    and storage offsets behave in shape inference as on the device."""
+    return [torch.empty(0, dtype=torch.uint8, device="meta").set_(
+        torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,)) for h in handles]
 
 
 def _to_meta(v, t, metas):
