@@ -78,8 +78,14 @@ def _autocast_kernel(op):
     return kernel
 
 
+def _check_device(device) -> None:
+    if device is not None:
+        neuron._check(torch.device(device))
+
+
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
            memory_format=None):
+    _check_device(device)
     size = tuple(int(s) for s in size)
     stride = torch.empty(size, device="meta",
                          memory_format=memory_format or torch.contiguous_format).stride()
@@ -87,6 +93,7 @@ def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    _check_device(device)
     return _engine.ENGINE.empty(tuple(int(s) for s in size), tuple(int(s) for s in stride),
                                 dtype)
 

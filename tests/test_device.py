@@ -16,6 +16,10 @@ def test_device_registered_and_cuda_like_module():
     torch.neuron.set_device(0)
     with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
         torch.neuron.set_device(1)
+    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
+        torch.ones(2).to("neuron:1")
+    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
+        torch.zeros(2, device="neuron:1")
     assert torch.accelerator.is_available()
     assert torch.accelerator.current_accelerator().type == "neuron"
     x = torch.ones(2).neuron()
