@@ -54,7 +54,10 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
      "CPU recovery when a device op cannot run ('0' raises)"),
     ("stack_trace", "TORCH_NEURONX_ENABLE_STACK_TRACE", False, _flag_exact_1,
      "record each op's full Python stack for error reports"),
-    ("log_level", "TORCH_NEURONX_LOG_LEVEL", 1, int, "0 error, 1 warning, 2 info, 3 debug"),
+    ("log_level", "TORCH_NEURONX_LOG_LEVEL", 1, int,
+     "logger 'adaptive_eager': 0 error, 1 warning, 2 info (a line per flush and compile), "
+     "3 debug (every boundary)"),
+    ("log_file", "TORCH_NEURONX_LOG_FILE", "", str, "log to this file instead of stderr"),
     ("strategy", "ADAPTIVE_EAGER_FUSION_STRATEGY", "graph", str,
      "fusion strategy in adaptive mode: graph, matmul or none"),
     ("max_group_ops", "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group"),
@@ -82,6 +85,7 @@ class Config:
     fallback_enabled: bool = True
     stack_trace: bool = False
     log_level: int = 1
+    log_file: str = ""
     strategy: str = "graph"
     max_group_ops: int = 128
     max_group_contractions: int = 4
@@ -111,6 +115,22 @@ def describe() -> str:
 
 
 config = Config.from_env()
+
+
+def configure_logging() -> None:
+    """The 'adaptive_eager' logger's level and destination, from the settings."""
+    import logging
+    log = logging.getLogger("adaptive_eager")
+    log.setLevel({0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO}.get(
+        config.log_level, logging.DEBUG))
+    if not log.handlers:
+        h = logging.FileHandler(config.log_file) if config.log_file else logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+
+
+configure_logging()
 
 
 @contextlib.contextmanager

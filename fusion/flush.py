@@ -75,6 +75,8 @@ class Runner:
             self.compile_hook(program)
         exe = Executable(program)
         us = self.device.spec.compile_us(len(program.instrs))
+        log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
+                 len(program.instrs), us / 1e3)
         self.counters["compile_time_us"] += us
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
@@ -93,7 +95,7 @@ class Runner:
                 idx.append(c)
             shape.append(tuple(idx))
         live = tuple(h is not None for h in handles)
-        sig = (strategy.name, tuple(n.sig for n in nodes), tuple(shape), live)
+        sig = (strategy.key, tuple(n.sig for n in nodes), tuple(shape), live)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
@@ -107,6 +109,11 @@ class Runner:
                 self.plans.popitem(last=False)
             self.counters["plan_misses"] += 1
         self._execute(nodes, plan, handles)
+        if log.isEnabledFor(logging.INFO):
+            log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
+                     len(plan.groups), "reused" if hit else "built")
+            for i, why in enumerate(plan.reasons):
+                log.debug("  boundary before group %d: %s", i + 1, why)
         saved = plan.skipped_bytes
         self.counters["bytes_saved"] += saved
         return FlushReport(

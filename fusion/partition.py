@@ -80,6 +80,8 @@ class Strategy:
         self.spec = spec or DeviceSpec()
         self.max_group_ops = max_group_ops
         self.max_contractions = max_contractions
+        # Everything that can move a boundary: part of a cached plan's key.
+        self.key = (self.name, max_group_ops, max_contractions, self.spec)
 
     def cut(self, g: GroupState, n: Node, dependent: bool) -> str | None:
         raise NotImplementedError

@@ -343,3 +343,23 @@ def test_demo_runs_and_writes_trace_and_graph(tmp_path):
     trace = json.load(open(tmp_path / "t.json"))
     assert any(e.get("ph") == "X" and e.get("cat") == "launch" for e in trace["traceEvents"])
     assert open(tmp_path / "g.dot").read().startswith("digraph")
+
+
+def test_log_level_and_file(tmp_path):
+    log = tmp_path / "neuron.log"
+    env = dict(os.environ, TORCH_NEURONX_LOG_LEVEL="3", TORCH_NEURONX_LOG_FILE=str(log),
+               TORCH_NEURONX_ENABLE_CONCATENATION="1",
+               TORCH_NEURONX_CONCATENATION_QUEUE_LOW_THRESHOLD="0",
+               TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path / "cache"))
+    code = ("import torch, adaptive_eager as ae\n"
+            "x = torch.randn(4, 4, device='neuron')\n"
+            "cm = ae.override(max_group_contractions=1)\n"
+            "cm.__enter__()\n"
+            "print((x @ x @ x).sum().item())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = log.read_text()
+    assert "flush (item): 3 ops -> 2 launches, plan built" in text
+    assert "boundary before group 1: contraction limit (1)" in text
+    assert "compile " in text and "[adaptive_eager" not in out.stderr

@@ -295,3 +295,10 @@ def test_explain_save_writes_dot_without_graphviz(tmp_path):
     _, ex, _ = lazy(lambda: (x * 2).relu())
     path = ex.save(str(tmp_path / "g.svg"))
     assert open(path).read().startswith("digraph")
+
+
+def test_plan_cache_keys_on_strategy_settings():
+    x, w = rand(8, 8), rand(8, 8)
+    _, _, m4 = lazy(lambda: x @ w @ w)
+    _, _, m1 = lazy(lambda: x @ w @ w, max_group_contractions=1)
+    assert (m4.launches, m1.launches) == (1, 2)
