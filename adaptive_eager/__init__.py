@@ -3,15 +3,13 @@ eager mode that queues ops and fuses them (TORCH_NEURONX_ENABLE_CONCATENATION=1)
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from . import _registration
-from ._engine import ENGINE as _ENGINE, NeuronFallbackError, NeuronRuntimeError
+from ._engine import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
 from .config import config, override
 from .explain import Explanation

@@ -7,7 +7,6 @@ queue is flushed at sync points, boundaries, a full buffer, or when the device r
 """
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import traceback

@@ -2,7 +2,6 @@
 on every run. Wall-clock targets are reported by the full run, never asserted."""
 import pytest
 
-import adaptive_eager as ae
 from measure import step_figures
 from modes import mode_scope
 from workloads import WORKLOADS

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import warnings
 import weakref
@@ -170,7 +171,7 @@ class Runner:
             self.cache.bad.add(program.key)
             self.cache.stats.bad += 1
             warnings.warn(f"Fused executable '{program.name[:80]}' failed to compile ({e}); "
-                          f"its ops run one by one for the rest of this process.")
+                          f"its ops run one by one for the rest of this process.", stacklevel=2)
             return OneByOne(program), "bad"
 
     def _execute(self, nodes, plan: Plan, handles) -> None:
@@ -189,8 +190,8 @@ class Runner:
                     dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng),
                                       n.in_bytes + n.out_bytes, n.flops, context=[n]))
             else:
-                dev.submit(Launch(exe.name, lambda: exe.run(st, inputs, dev.rng), gp.nbytes,
-                                  gp.flops, context=members))
+                dev.submit(Launch(exe.name, functools.partial(exe.run, st, inputs, dev.rng),
+                                  gp.nbytes, gp.flops, context=members))
             for s in range(exe.program.n_inputs, exe.program.n_slots):
                 c = gp.slots[s]
                 if st[s] is None:  # the launch failed: its outputs hold garbage

@@ -10,7 +10,6 @@ for var in ("TORCH_NEURONX_ENABLE_CONCATENATION", "NEURON_LAUNCH_BLOCKING",
     os.environ.pop(var, None)
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 

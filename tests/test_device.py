@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 
-import adaptive_eager as ae
 
 
 def test_device_registered_and_cuda_like_module():

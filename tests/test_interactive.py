@@ -11,7 +11,6 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager import _engine
-from adaptive_eager.models import train
 
 ENV = dict(os.environ, TORCH_NEURONX_ENABLE_CONCATENATION="1", PYTHONBREAKPOINT="pdb.set_trace")
 
