@@ -117,9 +117,6 @@ class Device:
             first, self._errors = self._errors[0], []
             raise DeviceError(first)
 
-    def pending_errors(self) -> int:
-        return len(self._errors)
-
     # -- memory ----------------------------------------------------------------------
     def alloc(self, nbytes: int, storage=None) -> Buffer:
         buf = Buffer(nbytes)

@@ -25,6 +25,7 @@ from .partition import Strategy, dependency_graph, partition
 from .program import Executable, Program, build_program, run_instr
 
 log = logging.getLogger("adaptive_eager.fusion")
+_LOW_PRECISION = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass
@@ -36,6 +37,7 @@ class GroupPlan:
     outputs: list[int]  # slots written back
     nbytes: int
     flops: float
+    low_precision: bool  # BF16/FP16 values: the device's faster peak applies
     level: str  # where its executable came from when the plan was built
 
 
@@ -155,9 +157,10 @@ class Runner:
                         ext_bytes[u] = max(ext_bytes.get(u, 0), n.vbytes[li])
             out_bytes = sum(n.vbytes[li] for n in members for li in n.writes
                             if n.uids[li] in keep or n.uids[li] not in created)
+            low = any(o is not None and o[4] in _LOW_PRECISION for n in members for o in n.outs)
             plans.append(GroupPlan(g[0], g[-1] + 1, exe, slots, list(program.outputs),
                                    sum(ext_bytes.values()) + out_bytes,
-                                   sum(n.flops for n in members), level))
+                                   sum(n.flops for n in members), low, level))
         return Plan(plans, reasons, graph, skipped)
 
     def _executable(self, program: Program) -> tuple[Executable, str]:
@@ -191,7 +194,7 @@ class Runner:
                                       n.in_bytes + n.out_bytes, n.flops, context=[n]))
             else:
                 dev.submit(Launch(exe.name, functools.partial(exe.run, st, inputs, dev.rng),
-                                  gp.nbytes, gp.flops, context=members))
+                                  gp.nbytes, gp.flops, gp.low_precision, context=members))
             for s in range(exe.program.n_inputs, exe.program.n_slots):
                 c = gp.slots[s]
                 if st[s] is None:  # the launch failed: its outputs hold garbage

@@ -88,7 +88,3 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
     if base in _INDEXING:
         return INDEXING
     return None
-
-
-def is_random(func) -> bool:
-    return op_class(func) == RANDOM

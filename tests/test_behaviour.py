@@ -363,3 +363,21 @@ def test_log_level_and_file(tmp_path):
     assert "flush (item): 3 ops -> 2 launches, plan built" in text
     assert "boundary before group 1: contraction limit (1)" in text
     assert "compile " in text and "[adaptive_eager" not in out.stderr
+
+
+def test_cost_model_launch_overhead_bandwidth_and_low_precision_peak():
+    spec = DeviceSpec()
+    a = torch.randn(512, 512, device="neuron")
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = a.to(dtype)
+        x.cpu()
+        before = ae.metrics()
+        x @ x
+        torch.neuron.synchronize()
+        times[dtype] = (ae.metrics() - before).device_time_us
+    nbytes = 3 * 512 * 512 * 4
+    fp32 = spec.launch_overhead_us + max(nbytes / (spec.hbm_bandwidth_gbps * 1e3),
+                                         2 * 512 ** 3 / (spec.peak_tflops_fp32 * 1e6))
+    assert times[torch.float32] == pytest.approx(fp32)
+    assert times[torch.bfloat16] < times[torch.float32]
