@@ -34,3 +34,15 @@ def test_dropout_matches_cpu_under_same_seed():
     cpu, _ = train("gpt", "cpu", dropout=0.1)
     neuron, _ = train("gpt", "neuron", dropout=0.1)
     torch.testing.assert_close(neuron, cpu, rtol=1e-4, atol=1e-5)
+
+
+def test_training_leaves_no_device_memory_behind(mode):
+    import gc
+    torch.neuron.synchronize()
+    base = torch.neuron.memory_allocated()
+    losses, model = train("gpt", "neuron", steps=2)
+    assert torch.neuron.memory_allocated() > base
+    del model
+    gc.collect()
+    torch.neuron.synchronize()
+    assert torch.neuron.memory_allocated() == base
