@@ -24,7 +24,7 @@ def sync(device):
         torch.neuron.synchronize()
 
 
-def step_figures(step, device, steps=3) -> dict:
+def step_figures(step, device, steps=5) -> dict:
     """Run `steps` warm steps; mean figures per step (deterministic ones from the simulator)."""
     step()
     sync(device)  # warm-up: compiles, plans
