@@ -82,7 +82,11 @@ def main(argv=None) -> int:
     table = markdown(res)
     with open(args.md, "w") as f:
         f.write(table + "\n")
-    chart(res, args.png)
     print(table)
+    try:
+        chart(res, args.png)
+    except ImportError:
+        print(f"\n-> {args.md} (no chart: matplotlib is missing; pip install -e '.[test]')")
+        return 1
     print(f"\n-> {args.md}, {args.png}")
     return 0
