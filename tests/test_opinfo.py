@@ -14,8 +14,8 @@ seeds the neuron generator too), so they must produce the same values as CPU.
 
 Expected failures live in `tests/opinfo_xfail.txt`, one line per entry:
 
-    <mode>:<op id>   # reason        (mode is "eager" or "adaptive")
-    <op id>          # reason        (fails in both modes)
+    <mode>:<op id>   # reason        (mode is "eager", "adaptive" (graph) or "matmul")
+    <op id>          # reason        (fails in every mode)
 
 `<op id>` is the OpInfo name, plus ".<variant_test_name>" when it has one. The list is
 strict both ways: a listed op that passes fails its test ("unexpected success: remove it
@@ -62,7 +62,7 @@ SAMPLES_PER_OP = int(os.environ.get("OPINFO_SAMPLES", "5"))
 MAX_SAMPLE_NUMEL = 1 << 18  # skip samples with a bigger tensor (keeps the simulator fast)
 OP_TIMEOUT_S = 30           # per-op guard (SIGALRM) against hangs
 RTOL, ATOL = 1e-4, 1e-5     # float32: the executor runs CPU kernels, but allow reassociation
-MODES = ("eager", "adaptive")
+MODES = ("eager", "adaptive", "matmul")  # adaptive: graph strategy; matmul: the reference's
 
 # ------------------------------------------------------------------------------------------
 # Skip rules (generic; a skipped op is not counted). Each returns a reason or None.
@@ -271,8 +271,8 @@ def _run_neuron(op, fn, sample, random: bool, mode: str):
         s = (_to_neuron(inp), args, kwargs)
     else:
         s = (_to_neuron(inp), _to_neuron(args), _kwargs_to_neuron(kwargs))
-    if mode == "adaptive":
-        with ae.adaptive(strategy="graph"):
+    if mode in ("adaptive", "matmul"):
+        with ae.adaptive(strategy="graph" if mode == "adaptive" else "matmul"):
             s = _lazy_clone(s)
             out = _call(fn, s, random)
             devs = _devices(out)
@@ -522,9 +522,11 @@ def summary(results) -> str:
     n = len(tested)
     p = sum(r.passed("eager") for r in tested)
     q = sum(r.passed("adaptive") for r in tested)
+    mm = sum(r.passed("matmul") for r in tested)
     pct = lambda k: (100.0 * k / n) if n else 0.0  # noqa: E731
     return (f"OpInfo: {n} ops tested, {p} pass in eager ({pct(p):.1f}%), "
-            f"{q} pass in adaptive ({pct(q):.1f}%)")
+            f"{q} pass in adaptive graph ({pct(q):.1f}%), {mm} in adaptive matmul "
+            f"({pct(mm):.1f}%)")
 
 
 def test_zz_summary(capsys):
