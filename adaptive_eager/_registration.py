@@ -33,7 +33,39 @@ def register() -> None:
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _register_autocast()
+    _register_fused_rnn_cells()
     _done = True
+
+
+# PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and
+# they have no CPU kernel to fall back to: on neuron they are composed from ops the device has,
+# at the Autograd key, so autograd differentiates the composition.
+def _lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    i, f, g, o = gates.chunk(4, 1)
+    cy = f.sigmoid() * cx + i.sigmoid() * g.tanh()
+    hy = o.sigmoid() * cy.tanh()
+    return hy, cy, gates  # workspace: the gates, as the fused kernel keeps them
+
+
+def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, ii, in_ = input_gates.chunk(3, 1)
+    hr, hi, hn = hidden_gates.chunk(3, 1)
+    r, z = (ir + hr).sigmoid(), (ii + hi).sigmoid()
+    n = (in_ + r * hn).tanh()
+    hy = n + z * (hx - n)
+    return hy, torch.cat([r, z, n, hx, hn], 1)  # workspace of the fused kernel's shape
+
+
+def _register_fused_rnn_cells():
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
+    lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
+    _autocast_libs.append(lib)
 
 
 # torch.autocast(device_type="neuron"): every op falls through, except these, which run in

@@ -46,3 +46,23 @@ def test_training_leaves_no_device_memory_behind(mode):
     gc.collect()
     torch.neuron.synchronize()
     assert torch.neuron.memory_allocated() == base
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_recurrent_layers_match_cpu(cls, mode):
+    """PyTorch picks the fused RNN cells for accelerators; neuron composes them."""
+    torch.manual_seed(0)
+    net = cls(4, 8, num_layers=2, batch_first=True)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    out, _ = net(x)
+    out.pow(2).sum().backward()
+    ref_x, ref_w = x.grad.clone(), net.weight_hh_l0.grad.clone()
+    net.zero_grad()
+    net = net.to("neuron")
+    xn = x.detach().to("neuron").requires_grad_()
+    outn, _ = net(xn)
+    outn.pow(2).sum().backward()
+    torch.testing.assert_close(outn.cpu(), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xn.grad.cpu(), ref_x, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(net.weight_hh_l0.grad.cpu(), ref_w, rtol=1e-4, atol=1e-5)
+    assert not ae.metrics().cpu_fallbacks
