@@ -85,11 +85,6 @@ def _info(size, stride, offset, t) -> tuple:
             _extent_bytes(size, stride, offset, t.element_size()))
 
 
-def _wrapper_bytes(t) -> int:
-    """Bytes the wrapper tensor was created over (fixed for its lifetime)."""
-    return t._wrapper_nbytes
-
-
 def _extent_bytes(size, stride, offset, itemsize) -> int:
     if any(s == 0 for s in size):
         return 0
@@ -104,7 +99,6 @@ class Engine:
         self.pending_bytes = 0
         self.meta_cache: dict = {}
         self.last_report = None
-        self.stream_id = 0
         self._reason = None
         self._warned: set[str] = set()
         self.spec = DeviceSpec()
@@ -129,6 +123,7 @@ class Engine:
                              f"choose one of {sorted(STRATEGIES)}")
         self.strategy = STRATEGIES[cfg.strategy](self.spec, cfg.max_group_ops,
                                                  cfg.max_group_contractions)
+        self.eager_strategy = STRATEGIES["none"](self.spec)  # eager: one op per launch
         cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
         salt = "|".join([_package_version(), torch.__version__, "executor=eager",
                          self.spec.fingerprint()])
@@ -320,10 +315,10 @@ class Engine:
         func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
              **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
         need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
-        if need > _wrapper_bytes(t):
+        if need > t._wrapper_nbytes:  # fixed when the wrapper was made
             raise RuntimeError(
                 f"{func._schema.name}: growing a neuron tensor beyond its allocation "
-                f"({_wrapper_bytes(t)} bytes, {need} needed) is not supported; allocate a new "
+                f"({t._wrapper_nbytes} bytes, {need} needed) is not supported; allocate a new "
                 f"tensor (torch.empty(..., device='neuron')) and copy into it.")
         with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
             aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
@@ -396,7 +391,7 @@ class Engine:
         self.pending_bytes = 0
         with torch._C._DisableTorchDispatch():
             report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
-                                     else STRATEGIES["none"]())
+                                     else self.eager_strategy)
         self.last_report = report
         m = self.metrics
         m.flushes[reason] += 1
