@@ -21,7 +21,7 @@ import fusion
 from device import Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
-from fusion.ir import Handle, Node, encode_static, scalar_positions
+from fusion.ir import Handle, Node, OpSig, encode_static, scalar_positions
 from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
@@ -64,11 +64,13 @@ class _NoMeta(Exception):
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops", "single", "f64")
+    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops", "single", "f64",
+                 "op")
 
-    def __init__(self, leaves, spec, outs, new_bytes, writes, flops):
+    def __init__(self, leaves, spec, outs, new_bytes, writes, flops, op):
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
         self.f64 = any(o is not None and o[4] == "float64" for o in outs or ())
+        self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
         self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
         # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
         # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
@@ -190,7 +192,7 @@ class Engine:
     def _dispatch(self, func, args, kwargs):
         """Every op the engine does not handle specially."""
         self.metrics.ops += 1
-        self.device.advance_host(self.spec.host_op_overhead_us)
+        self.device.host_us += self.spec.host_op_overhead_us
         cls = op_class(func)
         if cls is None:
             return self.run_now(func, args, kwargs, fallback=True)
@@ -215,12 +217,7 @@ class Engine:
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
-        if meta.outs is None and cls != VIEW:
-            cls = VIEW  # nothing new, nothing written: a pure alias / metadata query
-        if cls != VIEW or meta.writes:
-            new = self._record(func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta)
-        else:
-            new = ()
+        new = () if meta.op is None else self._record(meta, handles, inputs, vbytes)
         return self._results(func, args, kwargs, handles, meta, new)
 
     def _template(self, func, args, kwargs):
@@ -301,8 +298,13 @@ class Engine:
                     if type(x) is tuple and x[0] == "T" and x[1] not in writes:
                         writes.append(x[1])
         flops = _flops(func, m_args, m_kwargs, out)
-        return MetaResult(tuple(out_leaves), spec, tuple(outs) if new_bytes else None,
-                          tuple(new_bytes), tuple(writes), flops)
+        outs = tuple(outs) if new_bytes else None
+        op = None
+        if outs is not None or writes:
+            op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
+                       tuple(new_bytes))
+        return MetaResult(tuple(out_leaves), spec, outs, tuple(new_bytes), tuple(writes), flops,
+                          op)
 
     def _inplace_view(self, func, args, kwargs):
         """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
@@ -325,17 +327,17 @@ class Engine:
         t._set_layout()
         return t
 
-    def _record(self, func, cls, args_t, kwargs_t, handles, inputs, vbytes, meta):
-        new_bytes = sum(meta.new_bytes)
-        self._make_room(new_bytes)
-        new = [Handle(b, pending=True) for b in meta.new_bytes]
+    def _record(self, meta, handles, inputs, vbytes):
+        op = meta.op
+        new_bytes = sum(op.new_bytes)
+        hbm = self.device.hbm
+        if hbm.used + self.pending_bytes + new_bytes > hbm.capacity:
+            self._make_room(new_bytes)
+        new = [Handle(b, pending=True) for b in op.new_bytes]
         if meta.f64:
             self._check_dtype(torch.float64)
-        uids = tuple(h.uid for h in handles) + tuple(h.uid for h in new)
-        reads = tuple(range(len(handles)))
-        writes = meta.writes + tuple(range(len(handles), len(handles) + len(new)))
-        node = Node(func, cls, args_t, kwargs_t, meta.outs or (), uids, None, reads, writes,
-                    inputs, meta.flops, tuple(vbytes) + meta.new_bytes, _source())
+        uids = tuple([h.uid for h in handles] + [h.uid for h in new])
+        node = Node(op, uids, inputs, tuple(vbytes) + op.new_bytes, _source())
         lazy = self.is_lazy()
         if lazy and self.queue:
             cut = self.online.cut(self.strategy, node)

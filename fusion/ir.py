@@ -80,38 +80,57 @@ def op_name(func) -> str:
     return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
 
 
-class Node:
-    """One queued ATen op."""
+class OpSig:
+    """What every call of one op signature shares (computed once, cached by the engine)."""
 
-    __slots__ = ("func", "name", "cls", "sig", "args", "kwargs", "outs", "uids", "refs",
-                 "reads", "writes", "inputs", "flops", "vbytes", "in_bytes", "out_bytes",
-                 "source", "new")
+    __slots__ = ("func", "name", "cls", "sig", "outs", "reads", "writes", "new", "inplace",
+                 "flops", "new_bytes")
 
-    def __init__(self, func, cls, args, kwargs, outs, uids, refs, reads, writes, inputs,
-                 flops, vbytes, source):
+    def __init__(self, func, cls, args, kwargs, outs, n_args, writes, flops, new_bytes):
         self.func = func
         self.name = op_name(func)
         self.cls = cls
-        self.args, self.kwargs, self.outs = args, kwargs, outs
+        self.outs = outs  # per result leaf: ("N", li, size, stride, dtype) if new, else None
         # Why each signature field is there: the op overload picks the kernel, the templates
         # carry every static argument and tensor layout, `outs` says which results get new
         # buffers. Buffer identity across nodes is added by the group (fusion.program).
         self.sig = (func._schema.name, func._overloadname, args, kwargs, outs)
-        self.uids = uids  # buffer uid per local buffer index
-        self.refs = refs  # handle (or weakref to a pending handle) per local buffer index
-        self.reads = reads  # local buffer indices read
-        self.writes = writes  # local buffer indices written (new outputs and in-place)
-        self.inputs = inputs  # runtime scalar / host tensor values
-        self.flops = flops
-        self.vbytes = vbytes  # bytes of the views touched, per local buffer index
-        self.in_bytes = sum(vbytes[li] for li in reads)
-        self.out_bytes = sum(vbytes[li] for li in writes)
-        self.source = source  # (filename, lineno, stack or None) of the user's call
         self.new = frozenset(o[1] for o in outs if o is not None)
+        self.reads = tuple(range(n_args))  # every argument buffer is read
+        self.writes = tuple(writes) + tuple(sorted(self.new))  # in place, then new
+        self.inplace = bool(writes)  # writes a buffer it did not create (in-place / out=)
+        self.flops = flops
+        self.new_bytes = new_bytes  # bytes of each new output, in order
+
+
+class Node:
+    """One queued ATen op: its signature's shared data, and this call's buffers and values."""
+
+    __slots__ = ("op", "uids", "refs", "inputs", "vbytes", "in_bytes", "out_bytes", "source")
+
+    def __init__(self, op: OpSig, uids, inputs, vbytes, source):
+        self.op = op
+        self.uids = uids  # buffer uid per local buffer index
+        self.refs = None  # handle (or weakref to a pending handle) per local buffer index
+        self.inputs = inputs  # runtime scalar / host tensor values
+        self.vbytes = vbytes  # bytes of the views touched, per local buffer index
+        self.in_bytes = sum(vbytes[li] for li in op.reads)
+        self.out_bytes = sum(vbytes[li] for li in op.writes)
+        self.source = source  # (filename, lineno, stack or None) of the user's call
+
+    # The signature's data, read through the node (the partitioner and codegen use these).
+    func = property(lambda self: self.op.func)
+    name = property(lambda self: self.op.name)
+    cls = property(lambda self: self.op.cls)
+    sig = property(lambda self: self.op.sig)
+    outs = property(lambda self: self.op.outs)
+    reads = property(lambda self: self.op.reads)
+    writes = property(lambda self: self.op.writes)
+    flops = property(lambda self: self.op.flops)
 
     def is_new(self, li: int) -> bool:
         """Is local buffer li created by this op (rather than read or updated in place)?"""
-        return li in self.new
+        return li in self.op.new
 
 
 class Handle:

@@ -59,15 +59,10 @@ class GroupState:
     def add(self, n: Node) -> None:
         self.size += 1
         self.contractions += n.cls == CONTRACTION
-        self.inplace = self.inplace or is_inplace(n)
+        self.inplace = self.inplace or n.op.inplace
         self.nbytes += n.in_bytes + n.out_bytes
         self.produced += n.out_bytes
         self.flops += n.flops
-
-
-def is_inplace(n: Node) -> bool:
-    """Writes a buffer it did not create (in-place op or out= argument)."""
-    return any(not n.is_new(li) for li in n.writes)
 
 
 class Strategy:
@@ -129,7 +124,7 @@ class MatmulStrategy(Strategy):
     def cut(self, g, n, dependent):
         if g.contractions:
             return "after matmul"
-        if g.inplace or is_inplace(n):
+        if g.inplace or n.op.inplace:
             return "in-place op"
         return None
 
@@ -183,14 +178,17 @@ class OnlineGroup:
     def cut(self, strategy: Strategy, n: Node) -> str | None:
         if not self.state.size:
             return None
-        r = {n.uids[li] for li in n.reads}
-        w = {n.uids[li] for li in n.writes}
-        dependent = bool(r & self.writes or w & self.reads or w & self.writes)
+        # New buffers are fresh: only argument buffers can meet the group's (reads are all
+        # arguments; in-place writes are among them).
+        uids, gw = n.uids, self.writes
+        dependent = any(uids[li] in gw for li in n.op.reads) or any(
+            uids[li] in self.reads for li in n.op.writes if li < len(n.op.reads))
         return strategy.cut(self.state, n, dependent)
 
     def add(self, n: Node, reason: str | None) -> None:
         if reason is not None:
             self.__init__()
         self.state.add(n)
-        self.reads.update(n.uids[li] for li in n.reads)
-        self.writes.update(n.uids[li] for li in n.writes)
+        uids = n.uids
+        self.reads.update(uids[li] for li in n.op.reads)
+        self.writes.update(uids[li] for li in n.op.writes)
