@@ -398,8 +398,7 @@ class Engine:
         m = self.metrics
         m.flushes[reason] += 1
         m.launches += report.launches
-        for g in report.groups:
-            m.group_sizes[g["ops"]] += 1
+        m.group_sizes.update(report.plan.sizes)
         if self.device.blocking:
             self.synchronize()
 

@@ -47,21 +47,35 @@ class Plan:
     reasons: list[str]  # boundary before group i+1
     graph: nx.DiGraph
     skipped_bytes: int  # bytes of created values never written back (freed before flush)
+    launches: int = 0
+    sizes: collections.Counter = None  # group size -> count, for the metrics
+
+    def __post_init__(self):
+        self.launches = sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
+                            for g in self.groups)
+        self.sizes = collections.Counter(g.end - g.start for g in self.groups)
 
 
 @dataclasses.dataclass
 class FlushReport:
-    """What one flush did: the data behind `ae.explain()`."""
+    """What one flush did: the data behind `ae.explain()` (read from its plan on demand)."""
 
     reason: str
     strategy: str
     n_ops: int
-    groups: list[dict]
-    boundaries: list[str]
-    launches: int
-    bytes_saved: int
+    plan: Plan
     plan_hit: bool
-    graph: nx.DiGraph
+
+    @property
+    def groups(self) -> list[dict]:
+        return [{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
+                 "flops": g.flops, "level": "plan" if self.plan_hit else g.level}
+                for g in self.plan.groups]
+
+    boundaries = property(lambda self: self.plan.reasons)
+    launches = property(lambda self: self.plan.launches)
+    bytes_saved = property(lambda self: self.plan.skipped_bytes)
+    graph = property(lambda self: self.plan.graph)
 
 
 class Runner:
@@ -98,7 +112,9 @@ class Runner:
                 idx.append(c)
             shape.append(tuple(idx))
         live = tuple(h is not None for h in handles)
-        sig = (strategy.key, tuple(n.sig for n in nodes), tuple(shape), live)
+        # Nodes of one signature share one OpSig object (the engine caches it): identity
+        # stands for the whole signature and hashes in O(1).
+        sig = (strategy.key, tuple(n.op for n in nodes), tuple(shape), live)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
@@ -117,17 +133,8 @@ class Runner:
                      len(plan.groups), "reused" if hit else "built")
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
-        saved = plan.skipped_bytes
-        self.counters["bytes_saved"] += saved
-        return FlushReport(
-            reason=reason, strategy=strategy.name, n_ops=len(nodes),
-            groups=[{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
-                     "flops": g.flops, "level": "plan" if hit else g.level}
-                    for g in plan.groups],
-            boundaries=plan.reasons, bytes_saved=saved,
-            launches=sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
-                         for g in plan.groups),
-            plan_hit=hit, graph=plan.graph)
+        self.counters["bytes_saved"] += plan.skipped_bytes
+        return FlushReport(reason, strategy.name, len(nodes), plan, hit)
 
     def _plan(self, nodes, canon, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
