@@ -150,13 +150,14 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
     """One op of a program. `views`: tensors already made over slots in this run, reused
     (a chain's next op reads its producer's output object itself)."""
     args = [_value(a, st, inputs, views) for a in ins.args]
-    kwargs = {k: _value(v, st, inputs, views) for k, v in ins.kwargs.items()}
+    kwargs = {k: _value(v, st, inputs, views) for k, v in ins.kwargs.items()} \
+        if ins.kwargs else {}
     if ins.f64:
         args, kwargs, writeback = _as_f32(ins, args, kwargs)
     if ins.random:
         out = rng.run(ins.op, args, kwargs)
     else:
-        out = ins.op(*args, **kwargs)
+        out = ins.op._op(*args, **kwargs)  # the C++ entry: OpOverload.__call__ minus a frame
     if ins.f64:
         for orig, low in writeback:
             orig.copy_(low)
@@ -168,8 +169,8 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
         s, size, stride, dtype = o
         if dtype is torch.float64:  # Note [float64 policy]: values carry float32 precision
             r = r.to(torch.float32)
-        if (r.dtype != dtype or r.storage_offset() != 0 or tuple(r.stride()) != stride
-                or tuple(r.shape) != size):
+        if (r.dtype is not dtype or r.storage_offset() != 0 or r.stride() != stride
+                or r.shape != size):
             e = torch.empty_strided(size, stride, dtype=dtype)
             e.copy_(r)
             r = e
