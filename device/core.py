@@ -21,7 +21,7 @@ from .memory import HBM, Buffer
 from .spec import DeviceSpec
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Launch:
     """One executable launch (or DMA) on the hardware queue."""
 
