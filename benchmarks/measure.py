@@ -1,4 +1,5 @@
 """Per-step figures of one mode: what `benchmark.extra_info` carries."""
+import statistics
 import time
 
 import torch
@@ -24,24 +25,25 @@ def sync(device):
         torch.neuron.synchronize()
 
 
-def step_figures(step, device, steps=5) -> dict:
-    """Run `steps` warm steps; mean figures per step (deterministic ones from the simulator)."""
+def _timed(step, device) -> float:
+    t0 = time.perf_counter()
+    step()
+    sync(device)  # a step ends at a sync point (a training loop's loss.item())
+    return time.perf_counter() - t0
+
+
+def step_figures(step, device, steps=7) -> dict:
+    """Run `steps` warm steps: mean simulated figures per step, and the median wall time of
+    a step (robust to this noisy machine's spikes) for the host time per op."""
     step()
     sync(device)  # warm-up: compiles, plans
     if device == "cpu":
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = (time.perf_counter() - t0) / steps
+        wall = statistics.median(_timed(step, device) for _ in range(steps))
         with CountOps() as c:  # after the timing: the mode's own cost stays out of it
             step()
         return {"ops_per_step": c.n, "host_us_per_op": wall / c.n * 1e6}
     before = ae.metrics()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-        sync(device)  # a step ends at a sync point (a training loop's loss.item())
-    wall = (time.perf_counter() - t0) / steps
+    wall = statistics.median(_timed(step, device) for _ in range(steps))
     m = ae.metrics() - before
     return {
         "ops_per_step": m.ops / steps,
