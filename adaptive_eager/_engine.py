@@ -224,8 +224,14 @@ class Engine:
         """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...)."""
         e = _Encoder(func)
         spos, snames = scalar_positions(func)
-        args_t = tuple(e.enc(a, i in spos) for i, a in enumerate(args))
-        kwargs_t = tuple((k, e.enc(v, k in snames)) for k, v in kwargs.items())
+        tensor, enc = e.tensor, e.enc
+        # Inline the common cases (a neuron tensor, a plain static value): this is per op.
+        args_t = tuple([tensor(a) if type(a) is NeuronTensor else
+                        a if type(a) in _PLAIN and i not in spos else enc(a, i in spos)
+                        for i, a in enumerate(args)])
+        kwargs_t = tuple([(k, tensor(v) if type(v) is NeuronTensor else
+                           v if type(v) in _PLAIN and k not in snames else enc(v, k in snames))
+                          for k, v in kwargs.items()]) if kwargs else ()
         return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
 
     def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
@@ -530,6 +536,9 @@ class Engine:
         return tree_unflatten(new_leaves, spec)
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})  # static as they are
+
+
 class _Encoder:
     """Builds a node's templates; a class, not a closure, so no reference cycle keeps the
     handles it collected (and so the values they name) alive past the call."""
@@ -541,17 +550,20 @@ class _Encoder:
         self.inputs: list = []
         self.vbytes: list[int] = []
 
+    def tensor(self, v):
+        h = v._handle
+        li = self.where.get(h.uid)
+        if li is None:
+            li = self.where[h.uid] = len(self.handles)
+            self.handles.append(h)
+            self.vbytes.append(min(h.nbytes, v._vbytes))
+        elif v._vbytes > self.vbytes[li]:
+            self.vbytes[li] = min(h.nbytes, v._vbytes)
+        return ("T", li) + v._layout
+
     def enc(self, v, scalar):
         if type(v) is NeuronTensor:
-            h = v._handle
-            li = self.where.get(h.uid)
-            if li is None:
-                li = self.where[h.uid] = len(self.handles)
-                self.handles.append(h)
-                self.vbytes.append(min(h.nbytes, v._vbytes))
-            elif v._vbytes > self.vbytes[li]:
-                self.vbytes[li] = min(h.nbytes, v._vbytes)
-            return ("T", li) + v._layout
+            return self.tensor(v)
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(

@@ -114,8 +114,8 @@ class Node:
         self.refs = None  # handle (or weakref to a pending handle) per local buffer index
         self.inputs = inputs  # runtime scalar / host tensor values
         self.vbytes = vbytes  # bytes of the views touched, per local buffer index
-        self.in_bytes = sum(vbytes[li] for li in op.reads)
-        self.out_bytes = sum(vbytes[li] for li in op.writes)
+        self.in_bytes = sum(vbytes[:len(op.reads)])  # reads are the argument buffers, in order
+        self.out_bytes = sum([vbytes[li] for li in op.writes])
         self.source = source  # (filename, lineno, stack or None) of the user's call
 
     # The signature's data, read through the node (the partitioner and codegen use these).
