@@ -220,7 +220,7 @@ class OneByOne(Executable):
     def runner(self, k, st, inputs, rng):
         def run():
             try:
-                run_instr(self.instrs[k], st, inputs[k], rng, {})
+                run_instr(self.instrs[k], st, inputs[k], rng, [None] * self.n_views)
             except Exception as e:
                 e.instr_index = 0
                 raise

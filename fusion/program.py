@@ -76,14 +76,16 @@ def _resolve(schema_name: str, overload: str):
     return op
 
 
-def _bind(t, smap):
-    """Resolve a template against slot numbers: tensors get their slot, enums their object."""
+def _bind(t, smap, vids):
+    """Resolve a template against slot numbers: tensors get their slot and a view id (one per
+    distinct (slot, view) of the program), enums their object."""
     if type(t) is tuple and t and type(t[0]) is str:
         tag = t[0]
         if tag == "T":
-            return ("T", smap[t[1]], t[2], t[3], t[4], getattr(torch, t[5]))
+            view = (smap[t[1]], t[2], t[3], t[4], getattr(torch, t[5]))
+            return ("T", vids.setdefault(view, len(vids))) + view
         if tag == "L":
-            return ("L",) + tuple(_bind(x, smap) for x in t[1:])
+            return ("L",) + tuple(_bind(x, smap, vids) for x in t[1:])
         if tag in ("S", "H"):
             return t
         if tag in _DECODE_ENUM:
@@ -97,10 +99,10 @@ def _bind(t, smap):
 def _value(t, st, inputs, views):
     if type(t) is tuple:
         tag = t[0]
-        if tag == "T":  # one tensor object per (slot, view) per run
-            v = views.get(t)
+        if tag == "T":  # ("T", view id, slot, size, stride, offset, dtype): one object per run
+            v = views[t[1]]
             if v is None:
-                v = views[t] = torch.empty(0, dtype=t[5]).set_(st[t[1]], t[4], t[2], t[3])
+                v = views[t[1]] = torch.empty(0, dtype=t[6]).set_(st[t[2]], t[5], t[3], t[4])
             return v
         if tag == "L":
             return [_value(x, st, inputs, views) for x in t[1:]]
@@ -112,19 +114,32 @@ def _value(t, st, inputs, views):
 
 class Instr:
     __slots__ = ("op", "args", "kwargs", "outs", "any_out", "random", "f64", "mutated")
+    # (outs holds (templates, slot map) until bind_outputs)
 
-    def __init__(self, schema_name, overload, args, kwargs, outs, smap):
+    def __init__(self, schema_name, overload, args, kwargs, outs, smap, vids):
         self.op = _resolve(schema_name, overload)
-        self.args = tuple(_bind(a, smap) for a in args)
-        self.kwargs = {k: _bind(v, smap) for k, v in kwargs}
-        self.outs = tuple(None if o is None else
-                          (smap[o[1]], o[2], o[3], getattr(torch, o[4])) for o in outs)
-        self.any_out = any(self.outs)
+        self.args = tuple(_bind(a, smap, vids) for a in args)
+        self.kwargs = {k: _bind(v, smap, vids) for k, v in kwargs}
+        self.outs = outs, smap  # bound by bind_outputs, once every instr's inputs are known
         self.random = op_class(self.op) == RANDOM
         # Note [float64 policy]: the device computes float64 as float32, like the reference.
         self.f64 = "'float64'" in repr((args, kwargs))
         self.mutated = [i for i, a in enumerate(self.op._schema.arguments)
                         if a.alias_info is not None and a.alias_info.is_write]
+
+    def bind_outputs(self, vids) -> None:
+        """(slot, size, stride, dtype, view id or None) per new output: a later op reading
+        the output's exact view reuses the result tensor itself."""
+        outs, smap = self.outs
+        bound = []
+        for o in outs:
+            if o is None:
+                bound.append(None)
+                continue
+            view = (smap[o[1]], o[2], o[3], 0, getattr(torch, o[4]))
+            bound.append(view[:3] + (view[4], vids.get(view)))
+        self.outs = tuple(bound)
+        self.any_out = any(self.outs)
 
 
 class Executable:
@@ -133,11 +148,15 @@ class Executable:
     def __init__(self, program: Program):
         self.program = program
         self.name = program.name
-        self.instrs = [Instr(*i[:5], i[5]) for i in program.instrs]
+        vids: dict = {}
+        self.instrs = [Instr(*i[:5], i[5], vids) for i in program.instrs]
+        for ins in self.instrs:
+            ins.bind_outputs(vids)
+        self.n_views = len(vids)
 
     def run(self, st: list, inputs: list[list], rng) -> None:
         """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i."""
-        views: dict = {}
+        views = [None] * self.n_views
         for k, ins in enumerate(self.instrs):
             try:
                 run_instr(ins, st, inputs[k], rng, views)
@@ -146,7 +165,7 @@ class Executable:
                 raise
 
 
-def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
+def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
     """One op of a program. `views`: tensors already made over slots in this run, reused
     (a chain's next op reads its producer's output object itself)."""
     args = [_value(a, st, inputs, views) for a in ins.args]
@@ -166,7 +185,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
     for o, r in zip(ins.outs, (out,) if type(out) is torch.Tensor else tree_leaves(out)):
         if o is None:
             continue
-        s, size, stride, dtype = o
+        s, size, stride, dtype, vid = o
         if dtype is torch.float64:  # Note [float64 policy]: values carry float32 precision
             r = r.to(torch.float32)
         if (r.dtype is not dtype or r.storage_offset() != 0 or r.stride() != stride
@@ -175,7 +194,8 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: dict) -> None:
             e.copy_(r)
             r = e
         st[s] = r.untyped_storage()
-        views[("T", s, size, stride, 0, dtype)] = r
+        if vid is not None:
+            views[vid] = r
 
 
 def _as_f32(ins, args, kwargs):
