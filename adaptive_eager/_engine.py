@@ -344,20 +344,18 @@ class Engine:
             self._check_dtype(torch.float64)
         uids = tuple([h.uid for h in handles] + [h.uid for h in new])
         node = Node(op, uids, inputs, tuple(vbytes) + op.new_bytes, _source())
+        cfg = _config.config
         lazy = self.is_lazy()
-        if lazy and self.queue:
-            cut = self.online.cut(self.strategy, node)
-            low = _config.config.queue_low_threshold  # 0: purely lazy, never flush for idling
-            if cut is not None and low > 0 and self.device.in_flight() <= low:
+        if lazy:  # eager flushes every op: no open group to track
+            cut = self.online.cut(self.strategy, node) if self.queue else "start"
+            low = cfg.queue_low_threshold  # 0: purely lazy, never flush for idling
+            if cut is not None and self.queue and low > 0 and self.device.in_flight() <= low:
                 self.flush("device idle")
-                cut = None
             self.online.add(node, cut)
-        else:
-            self.online.add(node, "start")
         # Only now (a flush above may have written pending inputs back): hold values in HBM
         # strongly, pending ones weakly (Handle's docstring).
         node.refs = [weakref.ref(h) if h.pending else h for h in handles]
-        if _config.config.skip_intermediate:
+        if cfg.skip_intermediate:
             node.refs += [weakref.ref(h) for h in new]
         else:  # every value is written back: the queue keeps it alive until the flush
             node.refs += new
@@ -365,9 +363,9 @@ class Engine:
         self.pending_bytes += new_bytes
         if not lazy:
             self.flush("eager")
-        elif len(self.queue) >= _config.config.buffer_size_limit:
+        elif len(self.queue) >= cfg.buffer_size_limit:
             self.flush("buffer full")
-        elif self.pending_bytes > _config.config.max_pending_mb * 2**20:
+        elif self.pending_bytes > cfg.max_pending_mb * 2**20:
             self.flush("pending memory")
         return new
 
@@ -395,7 +393,7 @@ class Engine:
         if not self.queue:
             return
         nodes, self.queue = self.queue, []
-        self.online = OnlineGroup()
+        self.online.reset()
         self.pending_bytes = 0
         with torch._C._DisableTorchDispatch():
             report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
@@ -404,7 +402,9 @@ class Engine:
         m = self.metrics
         m.flushes[reason] += 1
         m.launches += report.launches
-        m.group_sizes.update(report.plan.sizes)
+        sizes = m.group_sizes
+        for k, v in report.plan.sizes.items():
+            sizes[k] += v
         if self.device.blocking:
             self.synchronize()
 

@@ -171,6 +171,9 @@ class OnlineGroup:
     edge relation (RAW, WAR, WAW) restricted to the group."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.state = GroupState()
         self.reads: set[int] = set()
         self.writes: set[int] = set()
@@ -187,7 +190,7 @@ class OnlineGroup:
 
     def add(self, n: Node, reason: str | None) -> None:
         if reason is not None:
-            self.__init__()
+            self.reset()
         self.state.add(n)
         uids = n.uids
         self.reads.update(uids[li] for li in n.op.reads)
