@@ -1,5 +1,4 @@
 """Per-step figures of one mode: what `benchmark.extra_info` carries."""
-import statistics
 import time
 
 import torch
@@ -32,18 +31,18 @@ def _timed(step, device) -> float:
     return time.perf_counter() - t0
 
 
-def step_figures(step, device, steps=7) -> dict:
-    """Run `steps` warm steps: mean simulated figures per step, and the median wall time of
-    a step (robust to this noisy machine's spikes) for the host time per op."""
+def step_figures(step, device, steps=10) -> dict:
+    """Run `steps` warm steps: mean simulated figures per step, and the best wall time of a
+    step (as timeit: the noisy machine only ever adds time) for the host time per op."""
     step()
     sync(device)  # warm-up: compiles, plans
     if device == "cpu":
-        wall = statistics.median(_timed(step, device) for _ in range(steps))
+        wall = min(_timed(step, device) for _ in range(steps))
         with CountOps() as c:  # after the timing: the mode's own cost stays out of it
             step()
         return {"ops_per_step": c.n, "host_us_per_op": wall / c.n * 1e6}
     before = ae.metrics()
-    wall = statistics.median(_timed(step, device) for _ in range(steps))
+    wall = min(_timed(step, device) for _ in range(steps))
     m = ae.metrics() - before
     return {
         "ops_per_step": m.ops / steps,

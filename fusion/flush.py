@@ -111,10 +111,10 @@ class Runner:
                     handles.append(r() if type(r) is weakref.ref else r)
                 idx.append(c)
             shape.append(tuple(idx))
-        live = tuple(h is not None for h in handles)
+        live = tuple([h is not None for h in handles])
         # Nodes of one signature share one OpSig object (the engine caches it): identity
         # stands for the whole signature and hashes in O(1).
-        sig = (strategy.key, tuple(n.op for n in nodes), tuple(shape), live)
+        sig = (strategy.key, tuple([n.op for n in nodes]), tuple(shape), live)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
