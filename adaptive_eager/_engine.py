@@ -190,7 +190,7 @@ class Engine:
         return self._dispatch(func, args, kwargs)
 
     def _dispatch(self, func, args, kwargs):
-        """Every op the engine does not handle specially."""
+        """Every op the engine does not handle specially (`_SPECIAL`)."""
         self.metrics.ops += 1
         self.device.host_us += self.spec.host_op_overhead_us
         cls = op_class(func)
@@ -222,16 +222,30 @@ class Engine:
 
     def _template(self, func, args, kwargs):
         """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...)."""
-        e = _Encoder(func)
         spos, snames = scalar_positions(func)
-        tensor, enc = e.tensor, e.enc
-        # Inline the common cases (a neuron tensor, a plain static value): this is per op.
-        args_t = tuple([tensor(a) if type(a) is NeuronTensor else
-                        a if type(a) in _PLAIN and i not in spos else enc(a, i in spos)
-                        for i, a in enumerate(args)])
-        kwargs_t = tuple([(k, tensor(v) if type(v) is NeuronTensor else
-                           v if type(v) in _PLAIN and k not in snames else enc(v, k in snames))
-                          for k, v in kwargs.items()]) if kwargs else ()
+        if not kwargs:  # the common case, inlined (this runs per op): tensors and plain values
+            handles, where, vbytes, out = [], {}, [], []
+            for i, a in enumerate(args):
+                t = type(a)
+                if t is NeuronTensor:
+                    h = a._handle
+                    li = where.get(h.uid)
+                    if li is None:
+                        li = where[h.uid] = len(handles)
+                        handles.append(h)
+                        vbytes.append(min(h.nbytes, a._vbytes))
+                    elif a._vbytes > vbytes[li]:
+                        vbytes[li] = min(h.nbytes, a._vbytes)
+                    out.append(("T", li) + a._layout)
+                elif t in _PLAIN and i not in spos:
+                    out.append(a)
+                else:
+                    break
+            else:
+                return tuple(out), (), handles, [], vbytes
+        e = _Encoder(func)
+        args_t = tuple([e.enc(a, i in spos) for i, a in enumerate(args)])
+        kwargs_t = tuple([(k, e.enc(v, k in snames)) for k, v in kwargs.items()])
         return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
 
     def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
@@ -370,6 +384,14 @@ class Engine:
         return new
 
     def _results(self, func, args, kwargs, handles, meta, new):
+        if meta.single:  # one output (most ops): no list, no pytree
+            leaf = meta.leaves[0]
+            if leaf[0] == "new":
+                _, k, size, stride, dtype, info = leaf
+                return NeuronTensor(new[k], size, stride, 0, dtype, info=info)
+            if leaf[0] == "view":
+                _, li, size, stride, off, dtype, info = leaf
+                return NeuronTensor(handles[li], size, stride, off, dtype, info=info)
         out = []
         for leaf in meta.leaves:
             kind = leaf[0]
