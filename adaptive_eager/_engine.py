@@ -64,21 +64,16 @@ class _NoMeta(Exception):
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "outs", "new_bytes", "writes", "flops", "single", "f64",
-                 "op")
+    __slots__ = ("leaves", "spec", "single", "f64", "op")
 
-    def __init__(self, leaves, spec, outs, new_bytes, writes, flops, op):
+    def __init__(self, leaves, spec, op):
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
-        self.f64 = any(o is not None and o[4] == "float64" for o in outs or ())
         self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
+        self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
         self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
         # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
         # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
         self.spec = spec
-        self.outs = outs  # per leaf: ("N", li, size, stride, dtype) if new, else None
-        self.new_bytes = new_bytes  # bytes of each new output, in order
-        self.writes = writes  # local buffer indices updated in place
-        self.flops = flops
 
 
 def _info(size, stride, offset, t) -> tuple:
@@ -228,15 +223,7 @@ class Engine:
             for i, a in enumerate(args):
                 t = type(a)
                 if t is NeuronTensor:
-                    h = a._handle
-                    li = where.get(h.uid)
-                    if li is None:
-                        li = where[h.uid] = len(handles)
-                        handles.append(h)
-                        vbytes.append(min(h.nbytes, a._vbytes))
-                    elif a._vbytes > vbytes[li]:
-                        vbytes[li] = min(h.nbytes, a._vbytes)
-                    out.append(("T", li) + a._layout)
+                    out.append(_enc_tensor(a, handles, where, vbytes))
                 elif t in _PLAIN and i not in spos:
                     out.append(a)
                 else:
@@ -323,8 +310,7 @@ class Engine:
         if outs is not None or writes:
             op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
                        tuple(new_bytes))
-        return MetaResult(tuple(out_leaves), spec, outs, tuple(new_bytes), tuple(writes), flops,
-                          op)
+        return MetaResult(tuple(out_leaves), spec, op)
 
     def _inplace_view(self, func, args, kwargs):
         """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
@@ -502,9 +488,14 @@ class Engine:
             self.metrics.cpu_fallbacks[name] += 1
         self.sync(("fallback:" if fallback else "data-dependent:") + name)
         views = {}
+
+        def view(v):
+            views[id(v)] = v
+            return _buffer_view(v)
+
         with torch._C._DisableTorchDispatch():
-            c_args = [_to_host(a, views) for a in args]
-            c_kwargs = {k: _to_host(v, views) for k, v in kwargs.items()}
+            c_args = [_on_host(a, view) for a in args]
+            c_kwargs = {k: _on_host(v, view) for k, v in kwargs.items()}
             nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
             result = {}
 
@@ -561,6 +552,19 @@ class Engine:
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # static as they are
 
 
+def _enc_tensor(v, handles: list, where: dict, vbytes: list) -> tuple:
+    """("T", local buffer index) + layout; collects the buffer (once) and its bytes read."""
+    h = v._handle
+    li = where.get(h.uid)
+    if li is None:
+        li = where[h.uid] = len(handles)
+        handles.append(h)
+        vbytes.append(min(h.nbytes, v._vbytes))
+    elif v._vbytes > vbytes[li]:
+        vbytes[li] = min(h.nbytes, v._vbytes)
+    return ("T", li) + v._layout
+
+
 class _Encoder:
     """Builds a node's templates; a class, not a closure, so no reference cycle keeps the
     handles it collected (and so the values they name) alive past the call."""
@@ -572,20 +576,9 @@ class _Encoder:
         self.inputs: list = []
         self.vbytes: list[int] = []
 
-    def tensor(self, v):
-        h = v._handle
-        li = self.where.get(h.uid)
-        if li is None:
-            li = self.where[h.uid] = len(self.handles)
-            self.handles.append(h)
-            self.vbytes.append(min(h.nbytes, v._vbytes))
-        elif v._vbytes > self.vbytes[li]:
-            self.vbytes[li] = min(h.nbytes, v._vbytes)
-        return ("T", li) + v._layout
-
     def enc(self, v, scalar):
         if type(v) is NeuronTensor:
-            return self.tensor(v)
+            return _enc_tensor(v, self.handles, self.where, self.vbytes)
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(
@@ -633,17 +626,12 @@ def _raise_as_cpu_would(func, args, kwargs) -> None:
     """A user error found by meta execution: raise it with CPU's own message (meta kernels
     word some checks differently), by running the op on uninitialized host tensors."""
 
-    def host(v):
-        if isinstance(v, NeuronTensor):
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-        if isinstance(v, (list, tuple)):
-            return type(v)(host(x) for x in v)
-        if isinstance(v, torch.device) and v.type == DEVICE.type:
-            return torch.device("cpu")
-        return v
+    def blank(v):
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
 
     with torch._C._DisableTorchDispatch():
-        func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
+        func(*[_on_host(a, blank) for a in args],
+             **{k: _on_host(v, blank) for k, v in kwargs.items()})
 
 
 def _meta_buffers(handles) -> list:
@@ -666,20 +654,25 @@ def _to_meta(v, t, metas):
     return v
 
 
-def _to_host(v, views: dict):
-    """Argument v with neuron tensors replaced by host views of their device buffers."""
+def _on_host(v, tensor):
+    """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
+    by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
-        h = v._handle
-        views[id(v)] = v
-        if v.numel() == 0 or h.buffer is None:
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-        return torch.empty(0, dtype=v.dtype).set_(
-            h.buffer.storage, v.storage_offset(), v.shape, v.stride())
+        return tensor(v)
     if isinstance(v, (list, tuple)):
-        return type(v)(_to_host(x, views) for x in v)
+        return type(v)(_on_host(x, tensor) for x in v)
     if isinstance(v, torch.device) and v.type == DEVICE.type:
         return torch.device("cpu")
     return v
+
+
+def _buffer_view(v):
+    """A host tensor viewing neuron tensor v's device buffer (the same bytes)."""
+    h = v._handle
+    if v.numel() == 0 or h.buffer is None:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+    return torch.empty(0, dtype=v.dtype).set_(
+        h.buffer.storage, v.storage_offset(), v.shape, v.stride())
 
 
 def _user_stacklevel() -> int:
