@@ -34,7 +34,35 @@ def register() -> None:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _register_autocast()
     _register_fused_rnn_cells()
+    _wrap_backward()
     _done = True
+
+
+def _wrap_backward() -> None:
+    """Errors raised by neuron ops on autograd's device thread are handed over (Note
+    [Device-thread errors] in _engine.py) and re-raised here, on the caller's thread, as the
+    original exception. Wraps the one private function both backward() and grad() call."""
+    import torch.autograd
+    import torch.autograd.graph as graph
+    run = graph._engine_run_backward
+    if getattr(run, "_neuron", False):
+        return
+
+    def _engine_run_backward(*args, **kwargs):
+        try:
+            result = run(*args, **kwargs)
+        except RuntimeError:
+            err = _engine.take_handoff()
+            if err is None:
+                raise
+            raise err.with_traceback(None) from None
+        err = _engine.take_handoff()  # an op returning nothing swallows the refusal
+        if err is not None:
+            raise err.with_traceback(None)
+        return result
+
+    _engine_run_backward._neuron = True
+    graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

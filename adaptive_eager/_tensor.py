@@ -56,7 +56,7 @@ class NeuronTensor(torch.Tensor):
         return tensor_repr(self, self._host("repr"))
 
     def __format__(self, spec):
-        if self.dim() == 0 and spec:
+        if self.dim() == 0:  # as torch.Tensor: a 0-d tensor formats as its item
             return self._host("format").item().__format__(spec)
         return tensor_repr(self, self._host("format"))
 
@@ -121,9 +121,10 @@ def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
     suffixes = [f"device='{t.device}'"]  # torch's order: device, size, dtype, grad
     if cpu.numel() == 0 and tuple(cpu.shape) != (0,):
         suffixes.append(f"size={tuple(cpu.shape)}")
-    if t.dtype not in (torch.get_default_dtype(), torch.int64, torch.bool,
-                       torch.complex64 if torch.get_default_dtype() == torch.float32
-                       else torch.complex128):
+    implicit = (torch.get_default_dtype(), torch.int64, torch.bool,
+                torch.complex64 if torch.get_default_dtype() == torch.float32
+                else torch.complex128)
+    if (t.dtype != torch.get_default_dtype() if cpu.numel() == 0 else t.dtype not in implicit):
         suffixes.append(f"dtype={t.dtype}")
     if t.grad_fn is not None:
         suffixes.append(f"grad_fn=<{type(t.grad_fn).__name__}>")
