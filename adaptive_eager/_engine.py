@@ -194,7 +194,11 @@ class Engine:
                 return special(self, func, args, kwargs)
             return self._dispatch(func, args, kwargs)
         except BaseException as e:
-            return _surface(e)  # raises (or, on autograd's device thread, hands it over)
+            if type(threading.current_thread()) is threading._DummyThread:
+                return _hand_off(e)  # Note [Device-thread errors]
+            if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
+                raise e.with_traceback(None) from None
+            raise
 
     def _dispatch(self, func, args, kwargs):
         """Every op the engine does not handle specially (`_SPECIAL`)."""
@@ -225,7 +229,17 @@ class Engine:
             for j, k, size, stride in meta.resize:
                 a = func._schema.arguments[j]
                 v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
-                self._resize_out(v[k] if isinstance(v, (list, tuple)) else v, size, stride)
+                v = v[k] if isinstance(v, (list, tuple)) else v
+                if v.numel():  # CPU's resize_output warning, word for word
+                    warnings.warn(
+                        f"An output with one or more elements was resized since it had shape "
+                        f"{list(v.shape)}, which does not match the required output shape "
+                        f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
+                        f"release outputs will not be resized unless they have zero elements. "
+                        f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
+                        f"zero elements with t.resize_(0).", UserWarning,
+                        stacklevel=_user_stacklevel())
+                self._resize_out(v, size, stride)
             return self._dispatch(func, args, kwargs)
         new = () if meta.op is None else self._record(meta, handles, inputs, vbytes)
         return self._results(func, args, kwargs, handles, meta, new)
@@ -257,12 +271,14 @@ class Engine:
 
         m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
         m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-        try:
-            out = func(*m_args, **m_kwargs)
-        except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
-            meta_error = e
-        else:
-            meta_error = None
+        with warnings.catch_warnings(record=True) as meta_warnings:
+            warnings.simplefilter("always")
+            try:
+                out = func(*m_args, **m_kwargs)
+            except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
+                meta_error = e
+            else:
+                meta_error = None
         cls = op_class(func)
         probe = None
         if meta_error is not None or _worth_probing(cls, handles, args_t, kwargs_t):
@@ -343,6 +359,9 @@ class Engine:
         if outs is not None or writes:
             op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
                        tuple(new_bytes))
+        if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
+            for w in meta_warnings:
+                warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
         return MetaResult(tuple(out_leaves), spec, op, tuple(resize))
 
     def _resize_out(self, t, size, stride) -> None:
@@ -759,24 +778,16 @@ _HANDOFF: list = []  # errors raised on autograd's device thread, for the caller
 _HANDOFF_LOCK = threading.Lock()
 
 
-def _surface(e: BaseException):
-    """Raise an op's error to the user. CPU-worded user errors drop our frames and context.
-
-    Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
+def _hand_off(e: BaseException) -> str:
+    """Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
     where a Python exception unwinding through PyTorch's Python device guard aborts the
     process (the guard calls into Python while the error is pending). There the error is
     handed over instead: the op returns a value the dispatcher refuses with a C++ error,
-    which autograd carries to the caller safely, and `_run_backward` re-raises ours."""
-    try:
-        if type(threading.current_thread()) is threading._DummyThread:
-            with _HANDOFF_LOCK:
-                _HANDOFF.append(e)
-            return f"<{type(e).__name__} on autograd's device thread: {e}>"
-        if getattr(e, "_ae_user_error", False):
-            raise e.with_traceback(None) from None
-        raise e
-    finally:
-        del e  # no cycle through this frame: the error's tensors are freed with it
+    which autograd carries to the caller safely, and the backward wrapper in
+    _registration re-raises the original exception."""
+    with _HANDOFF_LOCK:
+        _HANDOFF.append(e)
+    return f"<{type(e).__name__} on autograd's device thread: {e}>"
 
 
 def take_handoff() -> BaseException | None:
