@@ -95,6 +95,15 @@ def _extent_bytes(size, stride, offset, itemsize) -> int:
     return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
 
 
+def _locked(method):
+    """Run an engine entry point under the engine lock (Note [Threads])."""
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
 class Engine:
     def __init__(self):
         self.metrics = Metrics()
@@ -103,13 +112,19 @@ class Engine:
         self.pending_bytes = 0
         self.meta_cache: dict = {}
         self.last_report = None
-        self._reason = None
+        # Note [Threads]: one engine lock. Every entry point (an op, a host read or write,
+        # an allocation, a sync, a settings change) holds it, so the ops of several threads
+        # run in some serial order of each thread's ops, sharing one queue, cache and
+        # device; results are bit for bit those of that order. Re-entrant: an op may
+        # allocate, flush and sync inside. Autograd's device thread takes it per op too.
+        self.lock = threading.RLock()
         self._warned: set[str] = set()
         self.spec = DeviceSpec()
         self.device = Device(self.spec)
         self.reconfigure()
 
     # -- configuration ---------------------------------------------------------------
+    @_locked
     def reconfigure(self, spec: DeviceSpec | None = None) -> None:
         cfg = _config.config
         if spec is not None and spec != self.spec:
@@ -140,11 +155,13 @@ class Engine:
                                     max_mb=cfg.cache_max_mb, salt=salt)
             self.runner = Runner(self.device, cache)
 
+    @_locked
     def set_adaptive(self, on: bool) -> None:
         if on != self.adaptive:
             self.flush("mode switch")
         _config.config.adaptive = self.adaptive = bool(on)
 
+    @_locked
     def set_strategy(self, name: str) -> None:
         if name not in STRATEGIES:
             raise ValueError(f"unknown fusion strategy {name!r}; choose one of "
@@ -163,6 +180,7 @@ class Engine:
     def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:
         return NeuronTensor(handle, size, stride, offset, dtype)
 
+    @_locked
     def empty(self, size, stride, dtype) -> torch.Tensor:
         """A fresh allocation (`torch.empty` and friends): HBM reserved now."""
         dtype = dtype or torch.get_default_dtype()
@@ -189,10 +207,11 @@ class Engine:
     # -- dispatch --------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
         try:
-            special = _SPECIAL.get(func)
-            if special is not None:
-                return special(self, func, args, kwargs)
-            return self._dispatch(func, args, kwargs)
+            with self.lock:
+                special = _SPECIAL.get(func)
+                if special is not None:
+                    return special(self, func, args, kwargs)
+                return self._dispatch(func, args, kwargs)
         except BaseException as e:
             if type(threading.current_thread()) is threading._DummyThread:
                 return _hand_off(e)  # Note [Device-thread errors]
@@ -473,6 +492,7 @@ class Engine:
         return out[0] if meta.single else tree_unflatten(out, meta.spec)
 
     # -- flush and sync --------------------------------------------------------------
+    @_locked
     def flush(self, reason: str) -> None:
         if not self.queue:
             return
@@ -492,6 +512,7 @@ class Engine:
         if self.device.blocking:
             self.synchronize()
 
+    @_locked
     def synchronize(self) -> None:
         """Wait for the device; raise the earliest deferred error (op and source line)."""
         try:
@@ -499,14 +520,14 @@ class Engine:
         except DeviceError as e:
             raise _runtime_error(e.launch) from e.launch.error
 
+    @_locked
     def sync(self, reason: str) -> None:
         self.flush(reason)
         self.synchronize()
 
+    @_locked
     def read(self, t, reason: str) -> torch.Tensor:
         """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
-        if self._reason is not None:
-            reason, self._reason = self._reason, None
         self.sync(reason)
         h = t._handle
         if h.poison is not None:  # Note [Poison] in fusion/program.py
@@ -521,6 +542,7 @@ class Engine:
             return torch.empty(0, dtype=t.dtype).set_(
                 h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
 
+    @_locked
     def write(self, dst, src: torch.Tensor) -> None:
         """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
         h = dst._handle

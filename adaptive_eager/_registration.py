@@ -180,15 +180,15 @@ def _host_factory(name):
     def impl(*args, **kwargs):
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
-        with torch._C._DisableTorchDispatch():
+        with eng.lock, torch._C._DisableTorchDispatch():
             if random:
                 eng.flush("rng")
                 cpu = eng.device.rng.run(op, args, kwargs)
             else:
                 cpu = op(*args, **kwargs)
-        eng.metrics.ops += 1
-        out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
-        eng.write(out, cpu)
+            eng.metrics.ops += 1
+            out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
+            eng.write(out, cpu)
         return out
 
     return impl

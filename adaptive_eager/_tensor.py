@@ -60,21 +60,19 @@ class NeuronTensor(torch.Tensor):
             return self._host("format").item().__format__(spec)
         return tensor_repr(self, self._host("format"))
 
-    def _scalar(self, reason):
-        _engine.ENGINE._reason = reason
-        return self
-
+    # Python's conversions read the value on the host (the flush reason is passed along,
+    # never stashed), then convert as a CPU tensor does, with CPU's errors.
     def __bool__(self):
-        return torch.Tensor.__bool__(self._scalar("bool"))
+        return bool(self._host("bool"))
 
     def __int__(self):
-        return torch.Tensor.__int__(self._scalar("int"))
+        return int(self._host("int"))
 
     def __float__(self):
-        return torch.Tensor.__float__(self._scalar("float"))
+        return float(self._host("float"))
 
     def __index__(self):
-        return torch.Tensor.__index__(self._scalar("int"))
+        return self._host("int").__index__()
 
     def tolist(self):
         return self._host("tolist").tolist()
