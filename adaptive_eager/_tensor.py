@@ -41,6 +41,22 @@ class NeuronTensor(torch.Tensor):
         self._handle, self._wrapper_nbytes = new._handle, new._wrapper_nbytes
         self._set_layout()
 
+    # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
+    # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper
+    # subclass are not), and otherwise makes a new Parameter, which breaks ties and
+    # optimizers built before `.to`. For traceable wrapper subclasses (this protocol) it
+    # swaps the new tensor into the old Python object (torch.utils.swap_tensors) instead, as
+    # identity and ties survive `.to("cuda")`. A neuron tensor holds no inner tensors: its
+    # buffer handle and view are the context.
+    def __tensor_flatten__(self):
+        return [], (self._handle, self.storage_offset(), self.dtype, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        handle, offset, dtype, requires_grad = ctx
+        return NeuronTensor(handle, tuple(outer_size), tuple(outer_stride), offset, dtype,
+                            requires_grad)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
