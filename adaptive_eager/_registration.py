@@ -32,6 +32,7 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
     _register_autocast()
     _register_fused_rnn_cells()
     _done = True
@@ -130,6 +131,13 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
                                 dtype)
 
 
+def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
+    kind without memory; the device has no such kind, so it gets materialized zeros."""
+    _check_device(device)
+    return _empty(size, dtype=dtype).zero_()
+
+
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
     device="neuron")` builds on the host, then copies)."""
@@ -150,6 +158,8 @@ def _host_factory(name):
     random = packet == "randperm"
 
     def impl(*args, **kwargs):
+        if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
+            _engine._check_generator(kwargs["generator"])
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
         with torch._C._DisableTorchDispatch():
