@@ -72,7 +72,8 @@ class NeuronTensor(torch.Tensor):
             return _engine.ENGINE.read(self, reason)
 
     def __repr__(self, *, tensor_contents=None):
-        return tensor_repr(self, self._host("repr"))
+        text = tensor_repr(self, self._host("repr"))
+        return "Parameter containing:\n" + text if self.__dict__.get("_is_param") else text
 
     def __format__(self, spec):
         if self.dim() == 0 and spec:

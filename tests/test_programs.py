@@ -78,6 +78,24 @@ def test_optimizer_built_before_to_trains_the_tied_model_as_on_cpu():
         assert _train("neuron", lambda: ae.adaptive(strategy=strategy)) == eager
 
 
+def test_parameter_repr_as_on_cuda():
+    p = torch.nn.Linear(2, 1).to("neuron").weight
+    assert repr(p).startswith("Parameter containing:\ntensor([[")
+    assert repr(p).endswith("device='neuron:0', requires_grad=True)")
+
+
+def test_back_to_cpu_keeps_ties_with_torch_swap_flag():
+    m = _tied().to("neuron")
+    w = m[0].weight
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.cpu()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert m[0].weight is w and m[2].weight is w and w.device.type == "cpu"
+    assert type(w) is torch.nn.Parameter
+
+
 def test_deepcopy_keeps_parameters():
     m = copy.deepcopy(_tied().to("neuron"))
     assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
