@@ -35,7 +35,7 @@ class NeuronStorage:
     """`untyped_storage()` of a neuron tensor: the identity (`data_ptr`) and size (`nbytes`)
     of its device buffer. It holds no host bytes; copy the tensor to the CPU for those."""
 
-    __slots__ = ("_handle",)
+    __slots__ = ("_handle", "__weakref__")
 
     def __init__(self, handle):
         self._handle = handle
