@@ -234,9 +234,10 @@ def test_sparse_layouts_raise_a_clear_not_implemented_error(make):
 
 
 # -- found while testing: an error inside a native backward op ------------------------------
-@pytest.mark.xfail(strict=True, reason="engine bug, not fixed here: an exception raised by the "
-                   "engine on autograd's device thread terminates the process ('terminate "
-                   "called without an active exception') instead of reaching the caller")
+@pytest.mark.xfail(strict=True, reason="bug, not fixed here: a Python exception raised in "
+                   "__torch_dispatch__ on autograd's device thread is lost: the process either "
+                   "terminates ('terminate called without an active exception') or backward() "
+                   "raises 'SystemError: ... returned NULL without setting an exception'")
 def test_error_in_backward_reaches_the_caller():
     code = ("import torch, adaptive_eager as ae\n"
             "x = torch.randn(4, 3).to('neuron').requires_grad_()\n"
