@@ -582,7 +582,7 @@ class _Encoder:
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.handles, self.where, self.vbytes)
         if isinstance(v, torch.Generator):
-            _check_generator(v)
+            raise _generator_error(v)
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(
@@ -658,9 +658,10 @@ def _to_meta(v, t, metas):
     return v
 
 
-def _check_generator(g) -> None:
-    """As CUDA: a random op on the device refuses a generator of another device."""
-    raise RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
+def _generator_error(g) -> RuntimeError:
+    """As CUDA: a device op refuses a generator of another device (and a neuron generator
+    cannot be made: README, known gaps)."""
+    return RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
                        f"'{g.device.type}'")
 
 
@@ -679,7 +680,7 @@ def _on_host(v, tensor):
     if isinstance(v, NeuronTensor):
         return tensor(v)
     if isinstance(v, torch.Generator):
-        _check_generator(v)
+        raise _generator_error(v)
     if isinstance(v, (list, tuple)):
         return type(v)(_on_host(x, tensor) for x in v)
     if isinstance(v, torch.device) and v.type == DEVICE.type:

@@ -159,7 +159,7 @@ def _host_factory(name):
 
     def impl(*args, **kwargs):
         if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
-            _engine._check_generator(kwargs["generator"])
+            raise _engine._generator_error(kwargs["generator"])
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
         with torch._C._DisableTorchDispatch():
