@@ -613,6 +613,8 @@ class Engine:
             if not isinstance(leaf, torch.Tensor):
                 new_leaves.append(leaf)
                 continue
+            if leaf.layout != torch.strided:
+                raise _sparse_error(name, leaf.layout)
             owner = by_storage.get(leaf.untyped_storage().data_ptr()) if leaf.numel() else None
             if owner is not None:
                 same = next((v for v in views.values() if v._handle is owner._handle
@@ -668,6 +670,8 @@ class _Encoder:
     def enc(self, v, scalar):
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.handles, self.where, self.vbytes)
+        if isinstance(v, torch.Generator):
+            raise _generator_error(v)
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(
@@ -842,11 +846,29 @@ def _to_meta(v, t, metas):
     return v
 
 
+def _generator_error(g) -> RuntimeError:
+    """As CUDA: a device op refuses a generator of another device (and a neuron generator
+    cannot be made: README, known gaps)."""
+    return RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
+                       f"'{g.device.type}'")
+
+
+def _sparse_error(op: str, layout) -> NotImplementedError:
+    """Sparse results (`to_sparse`, `sparse_coo_tensor(..., device="neuron")`) are refused."""
+    return NotImplementedError(
+        f"{op}: sparse layouts (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, "
+        f"torch.sparse_bsr, torch.sparse_bsc) are not supported on the neuron device, which "
+        f"holds strided tensors only (this result would be {layout}). Keep sparse tensors on "
+        f"the CPU.")
+
+
 def _on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
         return tensor(v)
+    if isinstance(v, torch.Generator):
+        raise _generator_error(v)
     if isinstance(v, (list, tuple)):
         return type(v)(_on_host(x, tensor) for x in v)
     if isinstance(v, torch.device) and v.type == DEVICE.type:

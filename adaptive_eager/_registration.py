@@ -32,6 +32,7 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
     _register_autocast()
     _register_fused_rnn_cells()
     _wrap_backward()
@@ -158,6 +159,13 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
                                 dtype)
 
 
+def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
+    kind without memory; the device has no such kind, so it gets materialized zeros."""
+    _check_device(device)
+    return _empty(size, dtype=dtype).zero_()
+
+
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
     device="neuron")` builds on the host, then copies)."""
@@ -178,6 +186,8 @@ def _host_factory(name):
     random = packet == "randperm"
 
     def impl(*args, **kwargs):
+        if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
+            raise _engine._generator_error(kwargs["generator"])
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
         with eng.lock, torch._C._DisableTorchDispatch():

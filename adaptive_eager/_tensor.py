@@ -4,9 +4,12 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from . import _engine
+from ._storage import NeuronStorage, device_address
 
 
 class NeuronTensor(torch.Tensor):
@@ -41,6 +44,22 @@ class NeuronTensor(torch.Tensor):
         self._handle, self._wrapper_nbytes = new._handle, new._wrapper_nbytes
         self._set_layout()
 
+    # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
+    # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper
+    # subclass are not), and otherwise makes a new Parameter, which breaks ties and
+    # optimizers built before `.to`. For traceable wrapper subclasses (this protocol) it
+    # swaps the new tensor into the old Python object (torch.utils.swap_tensors) instead, as
+    # identity and ties survive `.to("cuda")`. A neuron tensor holds no inner tensors: its
+    # buffer handle and view are the context.
+    def __tensor_flatten__(self):
+        return [], (self._handle, self.storage_offset(), self.dtype, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        handle, offset, dtype, requires_grad = ctx
+        return NeuronTensor(handle, tuple(outer_size), tuple(outer_stride), offset, dtype,
+                            requires_grad)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -53,7 +72,8 @@ class NeuronTensor(torch.Tensor):
             return _engine.ENGINE.read(self, reason)
 
     def __repr__(self, *, tensor_contents=None):
-        return tensor_repr(self, self._host("repr"))
+        text = tensor_repr(self, self._host("repr"))
+        return "Parameter containing:\n" + text if self.__dict__.get("_is_param") else text
 
     def __format__(self, spec):
         if self.dim() == 0:  # as torch.Tensor: a 0-d tensor formats as its item
@@ -86,10 +106,23 @@ class NeuronTensor(torch.Tensor):
     def __array__(self, dtype=None):
         return self.numpy()
 
+    # -- storage identity (Note [Device addresses] in _storage.py) ------------------------
+    def untyped_storage(self):
+        return NeuronStorage(self._handle)
+
+    def data_ptr(self) -> int:
+        return device_address(self._handle) + self.storage_offset() * self.element_size()
+
     def __reduce_ex__(self, proto):
-        # torch.save / pickle / deepcopy: serialize the values (as torch does for devices
-        # without storage sharing), restored on the neuron device.
-        return (_rebuild, (self._host("pickle"), self.requires_grad))
+        # torch.save / pickle: the values on the host, rebuilt by the function torch itself
+        # uses for devices without host storage. It is on `torch.load`'s weights_only
+        # allow-list, honours map_location, and a process without this package can load the
+        # file with map_location="cpu". (Tensor.__reduce_ex__ would wrap it with our class.)
+        if self.__dict__.get("_is_param"):  # a Parameter (Note [Module.to keeps Parameters])
+            return (torch._utils._rebuild_parameter,
+                    (self.detach(), self.requires_grad, collections.OrderedDict()))
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self._host("pickle"), self.dtype, str(self.device), self.requires_grad))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -97,16 +130,13 @@ class NeuronTensor(torch.Tensor):
         with torch.no_grad():
             new = self.clone()
         new.requires_grad_(self.requires_grad)
+        if self.__dict__.get("_is_param"):
+            new._is_param = True
         memo[id(self)] = new
         return new
 
 
 _engine.NeuronTensor = NeuronTensor
-
-
-def _rebuild(cpu, requires_grad):
-    t = cpu.to(_engine.DEVICE)
-    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
