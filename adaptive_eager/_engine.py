@@ -387,26 +387,38 @@ class Engine:
         """An out= tensor of the wrong shape is resized, as CPU's resize_output does (the
         meta kernel already gave CPU's deprecation warning)."""
         off = t.storage_offset()
-        if _extent_bytes(size, stride, off, t.element_size()) <= t._wrapper_nbytes:
-            with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
-                aten.as_strided_.default(t, size, stride, off)
-            t._set_layout()
-            return
-        # A wrapper's extent is fixed when it is made: growing means a new buffer, and the
-        # user's tensor object takes the new tensor's place (its old values are dropped;
-        # the op overwrites every element).
-        try:
-            torch.utils.swap_tensors(t, self.empty(tuple(size), tuple(stride), t.dtype))
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"out= tensor of shape {tuple(t.shape)} must grow to {tuple(size)} and cannot "
-                f"be resized in place here ({e}); pass an out= tensor of shape "
-                f"{tuple(size)}") from None
+        need = _extent_bytes(size, stride, off, t.element_size())
+        if need > t._handle.nbytes:
+            self._grow(t, need)
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            aten.as_strided_.default(t, size, stride, off)
+        t._set_layout()
+
+    def _grow(self, t, need: int) -> None:
+        """A tensor resized past its buffer gets a new, larger buffer that starts with the old
+        bytes (as CPU's resize_ reallocates its storage). Other views of the old buffer keep
+        the old one (on CPU they would share the new storage)."""
+        old = t._handle
+        self.flush("resize")
+        self._make_room(need)
+        new = Handle(need, self.device.alloc(need))
+        new.poison = old.poison
+        if old.buffer is not None and old.nbytes:
+            src, dst, n = old.buffer.storage, new.buffer.storage, old.nbytes
+
+            def copy():
+                u8 = torch.uint8
+                torch.empty(0, dtype=u8).set_(dst, 0, (n,), (1,)).copy_(
+                    torch.empty(0, dtype=u8).set_(src, 0, (n,), (1,)))
+
+            with torch._C._DisableTorchDispatch():
+                self.device.submit(Launch("resize_", copy, 2 * n, 0.0))
+            self.metrics.launches += 1
+        t._handle = new
 
     def _inplace_view(self, func, args, kwargs):
         """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
-        over the same buffer (resize_ cannot grow past the allocation the tensor was made
-        with: a wrapper tensor's extent is fixed when it is created)."""
+        over the same buffer; resize_ past the buffer moves the tensor to a larger one."""
         t = args[0]
         args_t, kwargs_t, handles, _, _ = self._template(func, args, kwargs)
         metas = _meta_buffers(handles)
@@ -414,11 +426,11 @@ class Engine:
         func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
              **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
         need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
-        if need > t._wrapper_nbytes:  # fixed when the wrapper was made
-            raise RuntimeError(
-                f"{func._schema.name}: growing a neuron tensor beyond its allocation "
-                f"({t._wrapper_nbytes} bytes, {need} needed) is not supported; allocate a new "
-                f"tensor (torch.empty(..., device='neuron')) and copy into it.")
+        if need > t._handle.nbytes:
+            if func.overloadpacket is not aten.resize_:
+                _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype,
+                               t._handle.nbytes)
+            self._grow(t, need)
         with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
             aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
         t._set_layout()

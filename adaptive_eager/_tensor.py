@@ -12,20 +12,25 @@ from . import _engine
 from ._storage import NeuronStorage, device_address
 
 
+_UNBOUNDED = 1 << 62
+
+
 class NeuronTensor(torch.Tensor):
     __slots__ = ()  # the handle lives in __dict__ (wrapper subclasses need one)
 
     @staticmethod
     def __new__(cls, handle, size, stride, offset, dtype, requires_grad=False, info=None):
+        # The wrapper's own (data-less) storage is made as large as can be, so that in-place
+        # resizes (resize_, out= of another shape) can restride it; the engine checks every
+        # view against the real buffer (`_handle.nbytes`) instead.
         t = torch.Tensor._make_wrapper_subclass(
             cls, size, strides=stride, storage_offset=offset, dtype=dtype,
-            device=_engine.DEVICE, requires_grad=requires_grad)
+            device=_engine.DEVICE, requires_grad=requires_grad, storage_size=_UNBOUNDED)
         t._handle = handle
         if info is None:
-            t._wrapper_nbytes = _engine._extent_bytes(size, stride, offset, dtype.itemsize)
             t._set_layout()
         else:  # precomputed per op signature by the engine's meta cache
-            t._layout, t._vbytes, t._wrapper_nbytes = info
+            t._layout, t._vbytes = info[0], info[1]
         return t
 
     def _set_layout(self):
@@ -41,7 +46,7 @@ class NeuronTensor(torch.Tensor):
     @data.setter
     def data(self, new):  # `p.data = q` (module.half(), ...) swaps the buffer too
         torch.Tensor.data.__set__(self, new)
-        self._handle, self._wrapper_nbytes = new._handle, new._wrapper_nbytes
+        self._handle = new._handle
         self._set_layout()
 
     # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by

@@ -152,11 +152,17 @@ def test_out_of_the_wrong_shape_is_resized_with_cpus_warning(mode):
     assert small.shape == (5,) and small.tolist() == [3.] * 5
 
 
-def test_out_that_must_grow_raises_a_clear_error():
-    """Known gap: a wrapper tensor's extent is fixed, so out= cannot grow in place."""
-    with pytest.raises(RuntimeError, match="pass an out= tensor of shape"):
-        torch.add(torch.ones(1, 4, device=N), 1, out=torch.empty(0, device=N))
-    assert (torch.ones(2, device=N) + 1).tolist() == [2., 2.]
+def test_out_and_resize_grow_past_their_buffer_as_on_cpu(mode):
+    out = torch.empty(0, device=N)
+    r = torch.add(torch.ones(1, 4, device=N), 1, out=out)
+    assert r is out and out.shape == (1, 4) and out.tolist() == [[2., 2., 2., 2.]]
+    x = torch.arange(3., device=N)
+    x.resize_(2, 3)  # grows: the old values stay in front, as on CPU
+    assert x.shape == (2, 3) and x.flatten()[:3].tolist() == [0., 1., 2.]
+    x[1] = 7
+    assert x.tolist()[1] == [7., 7., 7.]
+    with pytest.raises(RuntimeError, match="out of bounds for storage"):
+        torch.arange(4., device=N).as_strided_((3, 3), (3, 1))
 
 
 @pytest.mark.parametrize("name,f", [
