@@ -13,7 +13,8 @@ from ._engine import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
 from .config import config, override
 from .explain import Explanation
-from .metrics import Snapshot, base_of, report, snapshot
+from .metrics import Snapshot, report, snapshot
+from device import COUNTERS
 from device import DeviceSpec, NeuronOutOfMemoryError
 
 __all__ = [
@@ -24,19 +25,16 @@ __all__ = [
 ]
 
 _registration.register()
-_base: dict = {}
 
 
 def metrics() -> Snapshot:
     """Counters since the last reset_metrics() (see Snapshot for the fields)."""
-    return snapshot(_engine.ENGINE, _base)
+    return snapshot(_engine.ENGINE.device.hbm)
 
 
 def reset_metrics() -> None:
-    from .metrics import Metrics
-    _engine.ENGINE.metrics = Metrics()
-    _base.clear()
-    _base.update(base_of(_engine.ENGINE))
+    """Zero every counter (in place: the counters object is never replaced)."""
+    COUNTERS.reset()
 
 
 def metrics_report() -> str:

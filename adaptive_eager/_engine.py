@@ -7,6 +7,7 @@ queue is flushed at sync points, boundaries, a full buffer, or when the device r
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 import threading
@@ -19,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import device as _dev
 import fusion
-from device import Device, DeviceError, DeviceSpec, Launch
+from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch, LaunchError
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, OpSig, encode_static, scalar_positions
@@ -27,7 +28,6 @@ from fusion.ops import BARRIER, CONTRACTION, INPLACE_VIEW, RANDOM, VIEW, op_clas
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
-from .metrics import Metrics
 
 aten = torch.ops.aten
 DEVICE = None  # torch.device("neuron", 0), set by registration
@@ -50,14 +50,21 @@ class NeuronRuntimeError(RuntimeError):
                          f"error message={message}; python stack trace={where}")
 
 
-def _runtime_error(launch) -> NeuronRuntimeError:
-    """The user-facing error for a failed launch: its op and the user's source line."""
+def _raise_launch_error(launch):
+    """Raise the user-facing error of a failed launch: the op's own error as a
+    NeuronRuntimeError naming the op and the user's source line; a bug of ours (an internal
+    error while running it) as itself, with a note."""
     err = launch.error
     k = getattr(err, "instr_index", 0)
     node = launch.context[k] if launch.context else None
     op = node.func._schema.name if node is not None else launch.name
-    return NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
-                              node.source if node is not None else None)
+    if launch.internal:
+        note = f"(internal error of adaptive-eager while running {op}: please report it)"
+        if note not in getattr(err, "__notes__", ()):
+            err.add_note(note)
+        raise err
+    raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
+                             node.source if node is not None else None) from err
 
 
 class NeuronFallbackError(RuntimeError):
@@ -106,7 +113,7 @@ def _locked(method):
 
 class Engine:
     def __init__(self):
-        self.metrics = Metrics()
+        self.metrics = COUNTERS  # the one counters object (device/counters.py)
         self.queue: list[Node] = []
         self.online = OnlineGroup()
         self.pending_bytes = 0
@@ -413,7 +420,6 @@ class Engine:
 
             with torch._C._DisableTorchDispatch():
                 self.device.submit(Launch("resize_", copy, 2 * n, 0.0))
-            self.metrics.launches += 1
         t._handle = new
 
     def _inplace_view(self, func, args, kwargs):
@@ -517,7 +523,6 @@ class Engine:
         self.last_report = report
         m = self.metrics
         m.flushes[reason] += 1
-        m.launches += report.launches
         sizes = m.group_sizes
         for k, v in report.plan.sizes.items():
             sizes[k] += v
@@ -530,7 +535,7 @@ class Engine:
         try:
             self.device.synchronize()
         except DeviceError as e:
-            raise _runtime_error(e.launch) from e.launch.error
+            _raise_launch_error(e.launch)
 
     @_locked
     def sync(self, reason: str) -> None:
@@ -543,7 +548,7 @@ class Engine:
         self.sync(reason)
         h = t._handle
         if h.poison is not None:  # Note [Poison] in fusion/program.py
-            raise _runtime_error(h.poison) from h.poison.error
+            _raise_launch_error(h.poison)
         n = t.numel() * t.element_size()
         self.device.submit(Launch("d2h", None, n, 0.0, kind="dma", dma_bytes=n))
         self.device.host_us = max(self.device.host_us, self.device.free_at_us)
@@ -600,7 +605,12 @@ class Engine:
             result = {}
 
             def work():
-                result["out"] = func(*c_args, **c_kwargs)
+                try:
+                    result["out"] = func(*c_args, **c_kwargs)
+                except Exception as e:
+                    if not fallback:  # a device launch: the op's error, found at the sync
+                        raise LaunchError(e) from None
+                    raise
 
             if fallback:
                 self.device.submit(Launch("d2h", None, nbytes_in, 0, kind="dma",
@@ -611,7 +621,6 @@ class Engine:
             else:
                 self.device.submit(Launch(name, work, nbytes_in, 0.0,
                                           context=[_FakeNode(func)]))
-                self.metrics.launches += 1
                 self.synchronize()
             out = result["out"]
         # Outputs: tensors sharing an argument's storage stay views of its buffer.
@@ -933,7 +942,7 @@ def _package_version() -> str:
     try:
         from importlib.metadata import version
         return version("adaptive-eager")
-    except Exception:
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
         return "0+unknown"
 
 

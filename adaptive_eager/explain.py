@@ -39,6 +39,8 @@ class Explanation:
                 lines.append(f"  -- boundary: {r.boundaries[i - 1]}")
             name = g["name"] if len(g["name"]) <= 70 else g["name"][:67] + "..."
             lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}")
+            if g.get("bad"):
+                lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")
         return "\n".join(lines)
 
     __repr__ = __str__

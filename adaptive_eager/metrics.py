@@ -1,19 +1,9 @@
 """Counters in one place (as tinygrad's GlobalCounters), and the readable report."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 
-
-@dataclasses.dataclass
-class Metrics:
-    ops: int = 0  # ATen ops intercepted on neuron tensors
-    launches: int = 0  # executable launches (fused or not)
-    flushes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    group_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    cpu_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
+from device import COUNTERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +18,9 @@ class Snapshot:
     cache_disk_hits: int
     cache_misses: int
     plan_hits: int
+    plan_misses: int
+    bad_executables: dict
+    cache_evictions: int
     cpu_fallbacks: dict
     h2d_bytes: int
     d2h_bytes: int
@@ -56,35 +49,22 @@ class Snapshot:
         return Snapshot(**vals)
 
 
-def snapshot(engine, base: dict) -> Snapshot:
-    m, r, dev = engine.metrics, engine.runner, engine.device
-    st = r.cache.stats
-    groups = dict(m.group_sizes)
+def snapshot(hbm) -> Snapshot:
+    """The counters now (device.COUNTERS), with the device memory of `hbm`."""
+    c = COUNTERS
+    groups = dict(c.group_sizes)
     n = sum(groups.values())
     return Snapshot(
-        ops=m.ops, launches=m.launches, flushes=dict(m.flushes),
-        compiles=st.misses - base.get("compiles", 0),
-        cache_memory_hits=st.memory_hits - base.get("mem", 0),
-        cache_disk_hits=st.disk_hits - base.get("disk", 0),
-        cache_misses=st.misses - base.get("compiles", 0),
-        plan_hits=r.counters["plan_hits"] - base.get("plan", 0),
-        cpu_fallbacks=dict(m.cpu_fallbacks), h2d_bytes=m.h2d_bytes, d2h_bytes=m.d2h_bytes,
-        device_time_us=dev.busy_us - base.get("busy", 0.0),
-        compile_time_us=r.counters["compile_time_us"] - base.get("ctime", 0.0),
-        peak_memory_bytes=dev.hbm.peak, memory_bytes=dev.hbm.used,
-        bytes_saved=r.counters["bytes_saved"] - base.get("saved", 0),
-        hbm_bytes=dev.hbm_bytes - base.get("hbm", 0),
+        ops=c.ops, launches=c.launches, flushes=dict(c.flushes), compiles=c.compiles,
+        cache_memory_hits=c.cache_memory_hits, cache_disk_hits=c.cache_disk_hits,
+        cache_misses=c.cache_misses, plan_hits=c.plan_hits, plan_misses=c.plan_misses,
+        cache_evictions=c.cache_evictions,
+        bad_executables=dict(c.bad_executables), cpu_fallbacks=dict(c.cpu_fallbacks),
+        h2d_bytes=c.h2d_bytes, d2h_bytes=c.d2h_bytes, device_time_us=c.device_time_us,
+        compile_time_us=c.compile_time_us, peak_memory_bytes=hbm.peak,
+        memory_bytes=hbm.used, bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
         group_sizes=groups)
-
-
-def base_of(engine) -> dict:
-    """The cumulative counters `reset_metrics` subtracts from later snapshots."""
-    r, st = engine.runner, engine.runner.cache.stats
-    return {"compiles": st.misses, "mem": st.memory_hits, "disk": st.disk_hits,
-            "plan": r.counters["plan_hits"], "busy": engine.device.busy_us,
-            "ctime": r.counters["compile_time_us"], "saved": r.counters["bytes_saved"],
-            "hbm": engine.device.hbm_bytes}
 
 
 def report(s: Snapshot) -> str:
@@ -93,7 +73,10 @@ def report(s: Snapshot) -> str:
         ("mean fused group size", f"{s.mean_group_size:.2f}"),
         ("flushes", ", ".join(f"{k}={v}" for k, v in sorted(s.flushes.items())) or "-"),
         ("compiles", s.compiles), ("cache hits (memory)", s.cache_memory_hits),
-        ("cache hits (disk)", s.cache_disk_hits), ("plan reuses", s.plan_hits),
+        ("cache hits (disk)", s.cache_disk_hits), ("cache misses", s.cache_misses),
+        ("plan reuses", s.plan_hits),
+        ("fused executables run op by op", ", ".join(
+            f"{k}={v}" for k, v in sorted(s.bad_executables.items())) or "-"),
         ("compile time (modeled)", f"{s.compile_time_us / 1e3:.1f} ms"),
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))

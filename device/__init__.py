@@ -1,8 +1,9 @@
 """The simulated NeuronCore: spec, HBM, hardware queue, clock and trace. Knows nothing of
 dispatch or fusion: it runs launches on buffers and accounts for time and memory."""
-from .core import Device, DeviceError, DeviceRNG, Launch
+from .core import Device, DeviceError, DeviceRNG, Launch, LaunchError
+from .counters import COUNTERS, Counters
 from .memory import HBM, Buffer, NeuronOutOfMemoryError
 from .spec import DeviceSpec
 
-__all__ = ["Buffer", "Device", "DeviceError", "DeviceRNG", "DeviceSpec", "HBM", "Launch",
-           "NeuronOutOfMemoryError"]
+__all__ = ["COUNTERS", "Buffer", "Counters", "Device", "DeviceError", "DeviceRNG", "DeviceSpec",
+           "HBM", "Launch", "LaunchError", "NeuronOutOfMemoryError"]

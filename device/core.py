@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from .counters import COUNTERS
 from .memory import HBM, Buffer
 from .spec import DeviceSpec
 
@@ -35,7 +36,19 @@ class Launch:
     start_us: float = 0.0
     end_us: float = 0.0
     error: BaseException | None = None
+    internal: bool = False  # the error is a bug of ours, not the op's (LaunchError)
     context: Any = None  # what the engine wants back with an error (op name, source line)
+
+
+class LaunchError(Exception):
+    """Raised by a launch's work; kept for the next sync. `internal`: not the op's own error
+    (a kernel refusing its inputs) but a bug of ours, re-raised as itself, never dressed as
+    a device error."""
+
+    def __init__(self, cause: BaseException, internal: bool = False):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.internal = internal
 
 
 class DeviceError(RuntimeError):
@@ -57,14 +70,10 @@ class Device:
         self.realtime = realtime  # each launch also takes its modeled time on the wall clock
         self.host_us = 0.0  # simulated host clock
         self.free_at_us = 0.0  # when the device finishes everything queued so far
-        self.busy_us = 0.0  # total simulated device time spent running launches
         self._ends: collections.deque[float] = collections.deque()  # end times in flight
         self._errors: list[Launch] = []
         # (name, kind, start, duration, bytes, flops) per launch: the newest trace_limit
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
-        self.launches = 0
-        self.dmas = 0
-        self.hbm_bytes = 0  # HBM traffic of all launches
         self.rng = DeviceRNG()
 
     # -- host side -------------------------------------------------------------------
@@ -82,24 +91,25 @@ class Device:
         spec = self.spec
         if launch.kind == "dma":
             cost = spec.dma_us(launch.dma_bytes)
-            self.dmas += 1
+            COUNTERS.dmas += 1
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
-            self.launches += 1
-            self.hbm_bytes += launch.nbytes
+            COUNTERS.launches += 1
+            COUNTERS.hbm_bytes += launch.nbytes
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
         if self.in_flight() >= spec.max_in_flight:
             self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])
         launch.start_us = max(self.host_us, self.free_at_us)
         launch.end_us = launch.start_us + cost
         self.free_at_us = launch.end_us
-        self.busy_us += cost
+        COUNTERS.device_time_us += cost
         self._ends.append(launch.end_us)
         if launch.run is not None:
             try:
                 launch.run()
-            except Exception as e:  # kept for the next sync (Note [Simulated asynchrony])
-                launch.error = e
+            except LaunchError as e:  # kept for the next sync (Note [Simulated asynchrony])
+                launch.error = e.cause
+                launch.internal = e.internal
                 self._errors.append(launch)
         if self.realtime:
             _sleep_us(cost)

@@ -9,7 +9,6 @@ warning and recompiled over.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
@@ -18,20 +17,12 @@ import tempfile
 import warnings
 from typing import Callable
 
+from device import COUNTERS
+
 from .program import FORMAT_VERSION, BadProgram, Executable, Program
 
 log = logging.getLogger("adaptive_eager.cache")
 MAGIC = b"ADAPTIVE-EAGER-NEFF\n"
-
-
-@dataclasses.dataclass
-class CacheStats:
-    memory_hits: int = 0
-    disk_hits: int = 0
-    misses: int = 0  # compiles
-    evictions: int = 0
-    disk_errors: int = 0  # corrupt/foreign files ignored
-    bad: int = 0  # executables marked bad (compile/run failure), run op by op
 
 
 class ExecutableCache:
@@ -44,8 +35,7 @@ class ExecutableCache:
         self._mem: collections.OrderedDict[tuple, tuple[Executable, int]] = \
             collections.OrderedDict()
         self._bytes = 0
-        self.stats = CacheStats()
-        self.bad: set[tuple] = set()
+        self.bad: dict[tuple, str] = {}  # program key -> why its compile failed
 
     def __len__(self):
         return len(self._mem)
@@ -62,7 +52,7 @@ class ExecutableCache:
         hit = self._mem.get(key)
         if hit is not None:
             self._mem.move_to_end(key)
-            self.stats.memory_hits += 1
+            COUNTERS.cache_memory_hits += 1
             return hit[0], "memory"
         payload = None
         exe = None
@@ -70,14 +60,14 @@ class ExecutableCache:
             exe = self._load(program)
         level = "disk"
         if exe is None:
+            COUNTERS.cache_misses += 1
             exe = compile_fn(program)
-            self.stats.misses += 1
             level = "compile"
             payload = json.dumps(program.to_json()).encode()
             if self.directory is not None:
                 self._store(program, payload)
         else:
-            self.stats.disk_hits += 1
+            COUNTERS.cache_disk_hits += 1
         self._insert(key, exe, len(payload) if payload else 1024)
         return exe, level
 
@@ -94,7 +84,7 @@ class ExecutableCache:
                                  or (b_goal is not None and self._bytes > b_goal)):
                 _, (_, sz) = self._mem.popitem(last=False)
                 self._bytes -= sz
-                self.stats.evictions += 1
+                COUNTERS.cache_evictions += 1
 
     # -- disk ------------------------------------------------------------------------
     def path(self, program: Program) -> str:
@@ -142,6 +132,6 @@ class ExecutableCache:
             log.warning("could not write cache entry %s: %s", path, e)
 
     def _warn(self, path: str, why: str) -> None:
-        self.stats.disk_errors += 1
+        COUNTERS.cache_disk_errors += 1
         warnings.warn(f"Ignoring executable cache file {path}: {why}; recompiling it.",
                       stacklevel=2)

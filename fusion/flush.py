@@ -17,12 +17,12 @@ import weakref
 import networkx as nx
 import torch
 
-from device import Device, Launch
+from device import COUNTERS, Device, Launch, LaunchError
 
 from .cache import ExecutableCache
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
-from .program import Executable, Program, build_program, run_instr
+from .program import CompileError, Executable, Program, build_program, run_instr
 
 log = logging.getLogger("adaptive_eager.fusion")
 _LOW_PRECISION = ("bfloat16", "float16")
@@ -69,7 +69,8 @@ class FlushReport:
     @property
     def groups(self) -> list[dict]:
         return [{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
-                 "flops": g.flops, "level": "plan" if self.plan_hit else g.level}
+                 "flops": g.flops, "level": "plan" if self.plan_hit else g.level,
+                 "bad": getattr(g.exe, "reason", None)}
                 for g in self.plan.groups]
 
     boundaries = property(lambda self: self.plan.reasons)
@@ -85,7 +86,6 @@ class Runner:
         self.plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self.max_plans = max_plans
         self.compile_hook = None  # tests: called with each Program compiled; may raise
-        self.counters = collections.Counter()
 
     def compile(self, program: Program) -> Executable:
         if self.compile_hook is not None:
@@ -94,7 +94,8 @@ class Runner:
         us = self.device.spec.compile_us(len(program.instrs))
         log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
                  len(program.instrs), us / 1e3)
-        self.counters["compile_time_us"] += us
+        COUNTERS.compiles += 1
+        COUNTERS.compile_time_us += us
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
 
@@ -119,21 +120,20 @@ class Runner:
         hit = plan is not None
         if hit:
             self.plans.move_to_end(sig)
-            self.counters["plan_hits"] += 1
-            self.cache.stats.memory_hits += len(plan.groups)
+            COUNTERS.plan_hits += 1  # no executable was looked up: no cache hit is counted
         else:
             plan = self._plan(nodes, canon, handles, strategy)
             self.plans[sig] = plan
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
-            self.counters["plan_misses"] += 1
+            COUNTERS.plan_misses += 1
         self._execute(nodes, plan, handles)
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
                      len(plan.groups), "reused" if hit else "built")
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
-        self.counters["bytes_saved"] += plan.skipped_bytes
+        COUNTERS.bytes_saved += plan.skipped_bytes
         return FlushReport(reason, strategy.name, len(nodes), plan, hit)
 
     def _plan(self, nodes, canon, handles, strategy) -> Plan:
@@ -171,18 +171,20 @@ class Runner:
         return Plan(plans, reasons, graph, skipped)
 
     def _executable(self, program: Program) -> tuple[Executable, str]:
-        if program.key in self.cache.bad:
-            return OneByOne(program), "bad"
+        reason = self.cache.bad.get(program.key)
+        if reason is not None:
+            return OneByOne(program, reason), "bad"
         try:
             return self.cache.get(program, self.compile)
-        except Exception as e:  # a fused compile failed: run its ops one by one (reference)
+        except CompileError as e:  # a fused compile failed: its ops run one by one (reference)
             if len(program.instrs) == 1:
                 raise
-            self.cache.bad.add(program.key)
-            self.cache.stats.bad += 1
+            reason = f"{type(e).__name__}: {e}"
+            self.cache.bad[program.key] = reason
+            COUNTERS.bad_executables[reason[:120]] += 1
             warnings.warn(f"Fused executable '{program.name[:80]}' failed to compile ({e}); "
                           f"its ops run one by one for the rest of this process.", stacklevel=2)
-            return OneByOne(program), "bad"
+            return OneByOne(program, reason), "bad"
 
     def _execute(self, nodes, plan: Plan, handles) -> None:
         env: dict[int, torch.UntypedStorage] = {}
@@ -234,6 +236,10 @@ class Runner:
 class OneByOne(Executable):
     """A bad fused executable's stand-in: each op is launched on its own, results unchanged."""
 
+    def __init__(self, program: Program, reason: str):
+        super().__init__(program)
+        self.reason = reason  # why its compile failed (explain() shows it)
+
     def runner(self, k, st, inputs, rng, poisoned):
         def run():
             ins = self.instrs[k]
@@ -244,6 +250,8 @@ class OneByOne(Executable):
                 run_instr(ins, st, inputs[k], rng, [None] * self.n_views)
             except Exception as e:
                 poisoned.update(ins.out_slots)
-                e.instr_index = 0
-                raise
+                if not isinstance(e, LaunchError):
+                    e = LaunchError(e, internal=True)
+                e.cause.instr_index = 0
+                raise e
         return run

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
+from device import LaunchError
+
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, RANDOM, op_class
 
@@ -59,7 +61,12 @@ def build_program(nodes: list[Node], keep: set[int]) -> tuple[Program, list[int]
     return Program(name, len(ext), len(slot_uids), instrs, outputs), slot_uids
 
 
-class BadProgram(ValueError):
+class CompileError(Exception):
+    """The compiler refused a program (a fused group it cannot build): its ops then run one
+    by one. Any other exception from compiling is a bug of ours and propagates."""
+
+
+class BadProgram(CompileError, ValueError):
     """A program names an op outside the allow-list (or is malformed)."""
 
 
@@ -181,8 +188,8 @@ class Executable:
             except Exception as e:
                 poisoned.update(ins.out_slots)
                 if first is None:
-                    e.instr_index = k  # the engine maps it back to the op and its source line
-                    first = e
+                    first = e if isinstance(e, LaunchError) else LaunchError(e, internal=True)
+                    first.cause.instr_index = k  # the engine maps it to the op and source line
         if first is not None:
             raise first
 
@@ -207,10 +214,13 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         if ins.kwargs else {}
     if ins.f64:
         args, kwargs, writeback = _as_f32(ins, args, kwargs)
-    if ins.random:
-        out = rng.run(ins.op, args, kwargs)
-    else:
-        out = ins.op._op(*args, **kwargs)  # the C++ entry: OpOverload.__call__ minus a frame
+    try:
+        if ins.random:
+            out = rng.run(ins.op, args, kwargs)
+        else:
+            out = ins.op._op(*args, **kwargs)  # the C++ entry: OpOverload.__call__ minus a frame
+    except Exception as e:  # the kernel refused its inputs: the op's own error
+        raise LaunchError(e) from None
     if ins.f64:
         for orig, low in writeback:
             orig.copy_(low)

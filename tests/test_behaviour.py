@@ -250,7 +250,7 @@ def test_memory_cache_lru_bound():
         for k in range(1, 12):
             x = x.view(-1)[:k].sum() + x if k % 2 else x * k  # new signatures
         cache = _engine.ENGINE.runner.cache
-        assert len(cache) <= 5 and cache.stats.evictions > 0
+        assert len(cache) <= 5 and ae.metrics().cache_evictions > 0
 
 
 def test_bad_settings_fail_clearly_and_leave_the_engine_usable():

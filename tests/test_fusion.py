@@ -204,7 +204,8 @@ def test_identical_step_reuses_plan_and_compiles_nothing():
 
     lazy(step)
     _, ex, m = lazy(step)
-    assert m.compiles == 0 and m.plan_hits == 1 and m.cache_memory_hits == m.launches
+    # a reused plan looks nothing up: no cache hit is counted for it
+    assert m.compiles == 0 and m.plan_hits == 1 and m.cache_memory_hits == 0
     assert ex.report.plan_hit
 
 
@@ -216,11 +217,12 @@ def test_runtime_scalars_do_not_recompile():
 
 
 def test_bad_fused_executable_runs_ops_one_by_one(recwarn):
+    from fusion.program import CompileError
     runner = ae._engine.ENGINE.runner
 
     def fail_fused(program):
         if len(program.instrs) > 1:
-            raise RuntimeError("injected compiler failure")
+            raise CompileError("injected compiler failure")
 
     x = rand(32)
     runner.compile_hook = fail_fused
@@ -231,8 +233,48 @@ def test_bad_fused_executable_runs_ops_one_by_one(recwarn):
         torch.testing.assert_close(out.cpu(), -((x.cpu() * 3 - 1).abs()))
         _, _, m2 = lazy(lambda: (x * 3 - 1).abs().neg())
         assert m2.launches == 4  # marked bad for the process
+        assert m.bad_executables == {"CompileError: injected compiler failure": 1}
+        assert "injected compiler failure" in str(ae.explain())
     finally:
         runner.compile_hook = None
+
+
+def test_internal_compiler_bug_is_not_taken_for_a_failed_fusion():
+    """Only a CompileError sends a group op by op; any other error is a bug and propagates."""
+    runner = ae._engine.ENGINE.runner
+    runner.compile_hook = lambda program: 1 / 0
+    x = rand(8)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            lazy(lambda: (x * 5 - 2).abs())
+    finally:
+        runner.compile_hook = None
+    assert ae.metrics().bad_executables == {}
+    assert lazy(lambda: (x * 5 - 2).abs())[0].shape == (8,)  # and the engine still works
+
+
+def test_counters_never_go_negative_across_settings_changes():
+    x = rand(16)
+
+    def run():
+        with ae.adaptive():
+            (x * 2 + 1).relu().sin().cpu()
+
+    ae.reset_metrics()
+    run()
+    before = ae.metrics()
+    assert before.compiles > 0 and before.cache_misses == before.compiles
+    with ae.override(max_group_ops=3, cache_max_entries=7):  # a new runner, strategy, cache
+        run()
+    from device import DeviceSpec
+    ae.set_device_spec(DeviceSpec(launch_overhead_us=25.0))  # a new device
+    try:
+        after = ae.metrics()
+        for f in ("compiles", "cache_misses", "compile_time_us", "launches", "device_time_us",
+                  "ops"):
+            assert getattr(after, f) >= getattr(before, f) >= 0, f
+    finally:
+        ae.set_device_spec(DeviceSpec())
 
 
 def test_explain_and_dot():

@@ -1,0 +1,45 @@
+"""Every counter in one object that is never replaced (as tinygrad's GlobalCounters).
+
+Each layer adds to `COUNTERS` where the counted thing happens: the device counts launches and
+device time, the fusion layer cache lookups and compiles, the engine ops, flushes and
+fallbacks. Replacing a device, a runner or a cache (a settings change) never touches it, so
+no figure can go backwards; `reset()` zeroes it in place.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class Counters:
+    ops: int = 0  # ATen ops intercepted on neuron tensors
+    launches: int = 0  # executable launches on the device (fused or not)
+    dmas: int = 0  # host<->device copies
+    device_time_us: float = 0.0  # simulated device time of every launch and copy
+    hbm_bytes: int = 0  # HBM bytes read and written by launches
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    flushes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    group_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    cpu_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    plan_hits: int = 0  # segments that reused a plan: no graph, partition or cache lookup
+    plan_misses: int = 0
+    cache_memory_hits: int = 0  # executable lookups answered by each level...
+    cache_disk_hits: int = 0
+    cache_misses: int = 0  # ...or by neither (a compile follows)
+    cache_evictions: int = 0
+    cache_disk_errors: int = 0  # corrupt or foreign cache files ignored
+    compiles: int = 0  # executables built
+    compile_time_us: float = 0.0  # modeled compile time
+    bad_executables: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter)  # fused compiles that failed, by reason
+    bytes_saved: int = 0  # bytes of values freed before their flush, never written back
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default_factory() if f.default is dataclasses.MISSING
+                    else f.default)
+
+
+COUNTERS = Counters()
