@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from . import _registration
 from ._engine import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
-from .config import config, override
+from .config import config
+from ._engine import override
 from .explain import Explanation
 from .metrics import Snapshot, report, snapshot
 from device import COUNTERS
@@ -57,7 +58,7 @@ def set_strategy(name: str) -> None:
 
 
 def strategy() -> str:
-    return _engine.ENGINE.strategy.name
+    return _engine.ENGINE.strategy_name
 
 
 def set_device_spec(spec: DeviceSpec) -> None:

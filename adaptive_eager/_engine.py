@@ -7,6 +7,7 @@ queue is flushed at sync points, boundaries, a full buffer, or when the device r
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -102,6 +103,43 @@ def _extent_bytes(size, stride, offset, itemsize) -> int:
     return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
 
 
+@contextlib.contextmanager
+def override(**changes):
+    """Temporarily change settings (`with ae.override(queue_low_threshold=0): ...`); the
+    engine flushes, applies them, and restores the old values on exit. `adaptive` and
+    `strategy` set the engine's mode and strategy for the block."""
+    cfg = _config.config
+    for k in changes:
+        if not hasattr(cfg, k):
+            raise AttributeError(f"no setting named {k!r}; `python -m adaptive_eager config` lists them")
+    if "strategy" in changes and changes["strategy"] not in STRATEGIES:
+        raise ValueError(f"unknown fusion strategy {changes['strategy']!r}; choose one of "
+                         f"{sorted(STRATEGIES)}")
+    old = {k: getattr(cfg, k) for k in changes}
+    state = (ENGINE.adaptive, ENGINE.strategy_name)
+    _apply_settings(changes)
+    try:
+        yield cfg
+    finally:
+        _apply_settings(old)
+        with ENGINE.lock:
+            ENGINE.adaptive, ENGINE.strategy_name = state
+            ENGINE.reconfigure()
+
+
+def _apply_settings(values: dict) -> None:
+    eng = ENGINE
+    with eng.lock:
+        eng.flush("config")
+        for k, v in values.items():
+            setattr(_config.config, k, v)
+        if "adaptive" in values:
+            eng.adaptive = bool(values["adaptive"])
+        if "strategy" in values:
+            eng.strategy_name = values["strategy"]
+        eng.reconfigure()
+
+
 def _locked(method):
     """Run an engine entry point under the engine lock (Note [Threads])."""
     def locked(self, *args, **kwargs):
@@ -128,6 +166,11 @@ class Engine:
         self._warned: set[str] = set()
         self.spec = DeviceSpec()
         self.device = Device(self.spec)
+        # The mode and strategy are the engine's state: settings give their start-up values
+        # (and `override(adaptive=..., strategy=...)` sets them); nothing writes settings back.
+        cfg = _config.config
+        self.adaptive = cfg.adaptive
+        self.strategy_name = cfg.strategy
         self.reconfigure()
 
     # -- configuration ---------------------------------------------------------------
@@ -143,12 +186,11 @@ class Engine:
             self.device.rng = rng
         self.device.blocking = cfg.launch_blocking
         self.device.realtime = cfg.realtime
-        self.adaptive = cfg.adaptive
-        if cfg.strategy not in STRATEGIES:
-            raise ValueError(f"unknown fusion strategy {cfg.strategy!r}; "
+        if self.strategy_name not in STRATEGIES:
+            raise ValueError(f"unknown fusion strategy {self.strategy_name!r}; "
                              f"choose one of {sorted(STRATEGIES)}")
-        self.strategy = STRATEGIES[cfg.strategy](self.spec, cfg.max_group_ops,
-                                                 cfg.max_group_contractions)
+        self.strategy = STRATEGIES[self.strategy_name](self.spec, cfg.max_group_ops,
+                                                       cfg.max_group_contractions)
         self.eager_strategy = STRATEGIES["none"](self.spec)  # eager: one op per launch
         cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
         salt = "|".join([_package_version(), torch.__version__, "executor=eager",
@@ -166,7 +208,7 @@ class Engine:
     def set_adaptive(self, on: bool) -> None:
         if on != self.adaptive:
             self.flush("mode switch")
-        _config.config.adaptive = self.adaptive = bool(on)
+        self.adaptive = bool(on)
 
     @_locked
     def set_strategy(self, name: str) -> None:
@@ -174,7 +216,7 @@ class Engine:
             raise ValueError(f"unknown fusion strategy {name!r}; choose one of "
                              f"{sorted(STRATEGIES)}")
         self.flush("strategy switch")
-        _config.config.strategy = name
+        self.strategy_name = name
         self.reconfigure()
 
     def is_lazy(self) -> bool:

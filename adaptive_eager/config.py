@@ -1,12 +1,12 @@
 """Every setting, declared once: typed default, environment variable, effect.
 
 Names follow the reference (TORCHNEURON.md); our own carry the ADAPTIVE_EAGER_ prefix. The
-environment is read once, at import. Tests change settings with `config.override(...)`,
-never by editing os.environ mid-run.
+environment is read once, at import. Tests change settings with `ae.override(...)` (the
+engine applies them), never by editing os.environ mid-run. This module imports nothing of
+the engine.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
@@ -28,87 +28,88 @@ def _opt_float(v: str) -> float | None:
     return float(v) if v else None
 
 
-_SETTINGS: list[tuple[str, str, object, callable, str]] = [
-    # (field, env var, default, parser, effect)
-    ("adaptive", "TORCH_NEURONX_ENABLE_CONCATENATION", False, _flag_exact_1,
-     "adaptive eager (lazy queue + fusion) on at start-up when exactly '1'"),
-    ("queue_low_threshold", "TORCH_NEURONX_CONCATENATION_QUEUE_LOW_THRESHOLD", 15, int,
-     "flush at the next natural cut while no more than this many launches are in flight"),
-    ("buffer_size_limit", "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT", 1024, int,
-     "max ops queued before a forced flush"),
-    ("skip_intermediate", "TORCH_NEURONX_APPLY_SKIP_INTERMEDIATE", True, _flag_not_0,
-     "do not write back values whose tensors were all freed before the flush"),
-    ("cache_dir", "TORCH_NEURONX_NEFF_CACHE_DIR",
-     os.path.join(tempfile.gettempdir(), "neff_cache"), str, "on-disk executable cache"),
-    ("disable_disk_cache", "TORCH_NEURONX_NEFF_DISABLE_CACHE", False, _flag_exact_1,
-     "'1' turns the on-disk cache off"),
-    ("cache_max_entries", "NEURON_COMPILATION_CACHE_MAX_ENTRIES", None, _opt_int,
-     "in-memory cache entry bound (LRU evicts to 80%)"),
-    ("cache_max_mb", "NEURON_COMPILATION_CACHE_MAX_SIZE_MB", None, _opt_float,
-     "in-memory cache size bound in MiB (LRU evicts to 80%)"),
-    ("launch_blocking", "NEURON_LAUNCH_BLOCKING", False, _flag_exact_1,
-     "every launch synchronous; errors raised at the op"),
-    ("fallback_enabled", "NEURON_FALLBACK_ENABLED", True, _flag_not_0,
-     "CPU recovery when a device op cannot run ('0' raises)"),
-    ("stack_trace", "TORCH_NEURONX_ENABLE_STACK_TRACE", False, _flag_exact_1,
-     "record each op's full Python stack for error reports"),
-    ("log_level", "TORCH_NEURONX_LOG_LEVEL", 1, int,
-     "logger 'adaptive_eager': 0 error, 1 warning, 2 info (a line per flush and compile), "
-     "3 debug (every boundary)"),
-    ("log_file", "TORCH_NEURONX_LOG_FILE", "", str, "log to this file instead of stderr"),
-    ("strategy", "ADAPTIVE_EAGER_FUSION_STRATEGY", "graph", str,
-     "fusion strategy in adaptive mode: graph, matmul or none"),
-    ("max_group_ops", "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group"),
-    ("max_group_contractions", "ADAPTIVE_EAGER_MAX_GROUP_CONTRACTIONS", 4, int,
-     "max contractions (matmul/conv) in one fused group of the graph strategy"),
-    ("max_pending_mb", "ADAPTIVE_EAGER_MAX_PENDING_MB", 1024.0, float,
-     "flush when queued (not yet written) values exceed this many MiB"),
-    ("realtime", "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
-     "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)"),
-]
+def _setting(var: str, default, parse, doc: str):
+    """A Config field: default, the environment variable that sets it, parser, effect."""
+    return dataclasses.field(default=default, metadata={"var": var, "parse": parse, "doc": doc})
 
 
 @dataclasses.dataclass
 class Config:
-    adaptive: bool = False
-    queue_low_threshold: int = 15
-    buffer_size_limit: int = 1024
-    skip_intermediate: bool = True
-    cache_dir: str = ""
-    disable_disk_cache: bool = False
-    cache_max_entries: int | None = None
-    cache_max_mb: float | None = None
-    launch_blocking: bool = False
-    fallback_enabled: bool = True
-    stack_trace: bool = False
-    log_level: int = 1
-    log_file: str = ""
-    strategy: str = "graph"
-    max_group_ops: int = 128
-    max_group_contractions: int = 4
-    max_pending_mb: float = 1024.0
-    realtime: bool = False
+    """Every setting, declared once (field = default + env var + parser + effect)."""
+
+    adaptive: bool = _setting(
+        "TORCH_NEURONX_ENABLE_CONCATENATION", False, _flag_exact_1,
+        "adaptive eager (lazy queue + fusion) on at start-up when exactly '1'")
+    queue_low_threshold: int = _setting(
+        "TORCH_NEURONX_CONCATENATION_QUEUE_LOW_THRESHOLD", 15, int,
+        "flush at the next natural cut while no more than this many launches are in flight")
+    buffer_size_limit: int = _setting(
+        "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT", 1024, int,
+        "max ops queued before a forced flush")
+    skip_intermediate: bool = _setting(
+        "TORCH_NEURONX_APPLY_SKIP_INTERMEDIATE", True, _flag_not_0,
+        "do not write back values whose tensors were all freed before the flush")
+    cache_dir: str = _setting(
+        "TORCH_NEURONX_NEFF_CACHE_DIR", os.path.join(tempfile.gettempdir(), "neff_cache"), str,
+        "on-disk executable cache")
+    disable_disk_cache: bool = _setting(
+        "TORCH_NEURONX_NEFF_DISABLE_CACHE", False, _flag_exact_1,
+        "'1' turns the on-disk cache off")
+    cache_max_entries: int | None = _setting(
+        "NEURON_COMPILATION_CACHE_MAX_ENTRIES", None, _opt_int,
+        "in-memory cache entry bound (LRU evicts to 80%)")
+    cache_max_mb: float | None = _setting(
+        "NEURON_COMPILATION_CACHE_MAX_SIZE_MB", None, _opt_float,
+        "in-memory cache size bound in MiB (LRU evicts to 80%)")
+    launch_blocking: bool = _setting(
+        "NEURON_LAUNCH_BLOCKING", False, _flag_exact_1,
+        "every launch synchronous; errors raised at the op (adaptive mode queues nothing)")
+    fallback_enabled: bool = _setting(
+        "NEURON_FALLBACK_ENABLED", True, _flag_not_0,
+        "CPU fallback for ops the device lacks ('0' raises instead)")
+    stack_trace: bool = _setting(
+        "TORCH_NEURONX_ENABLE_STACK_TRACE", False, _flag_exact_1,
+        "record each op's full Python stack for error reports")
+    log_level: int = _setting(
+        "TORCH_NEURONX_LOG_LEVEL", 1, int,
+        "logger 'adaptive_eager': 0 error, 1 warning, 2 info (a line per flush and compile), "
+        "3 debug (every boundary)")
+    log_file: str = _setting(
+        "TORCH_NEURONX_LOG_FILE", "", str, "log to this file instead of stderr")
+    strategy: str = _setting(
+        "ADAPTIVE_EAGER_FUSION_STRATEGY", "graph", str,
+        "fusion strategy in adaptive mode at start-up: graph, matmul or none")
+    max_group_ops: int = _setting(
+        "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group")
+    max_group_contractions: int = _setting(
+        "ADAPTIVE_EAGER_MAX_GROUP_CONTRACTIONS", 4, int,
+        "max contractions (matmul/conv) in one fused group of the graph strategy")
+    max_pending_mb: float = _setting(
+        "ADAPTIVE_EAGER_MAX_PENDING_MB", 1024.0, float,
+        "flush when queued (not yet written) values exceed this many MiB")
+    realtime: bool = _setting(
+        "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
+        "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)")
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
         kw = {}
-        for field, var, default, parse, _ in _SETTINGS:
-            raw = env.get(var)
+        for f in dataclasses.fields(cls):
+            raw = env.get(f.metadata["var"])
+            if raw is None:
+                continue
             try:
-                kw[field] = default if raw is None else parse(raw)
+                kw[f.name] = f.metadata["parse"](raw)
             except ValueError:
-                raise ValueError(f"{var}={raw!r} is not valid: {_doc(field)}") from None
+                raise ValueError(f"{f.metadata['var']}={raw!r} is not valid: "
+                                 f"{f.metadata['doc']}") from None
         return cls(**kw)
-
-
-def _doc(field: str) -> str:
-    return next(s[4] for s in _SETTINGS if s[0] == field)
 
 
 def describe() -> str:
     """One line per setting: env var, current value, effect."""
-    return "\n".join(f"{var:52} {getattr(config, f)!r:>12}  {doc}"
-                     for f, var, _, _, doc in _SETTINGS)
+    return "\n".join(f"{f.metadata['var']:52} {getattr(config, f.name)!r:>12}  "
+                     f"{f.metadata['doc']}" for f in dataclasses.fields(Config))
 
 
 config = Config.from_env()
@@ -128,24 +129,3 @@ def configure_logging() -> None:
 
 
 configure_logging()
-
-
-@contextlib.contextmanager
-def override(**changes):
-    """Temporarily change settings (tests). Engines re-read what they cache on exit."""
-    from . import _engine
-    for k in changes:
-        if not hasattr(config, k):
-            raise AttributeError(f"no setting named {k!r}; see adaptive_eager.config.describe()")
-    old = {k: getattr(config, k) for k in changes}
-    _engine.ENGINE.flush("config")
-    for k, v in changes.items():
-        setattr(config, k, v)
-    _engine.ENGINE.reconfigure()
-    try:
-        yield config
-    finally:
-        _engine.ENGINE.flush("config")
-        for k, v in old.items():
-            setattr(config, k, v)
-        _engine.ENGINE.reconfigure()
