@@ -105,9 +105,11 @@ def _leaves(sample, device: str, misaligned: bool = False, input_only: bool = Fa
     wrt = []
 
     def f(t):
-        if not _is_tensor(t):
+        if not _is_tensor(t):  # a "cpu" device argument (x.to("cpu")) becomes `device`
             if device != "cpu" and isinstance(t, torch.device) and t.type == "cpu":
                 return torch.device(device)
+            if device != "cpu" and isinstance(t, str) and t == "cpu":
+                return device
             return t
         v = t.detach()
         if misaligned and v.is_contiguous() and v.numel():
