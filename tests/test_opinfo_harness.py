@@ -111,3 +111,23 @@ def test_forward_harness_catches_a_wrong_value():
         return x * (2 if x.device.type == "cpu" else 3)
     res = fwd.run_op(_opinfo("wrong_value_on_neuron", wrong, _samples_one))
     assert res.skipped is None and set(res.errors) == set(fwd.MODES), res.errors
+
+
+def _fake_child(tmp_path, monkeypatch, body):
+    script = tmp_path / "child.py"
+    script.write_text("import os, sys\n" + body)
+    monkeypatch.setattr(grad, "__file__", str(script))
+
+
+def test_isolated_mode_whose_child_dies_fails(tmp_path, monkeypatch):
+    _fake_child(tmp_path, monkeypatch, "sys.stderr.write('boom\\n'); os.abort()\n")
+    res = grad.run_op_isolated(_opinfo("any", lambda x: x, _samples_one), ("adaptive",))
+    assert list(res.errors) == ["adaptive"]
+    assert res.errors["adaptive"].startswith("process died (exit code -6): boom")
+
+
+def test_isolated_mode_reads_the_child_result(tmp_path, monkeypatch):
+    _fake_child(tmp_path, monkeypatch, 'print(\'{"skipped": null, "samples": 2, '
+                                       '"errors": {"matmul": "x"}}\')\n')
+    res = grad.run_op_isolated(_opinfo("any", lambda x: x, _samples_one), ("matmul",))
+    assert res.errors == {"matmul": "x"} and res.samples == 2 and res.skipped is None
