@@ -190,18 +190,21 @@ def compare(actual, expected, *, exact: bool = False, meta_only: bool = False,
             except AssertionError as exc:
                 msg = str(exc).strip().splitlines()
                 raise Mismatch(f"{where}: values differ: " + " ".join(msg[:4])) from None
-        elif isinstance(e, float) and isinstance(a, float):
+        elif isinstance(e, torch.device) or (isinstance(e, str) and e == "cpu"):
+            continue  # a device argument: differs by construction
+        elif type(a) is not type(e):
+            raise Mismatch(f"{where}: expected a {type(e).__name__}, got {type(a).__name__}")
+        elif isinstance(e, float):
             if not (math.isclose(a, e, rel_tol=RTOL, abs_tol=ATOL)
                     or (math.isnan(a) and math.isnan(e))):
                 raise Mismatch(f"{where}: {a!r} != {e!r}")
-        elif isinstance(e, torch.device) or (isinstance(e, str) and e == "cpu"):
-            continue  # a device argument: differs by construction
         else:
+            # A leaf that cannot be compared is a failure, never a pass (issue 9.8).
             try:
-                same = a == e
-                same = bool(same)
-            except Exception:
-                same = True  # not comparable: skip
+                same = bool(a == e)
+            except Exception as exc:  # noqa: BLE001
+                raise Mismatch(f"{where}: cannot compare {type(e).__name__} values "
+                               f"({_short(exc)})") from None
             if not same:
                 raise Mismatch(f"{where}: {a!r} != {e!r}")
 
