@@ -437,6 +437,9 @@ class Engine:
         """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
         if self._reason is not None:
             reason, self._reason = self._reason, None
+        if self.queue:  # a host read that cuts queued work: where (run's advice)
+            src = _source()
+            self.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
         self.sync(reason)
         h = t._handle
         n = t.numel() * t.element_size()

@@ -67,6 +67,10 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
      "flush when queued (not yet written) values exceed this many MiB"),
     ("realtime", "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
      "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)"),
+    ("metrics_enabled", "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
+     "'1': write this process's metrics as JSON at exit (one file per process)"),
+    ("metrics_dir", "TORCH_NEURONX_METRICS_DIR", "", str,
+     "folder of the metrics files (default: the working folder)"),
 ]
 
 
@@ -91,6 +95,8 @@ class Config:
     max_group_contractions: int = 4
     max_pending_mb: float = 1024.0
     realtime: bool = False
+    metrics_enabled: bool = False
+    metrics_dir: str = ""
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":

@@ -14,6 +14,8 @@ class Metrics:
     cpu_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    # "reason@file:line" -> host reads (item, repr, cpu...) that flushed queued work
+    sync_sites: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Snapshot:
     hbm_bytes: int
     mean_group_size: float
     group_sizes: dict
+    sync_sites: dict
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -75,7 +78,7 @@ def snapshot(engine, base: dict) -> Snapshot:
         bytes_saved=r.counters["bytes_saved"] - base.get("saved", 0),
         hbm_bytes=dev.hbm_bytes - base.get("hbm", 0),
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
-        group_sizes=groups)
+        group_sizes=groups, sync_sites=dict(m.sync_sites))
 
 
 def base_of(engine) -> dict:
