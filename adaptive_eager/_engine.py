@@ -431,7 +431,9 @@ class Engine:
 
     def sync(self, reason: str) -> None:
         self.flush(reason)
+        t0 = self.device.host_us
         self.synchronize()
+        self.device.mark(reason, "sync", self.device.host_us - t0, t0)
 
     def read(self, t, reason: str) -> torch.Tensor:
         """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""

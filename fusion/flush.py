@@ -95,6 +95,7 @@ class Runner:
         log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
                  len(program.instrs), us / 1e3)
         self.counters["compile_time_us"] += us
+        self.device.mark(program.name, "compile", us)
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
 
