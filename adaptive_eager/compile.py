@@ -1,10 +1,11 @@
 """`torch.compile(model, backend="neuron")`: the third mode.
 
 Dynamo captures FX graphs and AOTAutograd splits them into forward, backward and inference
-graphs; each graph, when it runs, is queued into the engine as ONE segment (flush what was
-queued before, record every op of the graph lazily, flush once with reason "compile graph"),
-so the shared partitioner and executable cache turn it into whole-graph executables. Code
-between graphs (graph breaks) runs in the current eager or adaptive mode.
+graphs; each graph, when it runs, is recorded into the engine whole, with no cut inside it
+(`one_segment`), so the shared partitioner and executable cache turn it into whole-graph
+executables: in eager mode it is flushed once (reason "compile graph"), in adaptive mode it
+joins the surrounding queue. Code between graphs (graph breaks) runs in the current eager or
+adaptive mode. A mode is a flush policy plus where segments come from, never a second engine.
 
 Note [Dynamo and the neuron tensor]: a neuron tensor is a wrapper subclass with its own
 `__torch_dispatch__` and no inner tensors, which Dynamo would treat as an opaque Python object
@@ -13,8 +14,9 @@ table (private: `torch._dynamo.variables.builder.VariableBuilder._type_dispatch_
 is wrapped like a plain tensor: Dynamo fakeifies it into a FakeTensor on `neuron:0` (meta
 kernels, our device) and the captured graph holds ordinary ATen ops. At run time those ops
 reach the engine through `__torch_dispatch__` as usual. `_tensor.NeuronTensor` also defines
-`__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents). Both are
-pinned by tests/test_compile.py.
+`__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents), the engine's
+modules are on Dynamo's skip list (`_NEVER_TRACED`), and Inductor gets a refusing code
+generator for 'neuron'. All are pinned by tests/test_compile.py and listed in the README.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ BOUNDARY_REASON = "compile boundary"  # work queued before a graph starts
 
 
 class CompileStats:
-    """Counters of the compile mode (graphs compiled, Dynamo+AOT time, graph runs)."""
+    """Counters of the compile mode: graphs handed to us by kind, their runs, and the wall
+    time of our part of compiling them (Dynamo's and AOTAutograd's is the caller's)."""
 
     def __init__(self):
         self.graphs = collections.Counter()  # graphs handed to us, by kind
