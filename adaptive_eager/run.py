@@ -97,7 +97,7 @@ def aggregate(files: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     head = ["mode", "exit", "ops", "launches", "mean group", "top flushes", "device ms",
-            "compiles (ms)", "CPU fallbacks", "peak HBM", "wall s"]
+            "compiles (modeled ms)", "CPU fallbacks", "peak HBM", "wall s"]
     rows = [head]
     for r in results:
         top = collections.Counter(r.get("flushes", {})).most_common(5)
@@ -107,7 +107,8 @@ def table(results: list[dict]) -> str:
             f"{r.get('mean_group_size', 0):.1f}",
             ", ".join(f"{k}={v}" for k, v in top) or "-",
             f"{r.get('device_time_us', 0) / 1e3:.3f}",
-            f"{r.get('compiles', 0)} ({r.get('compile_time_us', 0) / 1e3:.0f})",
+            f"{r.get('compiles', 0)} ({r.get('compile_time_us', 0) / 1e3:.0f})"
+            + (f" + {r['dynamo_graphs']} Dynamo graphs" if r.get("dynamo_graphs") else ""),
             ", ".join(f"{k}={v}" for k, v in fb) or "-",
             _bytes(r.get("peak_memory_bytes", 0)), f"{r['wall_s']:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
