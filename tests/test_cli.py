@@ -98,3 +98,28 @@ def test_run_exit_code_when_the_script_fails(tmp_path):
     r = cli("run", "--modes", "eager", str(script), cwd=tmp_path)
     assert r.returncode == 1
     assert "failed in: eager" in r.stdout
+
+
+def _result(mode, **kw):
+    base = {"mode": mode, "returncode": 0, "ops": 100, "launches": 100, "flushes": {},
+            "cpu_fallbacks": {}, "sync_sites": {}, "device_time_us": 2000.0,
+            "dynamo_graphs": 0, "wall_s": 1.0}
+    return {**base, **kw}
+
+
+def test_advice_is_drawn_from_the_numbers():
+    from adaptive_eager.run import advice, table
+    results = [
+        _result("eager", cpu_fallbacks={"aten::foo": 300}),
+        _result("graph", launches=10, device_time_us=200.0, cpu_fallbacks={"aten::foo": 300},
+                flushes={"item": 42, "device idle": 58},
+                sync_sites={"item@/x/train.py:31": 42, "repr@/x/train.py:40": 1}),
+        _result("compile", returncode=1),
+    ]
+    tips = advice(results)
+    assert any("compile" in t and "failed" in t for t in tips)
+    assert any("42% of flushes in graph mode are `item` at train.py:31 (42 times)" in t
+               and "up to 42" in t for t in tips)
+    assert sum("aten::foo fell back to CPU 300 times" in t for t in tips) == 1
+    assert any("graph launches 10 executables against eager's 100 (10%)" in t for t in tips)
+    assert "item=42" in table(results)

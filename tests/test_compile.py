@@ -24,8 +24,10 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("kind", ["mlp", "gpt", "cnn"])
 def test_training_3_steps_matches_cpu(kind):
     cpu, m_cpu = train(kind, "cpu")
+    eager, _ = train(kind, "neuron")
     compiled, m_neuron = train(kind, "neuron", compile=True)
     torch.testing.assert_close(compiled, cpu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for p, q in zip(m_cpu.parameters(), m_neuron.parameters()):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
     assert aec.STATS.graphs["forward"] >= 1 and aec.STATS.graphs["backward"] >= 1
