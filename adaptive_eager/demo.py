@@ -110,9 +110,11 @@ def main(argv=None) -> int:
     close = all(torch.allclose(torch.tensor(r["losses"]), torch.tensor(rows[0]["losses"]),
                                rtol=1e-4, atol=1e-5) for r in rows)
     same = same and close
-    print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} "
-          f"({'identical in every eager and adaptive mode' if same else 'DIFFER between modes'}"
-          f"{'; compile within float32 tolerance' if args.compile and same else ''})")
+    verdict = "DIFFER between modes"
+    if same:
+        verdict = ("identical in every eager and adaptive mode; compile within float32 "
+                   "tolerance" if args.compile else "identical in every mode")
+    print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} ({verdict})")
     print("launches, device time: simulated NeuronCore (see device/spec.py for the figures); "
           "host us/op: this machine's wall clock.")
     if args.graph:

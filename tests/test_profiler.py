@@ -24,6 +24,7 @@ def _work():
 @pytest.fixture
 def fresh_compiles():
     with ae.override(disable_disk_cache=True, cache_max_entries=1):
+        ae.reset_metrics()  # the override made a new cache: count from its counters
         yield
 
 
@@ -53,7 +54,7 @@ def test_launch_compile_and_sync_events_carry_simulated_durations(tmp_path, fres
 
 def test_chrome_trace_tells_the_same_story_as_save_trace(tmp_path):
     ae.set_adaptive(True)
-    before = len(_timeline(tmp_path / "t0.json"))
+    ae.synchronize()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _work()
         _work()
@@ -61,13 +62,28 @@ def test_chrome_trace_tells_the_same_story_as_save_trace(tmp_path):
     events = json.load(open(tmp_path / "prof.json"))["traceEvents"]
     mine = [(e["name"], e["dur"]) for e in events
             if e.get("pid") == "neuron:0 (simulated)" and e.get("ph") == "X"]
-    # save_trace itself syncs ("trace"): the window's events are those between the two calls
-    timeline = _timeline(tmp_path / "t1.json")[before:-1]
+    # the window's events are the timeline's newest, before save_trace's own sync ("trace")
+    timeline = _timeline(tmp_path / "t1.json")
+    assert timeline[-1][:2] == ("trace", "sync")
+    window = timeline[-len(mine) - 1:-1]
 
     def named(n, c):
         return f"neuron::{c}:{n}" if c in ("compile", "sync") else f"neuron::{n}"
-    assert mine == [(named(n, c), d) for n, c, d in timeline]
+    assert mine == [(named(n, c), d) for n, c, d in window]
+    kinds = {c for _, c, _ in window}
+    assert {"launch", "dma", "sync"} <= kinds
     assert any(e.get("name", "").startswith("aten::") for e in events)  # host events kept
+
+
+def test_events_found_when_the_bounded_timeline_is_full():
+    ae.set_adaptive(True)
+    dev = ae._engine.ENGINE.device
+    for i in range(dev.trace.maxlen):  # a long-running process: the oldest events are gone
+        dev.mark(f"filler{i}", "sync", 0.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _work()
+    names = [e.key for e in prof.key_averages() if e.key.startswith("neuron::")]
+    assert "neuron::sync:item" in names and not any("filler" in n for n in names)
 
 
 def test_profiling_cpu_only_code_is_unchanged():
