@@ -40,17 +40,26 @@ def test_help_lists_every_command():
     assert cli("no-such-command").returncode == 2
 
 
+def _help(cmd, capsys) -> str:
+    """`python -m adaptive_eager CMD --help`, in this process (argparse exits 0)."""
+    from adaptive_eager.__main__ import main
+    try:
+        code = main([cmd, "--help"])
+    except SystemExit as e:
+        code = e.code
+    assert code in (0, None)
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cmd", list(COMMANDS))
-def test_each_command_has_help(cmd):
-    r = cli(cmd, "--help")
-    assert r.returncode == 0, r.stderr
-    assert "usage: python -m adaptive_eager " + cmd in r.stdout
+def test_each_command_has_help(cmd, capsys):
+    assert "usage: python -m adaptive_eager " + cmd in _help(cmd, capsys)
 
 
-def test_run_help_documents_its_options():
-    out = cli("run", "--help").stdout
-    for opt in ("--modes", "--json", "--trace", "SCRIPT", "non-zero"):
-        assert opt in out.replace("\n", " ") or opt.lower() in out
+def test_run_help_documents_its_options(capsys):
+    out = " ".join(_help("run", capsys).split())
+    for opt in ("--modes", "--json OUT", "--trace DIR", "script", "non-zero"):
+        assert opt in out, opt
 
 
 def test_metrics_file_written_at_exit(tmp_path):
