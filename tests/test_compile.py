@@ -175,3 +175,27 @@ def test_import_does_not_load_dynamo_and_backend_appears_later():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[1.0, 3.0, 5.0, 7.0]"
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_training_with_a_changing_batch_size_recompiles_once(adaptive):
+    """Forward and backward graphs go dynamic after the second batch size; gradients match
+    CPU for every size."""
+    import copy
+    ae.set_adaptive(adaptive)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 4))
+    dev = copy.deepcopy(net).to("neuron")
+    f = torch.compile(dev, backend="neuron")
+    for b in (3, 5, 7, 9):
+        x = torch.randn(b, 8)
+        out = f(x.to("neuron"))
+        out.pow(2).mean().backward()
+        ref = net(x)
+        ref.pow(2).mean().backward()
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dev[0].weight.grad.cpu(), net[0].weight.grad, rtol=1e-4,
+                                   atol=1e-5)
+    assert aec.STATS.graphs["forward"] == 2  # static, then automatic dynamic shapes
+    assert aec.STATS.graphs["backward"] == 2
