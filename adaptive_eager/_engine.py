@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 import warnings
 import weakref
@@ -22,7 +23,7 @@ from device import Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, OpSig, encode_static, scalar_positions
-from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, op_class
+from fusion.ops import BARRIER, CONTRACTION, INPLACE_VIEW, RANDOM, VIEW, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
@@ -49,24 +50,30 @@ class NeuronRuntimeError(RuntimeError):
                          f"error message={message}; python stack trace={where}")
 
 
+def _runtime_error(launch) -> NeuronRuntimeError:
+    """The user-facing error for a failed launch: its op and the user's source line."""
+    err = launch.error
+    k = getattr(err, "instr_index", 0)
+    node = launch.context[k] if launch.context else None
+    op = node.func._schema.name if node is not None else launch.name
+    return NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
+                              node.source if node is not None else None)
+
+
 class NeuronFallbackError(RuntimeError):
     """A device op could not run and CPU recovery is turned off."""
 
 
-_DATA_DEPENDENT_HINTS = ("nonzero", "output_size", "data-dependent", "data dependent",
-                         "dynamic")
-
-
-class _NoMeta(Exception):
-    """Meta execution could not infer the op's outputs (data-dependent or unsupported)."""
+_RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
 
 
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "single", "f64", "op")
+    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize")
 
-    def __init__(self, leaves, spec, op):
+    def __init__(self, leaves, spec, op, resize=()):
+        self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
         self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
         self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
@@ -88,6 +95,15 @@ def _extent_bytes(size, stride, offset, itemsize) -> int:
     return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
 
 
+def _locked(method):
+    """Run an engine entry point under the engine lock (Note [Threads])."""
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
 class Engine:
     def __init__(self):
         self.metrics = Metrics()
@@ -96,13 +112,19 @@ class Engine:
         self.pending_bytes = 0
         self.meta_cache: dict = {}
         self.last_report = None
-        self._reason = None
+        # Note [Threads]: one engine lock. Every entry point (an op, a host read or write,
+        # an allocation, a sync, a settings change) holds it, so the ops of several threads
+        # run in some serial order of each thread's ops, sharing one queue, cache and
+        # device; results are bit for bit those of that order. Re-entrant: an op may
+        # allocate, flush and sync inside. Autograd's device thread takes it per op too.
+        self.lock = threading.RLock()
         self._warned: set[str] = set()
         self.spec = DeviceSpec()
         self.device = Device(self.spec)
         self.reconfigure()
 
     # -- configuration ---------------------------------------------------------------
+    @_locked
     def reconfigure(self, spec: DeviceSpec | None = None) -> None:
         cfg = _config.config
         if spec is not None and spec != self.spec:
@@ -133,11 +155,13 @@ class Engine:
                                     max_mb=cfg.cache_max_mb, salt=salt)
             self.runner = Runner(self.device, cache)
 
+    @_locked
     def set_adaptive(self, on: bool) -> None:
         if on != self.adaptive:
             self.flush("mode switch")
         _config.config.adaptive = self.adaptive = bool(on)
 
+    @_locked
     def set_strategy(self, name: str) -> None:
         if name not in STRATEGIES:
             raise ValueError(f"unknown fusion strategy {name!r}; choose one of "
@@ -147,13 +171,16 @@ class Engine:
         self.reconfigure()
 
     def is_lazy(self) -> bool:
-        # The reference disables adaptive eager under deterministic algorithms.
-        return self.adaptive and not torch.are_deterministic_algorithms_enabled()
+        # The reference disables adaptive eager under deterministic algorithms; under
+        # NEURON_LAUNCH_BLOCKING=1 every op runs (and raises) at its call, so nothing queues.
+        return (self.adaptive and not self.device.blocking
+                and not torch.are_deterministic_algorithms_enabled())
 
     # -- tensors ---------------------------------------------------------------------
     def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:
         return NeuronTensor(handle, size, stride, offset, dtype)
 
+    @_locked
     def empty(self, size, stride, dtype) -> torch.Tensor:
         """A fresh allocation (`torch.empty` and friends): HBM reserved now."""
         dtype = dtype or torch.get_default_dtype()
@@ -179,10 +206,18 @@ class Engine:
 
     # -- dispatch --------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(self, func, args, kwargs)
-        return self._dispatch(func, args, kwargs)
+        try:
+            with self.lock:
+                special = _SPECIAL.get(func)
+                if special is not None:
+                    return special(self, func, args, kwargs)
+                return self._dispatch(func, args, kwargs)
+        except BaseException as e:
+            if type(threading.current_thread()) is threading._DummyThread:
+                return _hand_off(e)  # Note [Device-thread errors]
+            if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
+                raise e.with_traceback(None) from None
+            raise
 
     def _dispatch(self, func, args, kwargs):
         """Every op the engine does not handle specially (`_SPECIAL`)."""
@@ -196,22 +231,35 @@ class Engine:
         if cls == INPLACE_VIEW:
             return self._inplace_view(func, args, kwargs)
         args_t, kwargs_t, handles, inputs, vbytes = self._template(func, args, kwargs)
-        key = (func, args_t, kwargs_t)
+        key = (func, args_t, kwargs_t, _global_state())
         meta = self.meta_cache.get(key)
         if meta is None:
-            try:
-                meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
-            except _NoMeta as e:
-                # An output shape that needs the data (a boolean mask's nonzero inside index,
-                # repeat_interleave without output_size) runs now on the device; an op the
-                # shape inference cannot handle at all is a native op that failed to build:
-                # recovered on CPU (TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1 raises).
-                data_dependent = any(w in str(e) for w in _DATA_DEPENDENT_HINTS)
-                return self.run_now(func, args, kwargs, fallback=not data_dependent,
-                                    recovery=not data_dependent)
+            meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
+        if meta is _RUN_NOW:
+            # Shape inference cannot say what the op returns (a boolean mask's nonzero inside
+            # index, repeat_interleave without output_size, a meta kernel that refuses what
+            # CPU accepts): the op runs now on the device and the host waits for its shapes.
+            return self.run_now(func, args, kwargs, fallback=False)
+        if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
+            self.metrics.ops -= 1
+            for j, k, size, stride in meta.resize:
+                a = func._schema.arguments[j]
+                v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+                v = v[k] if isinstance(v, (list, tuple)) else v
+                if v.numel():  # CPU's resize_output warning, word for word
+                    warnings.warn(
+                        f"An output with one or more elements was resized since it had shape "
+                        f"{list(v.shape)}, which does not match the required output shape "
+                        f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
+                        f"release outputs will not be resized unless they have zero elements. "
+                        f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
+                        f"zero elements with t.resize_(0).", UserWarning,
+                        stacklevel=_user_stacklevel())
+                self._resize_out(v, size, stride)
+            return self._dispatch(func, args, kwargs)
         new = () if meta.op is None else self._record(meta, handles, inputs, vbytes)
         return self._results(func, args, kwargs, handles, meta, new)
 
@@ -242,15 +290,23 @@ class Engine:
 
         m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
         m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-        try:
-            out = func(*m_args, **m_kwargs)
-        except NotImplementedError as e:
-            raise _NoMeta(str(e)) from e
-        except RuntimeError as e:
-            if "meta" in str(e).lower() or any(w in str(e) for w in _DATA_DEPENDENT_HINTS):
-                raise _NoMeta(str(e)) from e
-            _raise_as_cpu_would(func, args, kwargs)
-            raise
+        with warnings.catch_warnings(record=True) as meta_warnings:
+            warnings.simplefilter("always")
+            try:
+                out = func(*m_args, **m_kwargs)
+            except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
+                meta_error = e
+            else:
+                meta_error = None
+        cls = op_class(func)
+        probe = None
+        if meta_error is not None or _worth_probing(cls, handles, args_t, kwargs_t):
+            probe = _probe(func, args, kwargs, args_t, kwargs_t, handles)
+            if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
+                probe._ae_user_error = True
+                raise probe
+        if meta_error is not None:
+            return _RUN_NOW
         out = _cpu_shaped(func, m_args, m_kwargs, out)
         storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
         leaves, spec = tree_flatten(out)
@@ -270,8 +326,8 @@ class Engine:
         for r, o in zip(ret_alias, per_ret):
             n = len(tree_flatten(o)[0])
             leaf_alias += [(r, k) for k in range(n)]
-        cls = op_class(func)
-        out_leaves, outs, new_bytes = [], [], []
+        cpu_leaves = tree_flatten(probe)[0] if probe is not None else ()
+        out_leaves, outs, new_bytes, resize = [], [], [], []
         nh = len(handles)
         for i, leaf in enumerate(leaves):
             alias = leaf_alias[i][0] if i < len(leaf_alias) else None
@@ -283,13 +339,25 @@ class Engine:
             dt = str(leaf.dtype)[6:]
             li = storage_li.get(leaf.untyped_storage()._cdata)
             if alias is not None and alias[1]:  # in-place or out=: hand back the argument
-                out_leaves.append(("arg", alias[0], leaf_alias[i][1]))
+                j, k = alias[0], leaf_alias[i][1]
+                out_leaves.append(("arg", j, k))
                 outs.append(None)
+                t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(schema_args[j].name)
+                t = t[1 + k] if t[0] == "L" else t
+                if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
+                    resize.append((j, k, size, stride))
             elif (alias is not None or cls == VIEW) and li is not None:
                 out_leaves.append(("view", li, size, stride, off, leaf.dtype,
                                    _info(size, stride, off, leaf)))
                 outs.append(None)
             else:
+                cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
+                if (isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size
+                        and (cpu.stride() != stride or cpu.dtype != leaf.dtype)):
+                    # Note [CPU layouts]: where a meta kernel lays out or types an output
+                    # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it).
+                    stride, dt = cpu.stride(), str(cpu.dtype)[6:]
+                    leaf = torch.empty_strided(size, stride, dtype=cpu.dtype, device="meta")
                 k = len(new_bytes)
                 out_leaves.append(("new", k, size, stride, leaf.dtype,
                                    _info(size, stride, 0, leaf)))
@@ -310,7 +378,30 @@ class Engine:
         if outs is not None or writes:
             op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
                        tuple(new_bytes))
-        return MetaResult(tuple(out_leaves), spec, op)
+        if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
+            for w in meta_warnings:
+                warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
+        return MetaResult(tuple(out_leaves), spec, op, tuple(resize))
+
+    def _resize_out(self, t, size, stride) -> None:
+        """An out= tensor of the wrong shape is resized, as CPU's resize_output does (the
+        meta kernel already gave CPU's deprecation warning)."""
+        off = t.storage_offset()
+        if _extent_bytes(size, stride, off, t.element_size()) <= t._wrapper_nbytes:
+            with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+                aten.as_strided_.default(t, size, stride, off)
+            t._set_layout()
+            return
+        # A wrapper's extent is fixed when it is made: growing means a new buffer, and the
+        # user's tensor object takes the new tensor's place (its old values are dropped;
+        # the op overwrites every element).
+        try:
+            torch.utils.swap_tensors(t, self.empty(tuple(size), tuple(stride), t.dtype))
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"out= tensor of shape {tuple(t.shape)} must grow to {tuple(size)} and cannot "
+                f"be resized in place here ({e}); pass an out= tensor of shape "
+                f"{tuple(size)}") from None
 
     def _inplace_view(self, func, args, kwargs):
         """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
@@ -377,6 +468,8 @@ class Engine:
                 return NeuronTensor(new[k], size, stride, 0, dtype, info=info)
             if leaf[0] == "view":
                 _, li, size, stride, off, dtype, info = leaf
+                if info[2] > handles[li].nbytes:
+                    _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
                 return NeuronTensor(handles[li], size, stride, off, dtype, info=info)
         out = []
         for leaf in meta.leaves:
@@ -386,6 +479,8 @@ class Engine:
                 out.append(NeuronTensor(new[k], size, stride, 0, dtype, info=info))
             elif kind == "view":
                 _, li, size, stride, off, dtype, info = leaf
+                if info[2] > handles[li].nbytes:
+                    _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
                 out.append(NeuronTensor(handles[li], size, stride, off, dtype, info=info))
             elif kind == "arg":
                 _, j, k = leaf
@@ -397,6 +492,7 @@ class Engine:
         return out[0] if meta.single else tree_unflatten(out, meta.spec)
 
     # -- flush and sync --------------------------------------------------------------
+    @_locked
     def flush(self, reason: str) -> None:
         if not self.queue:
             return
@@ -416,34 +512,31 @@ class Engine:
         if self.device.blocking:
             self.synchronize()
 
+    @_locked
     def synchronize(self) -> None:
         """Wait for the device; raise the earliest deferred error (op and source line)."""
         try:
             self.device.synchronize()
         except DeviceError as e:
-            launch = e.launch
-            err = launch.error
-            k = getattr(err, "instr_index", 0)
-            node = launch.context[k] if launch.context else None
-            op = node.func._schema.name if node is not None else launch.name
-            raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
-                                     node.source if node is not None else None) from err
+            raise _runtime_error(e.launch) from e.launch.error
 
+    @_locked
     def sync(self, reason: str) -> None:
         self.flush(reason)
         t0 = self.device.host_us
         self.synchronize()
         self.device.mark(reason, "sync", self.device.host_us - t0, t0)
 
+    @_locked
     def read(self, t, reason: str) -> torch.Tensor:
         """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
-        if self._reason is not None:
-            reason, self._reason = self._reason, None
         if self.queue:  # a host read that cuts queued work: where (run's advice)
             src = _source()
             self.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
         self.sync(reason)
         h = t._handle
+        if h.poison is not None:  # Note [Poison] in fusion/program.py
+            raise _runtime_error(h.poison) from h.poison.error
         n = t.numel() * t.element_size()
         self.device.submit(Launch("d2h", None, n, 0.0, kind="dma", dma_bytes=n))
         self.device.host_us = max(self.device.host_us, self.device.free_at_us)
@@ -454,6 +547,7 @@ class Engine:
             return torch.empty(0, dtype=t.dtype).set_(
                 h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
 
+    @_locked
     def write(self, dst, src: torch.Tensor) -> None:
         """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
         h = dst._handle
@@ -470,18 +564,12 @@ class Engine:
             torch.empty(0, dtype=dst.dtype).set_(
                 h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
 
-    def run_now(self, func, args, kwargs, fallback: bool, recovery: bool = False):
-        """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or
-        data-dependent output shapes (a device launch the host waits for). `recovery`: a
-        device op that could not be built, recovered on CPU."""
+    def run_now(self, func, args, kwargs, fallback: bool):
+        """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or output
+        shapes only execution can tell (a device launch the host waits for)."""
         name = func._schema.name
         cfg = _config.config
         if fallback:
-            if recovery and cfg.fallback_only_unimplemented:
-                raise NeuronFallbackError(
-                    f"Operator '{name}' has a Neuron implementation that failed to build for "
-                    f"these inputs, and TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1 "
-                    f"forbids recovering on CPU.")
             if not cfg.fallback_enabled:
                 raise NeuronFallbackError(
                     f"Operator '{name}' has no Neuron implementation and CPU fallback is off "
@@ -530,6 +618,8 @@ class Engine:
             if not isinstance(leaf, torch.Tensor):
                 new_leaves.append(leaf)
                 continue
+            if leaf.layout != torch.strided:
+                raise _sparse_error(name, leaf.layout)
             owner = by_storage.get(leaf.untyped_storage().data_ptr()) if leaf.numel() else None
             if owner is not None:
                 same = next((v for v in views.values() if v._handle is owner._handle
@@ -539,13 +629,14 @@ class Engine:
                     owner._handle, tuple(leaf.shape), leaf.stride(), leaf.storage_offset(),
                     leaf.dtype))
                 continue
-            leaf = leaf.contiguous()
-            n = leaf.numel() * leaf.element_size()
+            # CPU's layout is kept (nonzero's (1, N) strides decide view-vs-copy later).
+            n = _extent_bytes(leaf.shape, leaf.stride(), 0, leaf.element_size())
             self._make_room(n)
             with torch._C._DisableTorchDispatch():
                 st = leaf.untyped_storage()
                 if leaf.storage_offset() or st.nbytes() != n:
-                    st = leaf.clone().untyped_storage()
+                    st = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype)
+                    st = st.copy_(leaf).untyped_storage()
             h = Handle(n, self.device.alloc(n, st))
             if fallback:
                 self.device.submit(Launch("h2d", None, n, 0, kind="dma", dma_bytes=n))
@@ -584,6 +675,8 @@ class _Encoder:
     def enc(self, v, scalar):
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.handles, self.where, self.vbytes)
+        if isinstance(v, torch.Generator):
+            raise _generator_error(v)
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
                 raise RuntimeError(
@@ -627,16 +720,115 @@ def _cpu_shaped(func, m_args, m_kwargs, out):
     return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
 
 
-def _raise_as_cpu_would(func, args, kwargs) -> None:
-    """A user error found by meta execution: raise it with CPU's own message (meta kernels
-    word some checks differently), by running the op on uninitialized host tensors."""
+def _out_of_bounds(size, stride, off, dtype, nbytes):
+    """CPU's error for a view that would address memory outside its buffer."""
+    need = _extent_bytes(size, stride, off, dtype.itemsize)
+    e = RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset "
+                     f"{off}, and itemsize {dtype.itemsize} requiring a storage size of {need} "
+                     f"are out of bounds for storage of size {nbytes}")
+    e._ae_user_error = True
+    raise e
 
-    def blank(v):
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
 
-    with torch._C._DisableTorchDispatch():
-        func(*[_on_host(a, blank) for a in args],
-             **{k: _on_host(v, blank) for k, v in kwargs.items()})
+def _global_state() -> tuple:
+    """The global state that meta execution (and so a cached MetaResult) depends on."""
+    return (
+        torch.get_default_dtype(),  # `int_tensor / 2`, factories without dtype=
+        torch.is_grad_enabled(),  # ops that branch on grad mode (batch norm stats, ...)
+        torch.is_inference_mode_enabled(),  # inference tensors behave differently
+        torch.are_deterministic_algorithms_enabled(),  # kernels that refuse or change
+        torch.is_autocast_enabled("neuron"),  # autocast state seen by composite ops
+    )
+
+
+# Note [CPU probe]: meta kernels are not CPU's kernels. Some lay out or type outputs unlike
+# CPU (floor_divide on a transposed input, `bool ** False`), some accept what CPU refuses
+# (`float & float`, mm of float32 by float64), some refuse what CPU accepts (empty inputs).
+# On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
+# the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
+# (big buffers; contractions of one dtype, whose layouts meta gets right) and for random ops
+# (they would draw from the generator). A probe error counts only if CPU raises it for two
+# different fillings (zeros and ones), so value checks (a zero divisor, index 1 of a size-1
+# dim) are not mistaken for user errors; those are found at run time as on the device.
+_PROBE_MAX_BYTES = 16 * 2**20
+
+
+def _worth_probing(cls, handles, args_t, kwargs_t) -> bool:
+    if cls == RANDOM or sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
+        return False
+    if cls == CONTRACTION:
+        return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
+    return True
+
+
+def _tensor_templates(ts):
+    for t in ts:
+        if type(t) is tuple and t:
+            if t[0] == "T":
+                yield t
+            elif t[0] == "L":
+                yield from _tensor_templates(t[1:])
+
+
+def _probe(func, args, kwargs, args_t, kwargs_t, handles):
+    """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
+    first = None
+    for fill in (0, 1):
+        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8) for h in handles]
+
+        def twin(v, t):
+            if type(t) is tuple and t and t[0] == "T":
+                _, li, size, stride, off, dt = t
+                x = torch.empty(0, dtype=getattr(torch, dt)).set_(
+                    bufs[li].untyped_storage(), off, size, stride)
+                if fill:
+                    x.fill_(fill)
+                return x
+            if type(t) is tuple and t and t[0] == "L":
+                return [twin(x, tt) for x, tt in zip(v, t[1:])]
+            if isinstance(v, torch.device) and v.type == DEVICE.type:
+                return torch.device("cpu")
+            return v
+
+        with torch._C._DisableTorchDispatch(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                c_args = [twin(v, t) for v, t in zip(args, args_t)]
+                c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
+                return func(*c_args, **c_kwargs)
+            except Exception as e:
+                if first is not None and type(e) is type(first):
+                    return first.with_traceback(None)
+                if first is not None:
+                    return None  # a value check, not a user error: let the device find it
+                first = e
+    return None
+
+
+_HANDOFF: list = []  # errors raised on autograd's device thread, for the caller (_surface)
+_HANDOFF_LOCK = threading.Lock()
+
+
+def _hand_off(e: BaseException) -> str:
+    """Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
+    where a Python exception unwinding through PyTorch's Python device guard aborts the
+    process (the guard calls into Python while the error is pending). There the error is
+    handed over instead: the op returns a value the dispatcher refuses with a C++ error,
+    which autograd carries to the caller safely, and the backward wrapper in
+    _registration re-raises the original exception."""
+    with _HANDOFF_LOCK:
+        _HANDOFF.append(e)
+    return f"<{type(e).__name__} on autograd's device thread: {e}>"
+
+
+def take_handoff() -> BaseException | None:
+    """The first error handed over from autograd's device thread, if any (clears them)."""
+    with _HANDOFF_LOCK:
+        if not _HANDOFF:
+            return None
+        first = _HANDOFF[0]
+        _HANDOFF.clear()
+        return first
 
 
 def _meta_buffers(handles) -> list:
@@ -659,11 +851,29 @@ def _to_meta(v, t, metas):
     return v
 
 
+def _generator_error(g) -> RuntimeError:
+    """As CUDA: a device op refuses a generator of another device (and a neuron generator
+    cannot be made: README, known gaps)."""
+    return RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
+                       f"'{g.device.type}'")
+
+
+def _sparse_error(op: str, layout) -> NotImplementedError:
+    """Sparse results (`to_sparse`, `sparse_coo_tensor(..., device="neuron")`) are refused."""
+    return NotImplementedError(
+        f"{op}: sparse layouts (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, "
+        f"torch.sparse_bsr, torch.sparse_bsc) are not supported on the neuron device, which "
+        f"holds strided tensors only (this result would be {layout}). Keep sparse tensors on "
+        f"the CPU.")
+
+
 def _on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
         return tensor(v)
+    if isinstance(v, torch.Generator):
+        raise _generator_error(v)
     if isinstance(v, (list, tuple)):
         return type(v)(_on_host(x, tensor) for x in v)
     if isinstance(v, torch.device) and v.type == DEVICE.type:
@@ -754,6 +964,14 @@ def _local_scalar_dense(eng, func, args, kwargs):
         return v.item()
 
 
+def _materialized(op):
+    """Conjugate and negative views carry a bit our wrapper tensors cannot honour: computed
+    as a new tensor instead (`z.conj()` equals CPU's values; `is_conj()` is False)."""
+    def run(eng, func, args, kwargs):
+        return eng._dispatch(op, args, kwargs)
+    return run
+
+
 def _unsafe_view(eng, func, args, kwargs):
     return eng.dispatch(aten.view.default, args, kwargs)
 
@@ -771,6 +989,8 @@ _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten._unsafe_view.default: _unsafe_view,
+    aten._conj.default: _materialized(aten.conj_physical.default),
+    aten._neg_view.default: _materialized(aten.neg.default),
 }
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_

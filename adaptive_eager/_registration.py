@@ -32,12 +32,41 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
     _register_autocast()
     _register_fused_rnn_cells()
+    _wrap_backward()
     pinned.register()
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
     _done = True
+
+
+def _wrap_backward() -> None:
+    """Errors raised by neuron ops on autograd's device thread are handed over (Note
+    [Device-thread errors] in _engine.py) and re-raised here, on the caller's thread, as the
+    original exception. Wraps the one private function both backward() and grad() call."""
+    import torch.autograd
+    import torch.autograd.graph as graph
+    run = graph._engine_run_backward
+    if getattr(run, "_neuron", False):
+        return
+
+    def _engine_run_backward(*args, **kwargs):
+        try:
+            result = run(*args, **kwargs)
+        except RuntimeError:
+            err = _engine.take_handoff()
+            if err is None:
+                raise
+            raise err.with_traceback(None) from None
+        err = _engine.take_handoff()  # an op returning nothing swallows the refusal
+        if err is not None:
+            raise err.with_traceback(None)
+        return result
+
+    _engine_run_backward._neuron = True
+    graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and
@@ -133,6 +162,13 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
                                 dtype)
 
 
+def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
+    kind without memory; the device has no such kind, so it gets materialized zeros."""
+    _check_device(device)
+    return _empty(size, dtype=dtype).zero_()
+
+
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
     device="neuron")` builds on the host, then copies)."""
@@ -153,17 +189,19 @@ def _host_factory(name):
     random = packet == "randperm"
 
     def impl(*args, **kwargs):
+        if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
+            raise _engine._generator_error(kwargs["generator"])
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
-        with torch._C._DisableTorchDispatch():
+        with eng.lock, torch._C._DisableTorchDispatch():
             if random:
                 eng.flush("rng")
                 cpu = eng.device.rng.run(op, args, kwargs)
             else:
                 cpu = op(*args, **kwargs)
-        eng.metrics.ops += 1
-        out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
-        eng.write(out, cpu)
+            eng.metrics.ops += 1
+            out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
+            eng.write(out, cpu)
         return out
 
     return impl

@@ -4,9 +4,12 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from . import _engine
+from ._storage import NeuronStorage, device_address
 
 
 class NeuronTensor(torch.Tensor):
@@ -41,6 +44,22 @@ class NeuronTensor(torch.Tensor):
         self._handle, self._wrapper_nbytes = new._handle, new._wrapper_nbytes
         self._set_layout()
 
+    # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
+    # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper
+    # subclass are not), and otherwise makes a new Parameter, which breaks ties and
+    # optimizers built before `.to`. For traceable wrapper subclasses (this protocol) it
+    # swaps the new tensor into the old Python object (torch.utils.swap_tensors) instead, as
+    # identity and ties survive `.to("cuda")`. A neuron tensor holds no inner tensors: its
+    # buffer handle and view are the context.
+    def __tensor_flatten__(self):
+        return [], (self._handle, self.storage_offset(), self.dtype, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        handle, offset, dtype, requires_grad = ctx
+        return NeuronTensor(handle, tuple(outer_size), tuple(outer_stride), offset, dtype,
+                            requires_grad)
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
@@ -58,28 +77,27 @@ class NeuronTensor(torch.Tensor):
             return _engine.ENGINE.read(self, reason)
 
     def __repr__(self, *, tensor_contents=None):
-        return tensor_repr(self, self._host("repr"))
+        text = tensor_repr(self, self._host("repr"))
+        return "Parameter containing:\n" + text if self.__dict__.get("_is_param") else text
 
     def __format__(self, spec):
-        if self.dim() == 0 and spec:
+        if self.dim() == 0:  # as torch.Tensor: a 0-d tensor formats as its item
             return self._host("format").item().__format__(spec)
         return tensor_repr(self, self._host("format"))
 
-    def _scalar(self, reason):
-        _engine.ENGINE._reason = reason
-        return self
-
+    # Python's conversions read the value on the host (the flush reason is passed along,
+    # never stashed), then convert as a CPU tensor does, with CPU's errors.
     def __bool__(self):
-        return torch.Tensor.__bool__(self._scalar("bool"))
+        return bool(self._host("bool"))
 
     def __int__(self):
-        return torch.Tensor.__int__(self._scalar("int"))
+        return int(self._host("int"))
 
     def __float__(self):
-        return torch.Tensor.__float__(self._scalar("float"))
+        return float(self._host("float"))
 
     def __index__(self):
-        return torch.Tensor.__index__(self._scalar("int"))
+        return self._host("int").__index__()
 
     def tolist(self):
         return self._host("tolist").tolist()
@@ -93,10 +111,23 @@ class NeuronTensor(torch.Tensor):
     def __array__(self, dtype=None):
         return self.numpy()
 
+    # -- storage identity (Note [Device addresses] in _storage.py) ------------------------
+    def untyped_storage(self):
+        return NeuronStorage(self._handle)
+
+    def data_ptr(self) -> int:
+        return device_address(self._handle) + self.storage_offset() * self.element_size()
+
     def __reduce_ex__(self, proto):
-        # torch.save / pickle / deepcopy: serialize the values (as torch does for devices
-        # without storage sharing), restored on the neuron device.
-        return (_rebuild, (self._host("pickle"), self.requires_grad))
+        # torch.save / pickle: the values on the host, rebuilt by the function torch itself
+        # uses for devices without host storage. It is on `torch.load`'s weights_only
+        # allow-list, honours map_location, and a process without this package can load the
+        # file with map_location="cpu". (Tensor.__reduce_ex__ would wrap it with our class.)
+        if self.__dict__.get("_is_param"):  # a Parameter (Note [Module.to keeps Parameters])
+            return (torch._utils._rebuild_parameter,
+                    (self.detach(), self.requires_grad, collections.OrderedDict()))
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self._host("pickle"), self.dtype, str(self.device), self.requires_grad))
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
@@ -104,16 +135,13 @@ class NeuronTensor(torch.Tensor):
         with torch.no_grad():
             new = self.clone()
         new.requires_grad_(self.requires_grad)
+        if self.__dict__.get("_is_param"):
+            new._is_param = True
         memo[id(self)] = new
         return new
 
 
 _engine.NeuronTensor = NeuronTensor
-
-
-def _rebuild(cpu, requires_grad):
-    t = cpu.to(_engine.DEVICE)
-    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
@@ -126,9 +154,10 @@ def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
     suffixes = [f"device='{t.device}'"]  # torch's order: device, size, dtype, grad
     if cpu.numel() == 0 and tuple(cpu.shape) != (0,):
         suffixes.append(f"size={tuple(cpu.shape)}")
-    if t.dtype not in (torch.get_default_dtype(), torch.int64, torch.bool,
-                       torch.complex64 if torch.get_default_dtype() == torch.float32
-                       else torch.complex128):
+    implicit = (torch.get_default_dtype(), torch.int64, torch.bool,
+                torch.complex64 if torch.get_default_dtype() == torch.float32
+                else torch.complex128)
+    if (t.dtype != torch.get_default_dtype() if cpu.numel() == 0 else t.dtype not in implicit):
         suffixes.append(f"dtype={t.dtype}")
     if t.grad_fn is not None:
         suffixes.append(f"grad_fn=<{type(t.grad_fn).__name__}>")

@@ -48,8 +48,6 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
      "in-memory cache size bound in MiB (LRU evicts to 80%)"),
     ("launch_blocking", "NEURON_LAUNCH_BLOCKING", False, _flag_exact_1,
      "every launch synchronous; errors raised at the op"),
-    ("fallback_only_unimplemented", "TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS",
-     False, _flag_exact_1, "raise instead of recovering on CPU when a device op fails"),
     ("fallback_enabled", "NEURON_FALLBACK_ENABLED", True, _flag_not_0,
      "CPU recovery when a device op cannot run ('0' raises)"),
     ("stack_trace", "TORCH_NEURONX_ENABLE_STACK_TRACE", False, _flag_exact_1,
@@ -85,7 +83,6 @@ class Config:
     cache_max_entries: int | None = None
     cache_max_mb: float | None = None
     launch_blocking: bool = False
-    fallback_only_unimplemented: bool = False
     fallback_enabled: bool = True
     stack_trace: bool = False
     log_level: int = 1

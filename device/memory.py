@@ -1,6 +1,8 @@
 """Simulated HBM: an allocator with capacity, peak and stats, and the buffers it hands out."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -26,8 +28,15 @@ class HBM:
         self.num_allocs = 0
         self.num_frees = 0
         self.num_ooms = 0
+        # A buffer is released by whichever thread drops its last tensor (Buffer.__del__),
+        # possibly while another thread allocates: the counters are updated under a lock.
+        self._lock = threading.Lock()
 
     def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserve(nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
         if self.used + nbytes > self.capacity:
             self.num_ooms += 1
             raise NeuronOutOfMemoryError(
@@ -41,9 +50,10 @@ class HBM:
         self.num_allocs += 1
 
     def release(self, nbytes: int) -> None:
-        assert self.used >= nbytes, (self.used, nbytes)
-        self.used -= nbytes
-        self.num_frees += 1
+        with self._lock:
+            assert self.used >= nbytes, (self.used, nbytes)
+            self.used -= nbytes
+            self.num_frees += 1
 
     def stats(self) -> dict:
         return {

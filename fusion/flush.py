@@ -187,42 +187,64 @@ class Runner:
 
     def _execute(self, nodes, plan: Plan, handles) -> None:
         env: dict[int, torch.UntypedStorage] = {}
+        bad: dict[int, Launch] = {}  # canonical buffer -> the failed launch that poisoned it
         dev = self.device
         for gp in plan.groups:
             exe = gp.exe
             st = [None] * exe.program.n_slots
+            poisoned, origin = set(), None
             for s in range(exe.program.n_inputs):
                 c = gp.slots[s]
                 st[s] = env[c] if c in env else handles[c].buffer.storage
+                why = bad.get(c) or (handles[c].poison if handles[c] is not None else None)
+                if why is not None:  # Note [Poison]
+                    poisoned.add(s)
+                    origin = origin or why
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
             if isinstance(exe, OneByOne):
                 for k, n in enumerate(members):
-                    dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng),
-                                      n.in_bytes + n.out_bytes, n.flops, context=[n]))
+                    launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
+                                                                  poisoned),
+                                               n.in_bytes + n.out_bytes, n.flops, context=[n]))
+                    origin = origin or (launch if launch.error is not None else None)
             else:
-                dev.submit(Launch(exe.name, functools.partial(exe.run, st, inputs, dev.rng),
-                                  gp.nbytes, gp.flops, gp.low_precision, context=members))
+                launch = dev.submit(Launch(exe.name, functools.partial(
+                    exe.run, st, inputs, dev.rng, poisoned), gp.nbytes, gp.flops,
+                    gp.low_precision, context=members))
+                if launch.error is not None:
+                    origin = launch
             for s in range(exe.program.n_inputs, exe.program.n_slots):
                 c = gp.slots[s]
-                if st[s] is None:  # the launch failed: its outputs hold garbage
+                if st[s] is None:  # never written (its op failed or was skipped): poisoned
                     st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)
                 env[c] = st[s]
+            for s in poisoned:
+                c = gp.slots[s]
+                bad[c] = origin
+                if handles[c] is not None and not handles[c].pending:
+                    handles[c].poison = origin  # an existing buffer updated in place
             for s in gp.outputs:
                 h = handles[gp.slots[s]]
                 if h is not None and h.pending:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
+                    h.poison = bad.get(gp.slots[s])
 
 
 class OneByOne(Executable):
     """A bad fused executable's stand-in: each op is launched on its own, results unchanged."""
 
-    def runner(self, k, st, inputs, rng):
+    def runner(self, k, st, inputs, rng, poisoned):
         def run():
+            ins = self.instrs[k]
+            if poisoned and not poisoned.isdisjoint(ins.in_slots):
+                poisoned.update(ins.out_slots)  # Note [Poison] in fusion/program.py
+                return
             try:
-                run_instr(self.instrs[k], st, inputs[k], rng, [None] * self.n_views)
+                run_instr(ins, st, inputs[k], rng, [None] * self.n_views)
             except Exception as e:
+                poisoned.update(ins.out_slots)
                 e.instr_index = 0
                 raise
         return run

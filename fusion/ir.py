@@ -140,7 +140,7 @@ class Handle:
     weakly, so a value whose tensors were all freed before the flush is never written back.
     """
 
-    __slots__ = ("uid", "nbytes", "buffer", "pending", "__weakref__")
+    __slots__ = ("uid", "nbytes", "buffer", "pending", "poison", "__weakref__")
     _next = 0
 
     def __init__(self, nbytes: int, buffer=None, pending: bool = False):
@@ -149,3 +149,6 @@ class Handle:
         self.nbytes = nbytes
         self.buffer = buffer  # device.Buffer once the value is in HBM
         self.pending = pending
+        # The failed launch whose error made this value invalid (Note [Poison] in
+        # fusion/program.py): reading it raises that error, ops reading it are skipped.
+        self.poison = None

@@ -113,7 +113,8 @@ def _value(t, st, inputs, views):
 
 
 class Instr:
-    __slots__ = ("op", "args", "kwargs", "outs", "any_out", "random", "f64", "mutated")
+    __slots__ = ("op", "args", "kwargs", "outs", "any_out", "random", "f64", "mutated",
+                 "in_slots", "out_slots")
     # (outs holds (templates, slot map) until bind_outputs)
 
     def __init__(self, schema_name, overload, args, kwargs, outs, smap, vids):
@@ -126,6 +127,13 @@ class Instr:
         self.f64 = "'float64'" in repr((args, kwargs))
         self.mutated = [i for i, a in enumerate(self.op._schema.arguments)
                         if a.alias_info is not None and a.alias_info.is_write]
+        # Note [Poison]: the slots an instr reads, and those it writes (new outputs and
+        # mutated arguments), so a failed op invalidates exactly what depends on it.
+        self.in_slots = frozenset(_slots(self.args) + _slots(tuple(self.kwargs.values())))
+        names = [a.name for a in self.op._schema.arguments]
+        mut = [self.args[i] for i in self.mutated if i < len(self.args)]
+        mut += [v for k, v in self.kwargs.items() if names.index(k) in self.mutated]
+        self.out_slots = frozenset(_slots(tuple(mut)) + tuple(smap[o[1]] for o in outs if o))
 
     def bind_outputs(self, vids) -> None:
         """(slot, size, stride, dtype, view id or None) per new output: a later op reading
@@ -154,15 +162,41 @@ class Executable:
             ins.bind_outputs(vids)
         self.n_views = len(vids)
 
-    def run(self, st: list, inputs: list[list], rng) -> None:
-        """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i."""
+    def run(self, st: list, inputs: list[list], rng, poisoned: set) -> None:
+        """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i.
+
+        Note [Poison]: `poisoned` holds the slots whose values are invalid (on entry: inputs
+        poisoned by an earlier failure). An instr that reads one is skipped and poisons what
+        it writes; an instr that raises poisons what it writes too. Independent instrs still
+        run, so one failed op never corrupts values that do not depend on it. The first
+        error is raised at the end, tagged with its instr index."""
         views = [None] * self.n_views
+        first = None
         for k, ins in enumerate(self.instrs):
+            if poisoned and not poisoned.isdisjoint(ins.in_slots):
+                poisoned.update(ins.out_slots)
+                continue
             try:
                 run_instr(ins, st, inputs[k], rng, views)
             except Exception as e:
-                e.instr_index = k  # the engine maps it back to the op and its source line
-                raise
+                poisoned.update(ins.out_slots)
+                if first is None:
+                    e.instr_index = k  # the engine maps it back to the op and its source line
+                    first = e
+        if first is not None:
+            raise first
+
+
+def _slots(templates: tuple) -> tuple:
+    """Slots named by bound templates ("T", view id, slot, ...), recursing into lists."""
+    out = []
+    for t in templates:
+        if type(t) is tuple and t:
+            if t[0] == "T":
+                out.append(t[2])
+            elif t[0] == "L":
+                out.extend(_slots(t[1:]))
+    return tuple(out)
 
 
 def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:

@@ -275,27 +275,16 @@ def test_invalid_environment_value_names_the_variable():
     assert "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT='lots' is not valid" in out.stderr
 
 
-def test_failed_native_op_recovers_on_cpu_unless_told_not_to(monkeypatch):
-    """A table op whose device build fails (here: shape inference made to fail) is recovered
-    on CPU with the fallback warning; TORCH_NEURONX_FALLBACK_ONLY_FOR_UNIMPLEMENTED_OPS=1
-    raises instead."""
+def test_op_shape_inference_refuses_runs_on_the_device_at_once(mode):
+    """A table op whose meta kernel refuses inputs CPU accepts (mse_loss_backward of an empty
+    input divides by zero) is no fallback: it runs on the device now, with CPU's result."""
     _forget_warnings()
-    real = _engine.Engine.infer
-
-    def broken(self, func, *a):
-        if func is torch.ops.aten.cumsum.default:
-            raise _engine._NoMeta("no kernel for this shape")
-        return real(self, func, *a)
-
-    monkeypatch.setattr(_engine.Engine, "infer", broken)
-    _engine.ENGINE.meta_cache.clear()
-    x = torch.arange(5.0, device="neuron")
-    with pytest.warns(UserWarning, match="Operator 'aten::cumsum' fell back to CPU"):
-        assert x.cumsum(0).tolist() == [0.0, 1.0, 3.0, 6.0, 10.0]
-    with ae.override(fallback_only_unimplemented=True):
-        with pytest.raises(ae.NeuronFallbackError, match="forbids recovering on CPU"):
-            x.cumsum(0)
-        assert (x + 1).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    x = torch.randn(1, 5, 0).to("neuron").requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        torch.nn.functional.mse_loss(x, torch.zeros(1, 5, 0, device="neuron")).backward()
+    assert x.grad.shape == (1, 5, 0)
+    assert ae.metrics().cpu_fallbacks == {}
 
 
 @pytest.mark.parametrize("opt", ["SGD", "Adam", "AdamW"])

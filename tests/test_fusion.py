@@ -247,6 +247,7 @@ def test_explain_and_dot():
 
 def test_dependency_graph_edges_raw_war_waw():
     x = rand(4)
+    x0 = x.cpu()
     with ae.override(queue_low_threshold=0), ae.adaptive():
         y = x * 2        # 0: reads x
         x.add_(1)        # 1: writes x after 0 read it (WAR), reads x
@@ -257,7 +258,8 @@ def test_dependency_graph_edges_raw_war_waw():
     kinds = {(u, v): d["kind"] for u, v, d in g.edges(data=True)}
     assert kinds[(0, 1)] == "WAR" and kinds[(0, 2)] == "RAW"
     assert kinds[(1, 2)] == "RAW" and kinds[(1, 3)] == "WAW" and kinds[(2, 3)] == "WAR"
-    assert torch.equal(z.cpu(), (x.cpu() * 0 + 1) * 0 + z.cpu())
+    assert torch.equal(z.cpu(), (x0 + 1) + x0 * 2)  # z read x after the add_, before zero_
+    assert torch.equal(x.cpu(), torch.zeros(4))
 
 
 def test_adaptive_policy_changes_launch_counts_not_results():

@@ -1,0 +1,92 @@
+"""Note [Threads] in adaptive_eager/_engine.py: several Python threads issue ops at once; each
+thread's results are CPU's, bit for bit, in eager and adaptive mode, also while one thread
+syncs and another records."""
+import threading
+
+import torch
+
+import adaptive_eager as ae
+
+
+def _chain(x: torch.Tensor, steps: int) -> torch.Tensor:
+    for i in range(steps):
+        x = (x * 1.5 + i).sin() / 2
+        if i % 7 == 0:
+            x = x @ x.T[:, :x.shape[1]] if x.shape[0] == x.shape[1] else x.relu()
+    return x
+
+
+def _run_threads(target, n):
+    errors = []
+
+    def wrapped(i):
+        try:
+            target(i)
+        except BaseException as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+def test_threads_running_their_own_chains_match_cpu(mode):
+    inputs = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    expected = [_chain(x, 40) for x in inputs]
+    got = [None] * 4
+
+    def work(i):
+        got[i] = _chain(inputs[i].to("neuron"), 40).cpu()
+
+    _run_threads(work, 4)
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_one_thread_syncs_while_others_record(mode):
+    x = torch.randn(16, 16)
+    expected = _chain(x, 30)
+    stop = threading.Event()
+    results = []
+
+    def reader(_):
+        y = torch.ones(4, device="neuron")
+        while not stop.is_set():
+            y = y + 1
+            results.append(y.sum().item())  # a sync point, over and over
+
+    def writer(i):
+        results_w = _chain(x.to("neuron"), 30).cpu()
+        assert torch.equal(results_w, expected)
+
+    t = threading.Thread(target=reader, args=(0,))
+    t.start()
+    try:
+        _run_threads(writer, 3)
+    finally:
+        stop.set()
+        t.join()
+    assert results == [4.0 * (k + 2) for k in range(len(results))]
+
+
+def test_threads_with_backward(mode):
+    torch.manual_seed(0)
+    ws = [torch.randn(6, 6) for _ in range(3)]
+    expected = []
+    for w in ws:
+        p = w.clone().requires_grad_()
+        (p.tanh() @ p).sum().backward()
+        expected.append(p.grad)
+    got = [None] * 3
+
+    def work(i):
+        p = ws[i].to("neuron").requires_grad_()
+        (p.tanh() @ p).sum().backward()
+        got[i] = p.grad.cpu()
+
+    _run_threads(work, 3)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
