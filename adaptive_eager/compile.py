@@ -117,14 +117,41 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         inference_compiler=_graph_compiler("inference"))
 
 
+class _HiddenWhileTracing:
+    """Note [Flatten protocol and Dynamo]: NeuronTensor follows the traceable wrapper-subclass
+    protocol (`__tensor_flatten__`, no inner tensors) so that `Module._apply` swaps
+    parameters in place. Dynamo and AOTAutograd (at trace time and in their runtime wrappers)
+    would then treat it as a subclass to desugar into inner tensors, which a tensor without
+    inner tensors cannot survive. So the PT2 stack (modules `_PT2`) never sees the protocol and
+    traces a neuron tensor as what it is, a plain tensor on the neuron device; everyone else
+    (Module._apply, swap_tensors) still does. Who asks is read from the caller's frame."""
+
+    def __init__(self, name, attr):
+        self.name = name
+        self.attr = attr
+
+    def __get__(self, obj, cls=None):
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__") == "torch.utils._python_dispatch":
+            f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
+        if f is not None and f.f_globals.get("__name__", "").startswith(_PT2):
+            raise AttributeError(self.name)
+        return self.attr.__get__(obj, cls)
+
+
+_PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
+        "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
+
+
 class NeuronInductorError(RuntimeError):
     """TorchInductor (torch.compile's default backend) was asked to compile neuron code."""
 
 
 _INDUCTOR_MESSAGE = (
-    "torch.compile's default backend (TorchInductor) cannot generate code for the 'neuron' "
-    "device. Use torch.compile(model, backend=\"neuron\"), which runs each captured graph "
-    "on the device as one fused segment.")
+    "torch.compile's backend cannot run code on the 'neuron' device (only backend 'neuron' "
+    "can; TorchInductor, the default, generates no neuron code). Use "
+    "torch.compile(model, backend=\"neuron\"), which runs each captured graph on the device "
+    "as one fused segment.")
 
 
 class _Refusing(type):
@@ -137,6 +164,27 @@ class _RefuseInductor(metaclass=_Refusing):
 
     def __init__(self, *args, **kwargs):
         raise NeuronInductorError(_INDUCTOR_MESSAGE)
+
+
+def _wrap_neuron_tensor(builder, value):
+    """Dynamo meets a neuron tensor: a plain tensor for backend 'neuron'; any other backend
+    (Inductor) cannot run it, so say so before it tries."""
+    from torch._dynamo.variables.builder import VariableBuilder
+    if not _is_neuron_backend(builder.tx.output.compiler_fn):
+        raise NeuronInductorError(_INDUCTOR_MESSAGE)
+    return VariableBuilder.wrap_tensor(builder, value)
+
+
+def _is_neuron_backend(fn) -> bool:
+    """Through Dynamo's and torch.compile's wrappers, is the backend ours?"""
+    for _ in range(8):
+        if fn is None:
+            return False
+        if fn is neuron_backend:
+            return True
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None)
+              or getattr(fn, "compiler_fn", None))
+    return False
 
 
 _registered = False
@@ -165,9 +213,13 @@ def register() -> None:
         register_backend(name="neuron")(neuron_backend)
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
-        table[_engine.NeuronTensor] = VariableBuilder.wrap_tensor
+        table[_engine.NeuronTensor] = _wrap_neuron_tensor
     for module in _NEVER_TRACED:
         trace_rules.add(module)
+    for name in ("__tensor_flatten__", "__tensor_unflatten__"):
+        attr = _engine.NeuronTensor.__dict__.get(name)
+        if attr is not None and not isinstance(attr, _HiddenWhileTracing):
+            setattr(_engine.NeuronTensor, name, _HiddenWhileTracing(name, attr))
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,

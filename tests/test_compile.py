@@ -158,9 +158,10 @@ def test_private_dynamo_hooks_are_in_place():
     from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.variables.builder import VariableBuilder
     assert lookup_backend("neuron") is aec.neuron_backend
+    assert callable(VariableBuilder.wrap_tensor)
     for trace_numpy in (False, True):
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
-        assert table[ae._engine.NeuronTensor] is VariableBuilder.wrap_tensor
+        assert table[ae._engine.NeuronTensor] is aec._wrap_neuron_tensor
     assert hasattr(ae._engine.NeuronTensor, "__coerce_same_metadata_as_tangent__")
 
 
