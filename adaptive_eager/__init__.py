@@ -26,6 +26,8 @@ __all__ = [
 ]
 
 _registration.register()
+from . import metrics_file as _metrics_file  # noqa: E402
+_metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 
 def metrics() -> Snapshot:

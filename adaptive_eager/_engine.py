@@ -582,11 +582,16 @@ class Engine:
     @_locked
     def sync(self, reason: str) -> None:
         self.flush(reason)
+        t0 = self.device.host_us
         self.synchronize()
+        self.device.mark(reason, "sync", self.device.host_us - t0, t0)
 
     @_locked
     def read(self, t, reason: str) -> torch.Tensor:
         """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
+        if self.queue:  # a host read that cuts queued work: where (run's advice)
+            src = _source()
+            self.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
         self.sync(reason)
         h = t._handle
         if h.poison is not None:  # Note [Poison] in fusion/program.py

@@ -67,6 +67,11 @@ class NeuronTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        # AOTAutograd (torch.compile, backend "neuron") traced this tangent as a plain
+        # tensor on neuron: a neuron tensor is one. Note [Dynamo and the neuron tensor].
+        return self if expected_type in (None, torch.Tensor) else None
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _engine.ENGINE.dispatch(func, args, kwargs or {})

@@ -90,6 +90,12 @@ class Config:
     realtime: bool = _setting(
         "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
         "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)")
+    metrics_enabled: bool = _setting(
+        "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
+        "'1': write this process's metrics as JSON at exit (one file per process)")
+    metrics_dir: str = _setting(
+        "TORCH_NEURONX_METRICS_DIR", "", str,
+        "folder of the metrics files (default: the working folder)")
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -12,19 +13,25 @@ import adaptive_eager as ae
 from adaptive_eager.models import GPT, batches
 
 
-def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0) -> dict:
-    """Train a fresh GPT for `steps` steps in one mode; per-step figures after warm-up."""
+def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
+             compiled: bool = False) -> dict:
+    """Train a fresh GPT for `steps` steps in one mode; per-step figures after warm-up.
+    `compiled`: the model runs through torch.compile(backend="neuron") (the optimizer in
+    adaptive `strategy` mode, set process-wide: Dynamo skips frames under dispatch modes)."""
     torch.manual_seed(seed)
     model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron")
+    forward = torch.compile(model, backend="neuron") if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
     data = [(x.to("neuron"), y.to("neuron")) for x, y in batches("gpt", steps, seed)]
     losses, per_step = [], []
     scope = ae.adaptive(strategy=strategy) if strategy else ae.adaptive(False)
+    if compiled:
+        scope = _process_wide(strategy)
     with scope:
         for x, y in tqdm(data, desc=f"{name:>16}", unit="step", leave=True):
             before = ae.metrics()
             t0 = time.perf_counter()
-            logits = model(x)
+            logits = forward(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             opt.step()
@@ -46,6 +53,19 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0) -> dict
         "group": (sum(m.mean_group_size for m, _ in warm) / len(warm)),
         "total": total,
     }
+
+
+@contextlib.contextmanager
+def _process_wide(strategy):
+    ae.set_adaptive(strategy is not None)
+    old = ae.strategy()
+    if strategy is not None:
+        ae.set_strategy(strategy)
+    try:
+        yield
+    finally:
+        ae.set_adaptive(False)
+        ae.set_strategy(old)
 
 
 def table(rows: list[dict]) -> str:
@@ -72,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--trace", metavar="PATH", help="write the device timeline (Perfetto JSON)")
     p.add_argument("--graph", metavar="PATH",
                    help="write the last flush's fused graph (.dot, or .svg/.png with Graphviz)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run torch.compile(model, backend=\"neuron\") (its first step "
+                        "pays Dynamo's capture)")
     args = p.parse_args(argv)
     strategies = ["graph", "matmul"] if args.strategy == "all" else [args.strategy]
     print(f"Training a 2-layer GPT (d=64, seq=32, batch=4) for {args.steps} steps per mode on "
@@ -79,11 +102,19 @@ def main(argv=None) -> int:
     rows = [run_mode("eager", args.steps, None)]
     for s in strategies:
         rows.append(run_mode(f"adaptive {s}", args.steps, s))
+    if args.compile:
+        rows.append(run_mode("compile", args.steps, "graph", compiled=True))
     print()
     print(table(rows))
-    same = all(r["losses"] == rows[0]["losses"] for r in rows)
-    print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} "
-          f"({'identical in every mode' if same else 'DIFFER between modes'})")
+    same = all(r["losses"] == rows[0]["losses"] for r in rows if r["mode"] != "compile")
+    close = all(torch.allclose(torch.tensor(r["losses"]), torch.tensor(rows[0]["losses"]),
+                               rtol=1e-4, atol=1e-5) for r in rows)
+    same = same and close
+    verdict = "DIFFER between modes"
+    if same:
+        verdict = ("identical in every eager and adaptive mode; compile within float32 "
+                   "tolerance" if args.compile else "identical in every mode")
+    print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} ({verdict})")
     print("launches, device time: simulated NeuronCore (see device/spec.py for the figures); "
           "host us/op: this machine's wall clock.")
     if args.graph:

@@ -32,6 +32,7 @@ class Snapshot:
     hbm_bytes: int
     mean_group_size: float
     group_sizes: dict
+    sync_sites: dict
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -64,7 +65,7 @@ def snapshot(hbm) -> Snapshot:
         compile_time_us=c.compile_time_us, peak_memory_bytes=hbm.peak,
         memory_bytes=hbm.used, bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
-        group_sizes=groups)
+        group_sizes=groups, sync_sites=dict(c.sync_sites))
 
 
 def report(s: Snapshot) -> str:

@@ -103,17 +103,19 @@ def batches(kind, n, seed=0):
 MODELS = {"mlp": MLP, "cnn": CNN, "encoder": Encoder, "gpt": GPT}
 
 
-def train(kind, device, steps=3, seed=0, foreach=None, dropout=None, **kw):
-    """Train a fresh model for a few steps; returns the losses (floats) and the model."""
+def train(kind, device, steps=3, seed=0, foreach=None, dropout=None, compile=False, **kw):
+    """Train a fresh model for a few steps; returns the losses (floats) and the model.
+    `compile`: the model runs through torch.compile(backend="neuron")."""
     torch.manual_seed(seed)
     extra = {} if dropout is None else {"dropout": dropout}
     model = MODELS[kind](**extra, **kw).to(device)
     torch.manual_seed(seed + 1)  # CPU and neuron generators start random ops level
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     losses = []
+    forward = torch.compile(model, backend="neuron") if compile else model
     for x, y in batches(kind, steps, seed):
         x, y = x.to(device), y.to(device)
-        out = model(x)
+        out = forward(x)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()

@@ -6,7 +6,7 @@ import argparse
 import collections
 import json
 
-MODES = ["cpu", "eager", "graph", "matmul", "whole-graph"]
+MODES = ["cpu", "eager", "graph", "matmul", "whole-graph", "compile"]
 
 
 def load(path: str) -> dict:
@@ -24,7 +24,7 @@ def load(path: str) -> dict:
 def markdown(res: dict) -> str:
     head = ("workload", "mode", "launches/step", "vs eager", "mean group", "device us/step",
             "vs eager", "host us/op", "vs CPU", "HBM KiB/step", "saved KiB/step",
-            "wall us/step")
+            "wall us/step", "first step ms (compile ms modeled)")
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for wl, modes in res.items():
         eager, cpu = modes.get("eager", {}), modes.get("cpu", {})
@@ -36,7 +36,7 @@ def markdown(res: dict) -> str:
                 k = e.get("inductor_kernels")
                 rows.append(f"| {wl} | cpu (inductor kernels: {k if k is not None else 'n/a'}) "
                             f"| | | | | | {e['host_us_per_op']:.1f} | 1.00x | | | "
-                            f"{e['wall_us']:.0f} |")
+                            f"{e['wall_us']:.0f} | |")
                 continue
             rows.append(
                 f"| {wl} | {mode} | {e['launches_per_step']:.1f} | "
@@ -46,8 +46,14 @@ def markdown(res: dict) -> str:
                 f"{e['host_us_per_op']:.1f} | "
                 f"{e['host_us_per_op'] / cpu['host_us_per_op']:.1f}x | "
                 f"{e['hbm_bytes_per_step'] / 1024:.1f} | {e['bytes_saved_per_step'] / 1024:.1f}"
-                f" | {e['wall_us']:.0f} |")
+                f" | {e['wall_us']:.0f} | {_first(e)} |")
     return "\n".join(rows)
+
+
+def _first(e: dict) -> str:
+    if "first_step_ms" not in e:  # a run saved before these figures existed
+        return ""
+    return f"{e['first_step_ms']:.0f} ({e['first_step_compile_ms_modeled']:.0f})"
 
 
 def chart(res: dict, path: str) -> None:

@@ -11,7 +11,11 @@ MODES = {
     "matmul": ("neuron", "matmul", {}),
     # the compiled-graph bound of our partitioner: purely lazy, no sync inside the step
     "whole-graph": ("neuron", "graph", {"queue_low_threshold": 0}),
+    # torch.compile(backend="neuron") around the model (training) or the step (inference),
+    # the rest of the step in adaptive `graph` mode (see workloads.compiled)
+    "compile": ("neuron", "graph", {}),
 }
+COMPILED = {"compile"}  # modes whose workloads run through torch.compile
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ Full run: see the README ("Benchmarks")."""
 import pytest
 
 from measure import inductor_kernels, step_figures, sync
-from modes import MODES, mode_scope
+from modes import COMPILED, MODES, mode_scope
 from workloads import WORKLOADS
 
 
@@ -16,7 +16,7 @@ def test_step(benchmark, request, workload, mode):
     realtime = request.config.getoption("--realtime") and mode != "cpu"
     extra = {"realtime": True} if realtime else {}
     with mode_scope(mode, **extra) as device:
-        step = WORKLOADS[workload](device)
+        step = WORKLOADS[workload](device, compiled=mode in COMPILED)
         benchmark.extra_info.update(step_figures(step, device))
         benchmark.extra_info["mode"] = mode
         benchmark.extra_info["workload"] = workload

@@ -3,16 +3,17 @@ on every run. Wall-clock targets are reported by the full run, never asserted.""
 import pytest
 
 from measure import step_figures
-from modes import mode_scope
+from modes import COMPILED, mode_scope
 from workloads import WORKLOADS
 
 
 @pytest.fixture(scope="module")
 def gpt():
     figures = {}
-    for mode in ("eager", "graph", "matmul", "whole-graph"):
+    for mode in ("eager", "graph", "matmul", "whole-graph", "compile"):
         with mode_scope(mode) as device:
-            figures[mode] = step_figures(WORKLOADS["gpt_train"](device), device)
+            step = WORKLOADS["gpt_train"](device, compiled=mode in COMPILED)
+            figures[mode] = step_figures(step, device)
     return figures
 
 
@@ -27,7 +28,12 @@ def test_graph_device_time_at_most_35_percent_of_eager_and_near_whole_graph(gpt)
     assert g <= 1.15 * gpt["whole-graph"]["device_us_per_step"]
 
 
+def test_compile_launches_no_more_than_graph(gpt):
+    assert gpt["compile"]["launches_per_step"] <= gpt["graph"]["launches_per_step"]
+    assert gpt["compile"]["device_us_per_step"] <= 1.15 * gpt["whole-graph"]["device_us_per_step"]
+
+
 def test_steady_state_compiles_nothing(gpt):
-    for mode in ("graph", "matmul", "whole-graph"):
+    for mode in ("graph", "matmul", "whole-graph", "compile"):
         assert gpt[mode]["compiles"] == 0, mode
         assert gpt[mode]["plan_hits"] > 0, mode

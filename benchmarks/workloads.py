@@ -1,5 +1,9 @@
 """Workloads of the launch-overhead suite. Each maker builds, on `device`, the inputs and
-model of one step and returns a callable running that step (no host sync inside)."""
+model of one step and returns a callable running that step (no host sync inside).
+
+`compiled=True` (the `compile` mode): the step goes through torch.compile(backend="neuron");
+for training steps the model does (forward and backward graphs), and the optimizer runs in the
+surrounding mode, since Dynamo's capture of a foreach AdamW step costs seconds per compile."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -7,14 +11,18 @@ import torch.nn.functional as F
 from adaptive_eager.models import CNN, GPT, batches
 
 
-def pointwise_chain(device):
+def _maybe_compile(fn, compiled):
+    return torch.compile(fn, backend="neuron") if compiled else fn
+
+
+def pointwise_chain(device, compiled=False):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g).to(device)
     b = torch.randn(256, generator=g).to(device)
-    return lambda: F.gelu(x + b) * 0.5 + x  # bias, GELU, scale, residual
+    return _maybe_compile(lambda: F.gelu(x + b) * 0.5 + x, compiled)  # bias, GELU, scale, res
 
 
-def mlp_block(device):
+def mlp_block(device, compiled=False):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)).to(device)
     x = torch.randn(32, 128).to(device)
@@ -22,17 +30,17 @@ def mlp_block(device):
     @torch.no_grad()
     def step():
         return mlp(x) + x
-    return step
+    return _maybe_compile(step, compiled)
 
 
-def layernorm_softmax(device):
+def layernorm_softmax(device, compiled=False):
     torch.manual_seed(0)
     x = torch.randn(32, 128).to(device)
     w, b = torch.ones(128).to(device), torch.zeros(128).to(device)
-    return lambda: F.layer_norm(x, (128,), w, b).softmax(-1)
+    return _maybe_compile(lambda: F.layer_norm(x, (128,), w, b).softmax(-1), compiled)
 
 
-def encoder_block(device):
+def encoder_block(device, compiled=False):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.0,
                                        batch_first=True).to(device)
@@ -41,12 +49,14 @@ def encoder_block(device):
     @torch.no_grad()
     def step():
         return layer(x)
-    return step
+    return _maybe_compile(step, compiled)
 
 
-def _train_step(model, opt, x, y):
+def _train_step(model, opt, x, y, compiled=False):
+    forward = _maybe_compile(model, compiled)
+
     def step():
-        out = model(x)
+        out = forward(x)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -55,20 +65,20 @@ def _train_step(model, opt, x, y):
     return step
 
 
-def gpt_train(device):
+def gpt_train(device, compiled=False):
     torch.manual_seed(0)
     model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("gpt", 1)[0]
-    return _train_step(model, opt, x.to(device), y.to(device))
+    return _train_step(model, opt, x.to(device), y.to(device), compiled)
 
 
-def cnn_train(device):
+def cnn_train(device, compiled=False):
     torch.manual_seed(0)
     model = CNN().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("cnn", 1)[0]
-    return _train_step(model, opt, x.to(device), y.to(device))
+    return _train_step(model, opt, x.to(device), y.to(device), compiled)
 
 
 WORKLOADS = {f.__name__: f for f in (pointwise_chain, mlp_block, layernorm_softmax,

@@ -59,6 +59,11 @@ class DeviceError(RuntimeError):
         super().__init__(str(launch.error))
 
 
+# Timeline tracks by event kind: launches, DMAs, and the host's compiles and syncs.
+TRACKS = {"launch": 0, "dma": 1, "compile": 2, "sync": 3}
+TRACK_NAMES = ("NeuronCore launches", "DMA", "host: compiles", "host: syncs")
+
+
 class Device:
     """One simulated logical NeuronCore."""
 
@@ -119,6 +124,11 @@ class Device:
             self.host_us = max(self.host_us, launch.end_us)
         return launch
 
+    def mark(self, name: str, kind: str, duration_us: float, start_us=None) -> None:
+        """A host-side event on the timeline (a compile, a sync); starts now by default."""
+        start = self.host_us if start_us is None else start_us
+        self.trace.append((name, kind, start, duration_us, 0, 0.0))
+
     def synchronize(self) -> None:
         """The host waits for all queued work, then the earliest deferred error is raised."""
         self.host_us = max(self.host_us, self.free_at_us)
@@ -136,10 +146,10 @@ class Device:
     def chrome_trace(self) -> dict:
         """The device timeline in Chrome/Perfetto trace-event format."""
         events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": 0,
-                   "tid": 0 if kind == "launch" else 1, "args": {"bytes": b, "flops": f}}
+                   "tid": TRACKS.get(kind, 0), "args": {"bytes": b, "flops": f}}
                   for name, kind, ts, dur, b, f in self.trace]
         meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                for t, n in ((0, "NeuronCore launches"), (1, "DMA"))]
+                for t, n in enumerate(TRACK_NAMES)]
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 

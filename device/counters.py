@@ -35,6 +35,8 @@ class Counters:
     bad_executables: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)  # fused compiles that failed, by reason
     bytes_saved: int = 0  # bytes of values freed before their flush, never written back
+    # "reason@file:line" -> host reads (item, repr, cpu...) that flushed queued work
+    sync_sites: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):

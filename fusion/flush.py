@@ -96,6 +96,7 @@ class Runner:
                  len(program.instrs), us / 1e3)
         COUNTERS.compiles += 1
         COUNTERS.compile_time_us += us
+        self.device.mark(program.name, "compile", us)
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
 

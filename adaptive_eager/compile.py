@@ -1,0 +1,256 @@
+"""`torch.compile(model, backend="neuron")`: the third mode.
+
+Dynamo captures FX graphs and AOTAutograd splits them into forward, backward and inference
+graphs; each graph, when it runs, is recorded into the engine whole, with no cut inside it
+(`one_segment`), so the shared partitioner and executable cache turn it into whole-graph
+executables: in eager mode it is flushed once (reason "compile graph"), in adaptive mode it
+joins the surrounding queue. Code between graphs (graph breaks) runs in the current eager or
+adaptive mode. A mode is a flush policy plus where segments come from, never a second engine.
+
+Note [Dynamo and the neuron tensor]: a neuron tensor is a wrapper subclass with its own
+`__torch_dispatch__` and no inner tensors, which Dynamo would treat as an opaque Python object
+(and trace into the engine itself). We register the class in Dynamo's VariableBuilder type
+table (private: `torch._dynamo.variables.builder.VariableBuilder._type_dispatch_impl`), so it
+is wrapped like a plain tensor: Dynamo fakeifies it into a FakeTensor on `neuron:0` (meta
+kernels, our device) and the captured graph holds ordinary ATen ops. At run time those ops
+reach the engine through `__torch_dispatch__` as usual. `_tensor.NeuronTensor` also defines
+`__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents), the engine's
+modules are on Dynamo's skip list (`_NEVER_TRACED`), and Inductor gets a refusing code
+generator for 'neuron'. All are pinned by tests/test_compile.py and listed in the README.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.abc
+import importlib.util
+import sys
+import time
+
+import torch
+
+from . import _engine
+from .config import config
+
+GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
+BOUNDARY_REASON = "compile boundary"  # work queued before a graph starts
+
+
+class CompileStats:
+    """Counters of the compile mode: graphs handed to us by kind, their runs, and the wall
+    time of our part of compiling them (Dynamo's and AOTAutograd's is the caller's)."""
+
+    def __init__(self):
+        self.graphs = collections.Counter()  # graphs handed to us, by kind
+        self.graph_runs = 0
+        self.compile_s = 0.0  # our share of compile time (wall): wrapping the graph
+
+    def as_dict(self) -> dict:
+        return {"graphs": dict(self.graphs), "graph_runs": self.graph_runs,
+                "compile_s": self.compile_s}
+
+
+STATS = CompileStats()
+
+
+@contextlib.contextmanager
+def one_segment(n_ops: int = 0):
+    """Record everything inside lazily, never cut for an idle device or a full buffer.
+
+    In eager mode the segment is flushed on the way out (reason "compile graph"); in
+    adaptive mode it stays queued and joins what comes before and after it, so a graph
+    boundary never costs a launch the adaptive mode would not pay (Note [Compiled graphs
+    in adaptive mode])."""
+    eng = _engine.ENGINE
+    was_lazy = eng.is_lazy()
+    if not was_lazy:
+        eng.flush(BOUNDARY_REASON)
+    saved = (eng.adaptive, config.queue_low_threshold, config.buffer_size_limit)
+    eng.adaptive = True
+    config.queue_low_threshold = 0  # never cut the graph for an idle device
+    config.buffer_size_limit = max(config.buffer_size_limit, len(eng.queue) + n_ops + 1)
+    try:
+        yield
+    finally:
+        try:
+            if not was_lazy:
+                eng.flush(GRAPH_REASON)
+        finally:
+            eng.adaptive, config.queue_low_threshold, config.buffer_size_limit = saved
+
+
+# Note [Compiled graphs in adaptive mode]: flushing at every graph boundary would split a
+# training step into forward, backward and optimizer segments, each partitioned alone; the
+# adaptive mode's partition of the whole step needs fewer launches (10 against 13 on the
+# GPT step). So under adaptive eager a graph is recorded whole (no idle or buffer cuts inside
+# it) and the surrounding mode decides when the queue is flushed; in eager mode each graph
+# is flushed once, as its own segment.
+
+
+def _graph_compiler(kind: str):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+        t0 = time.perf_counter()
+        n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        STATS.graphs[kind] += 1
+
+        def run(args):
+            STATS.graph_runs += 1
+            args = list(args)  # boxed call: AOTAutograd's list is ours to empty
+            with one_segment(n_ops):
+                return gm(*args)
+
+        run._boxed_call = True
+        STATS.compile_s += time.perf_counter() - t0
+        return run
+    return compile_graph
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The Dynamo backend: AOTAutograd, then each graph runs as one engine segment."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    if kwargs:
+        raise TypeError(f"backend 'neuron' takes no options, got {sorted(kwargs)}")
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=_graph_compiler("forward"),
+        bw_compiler=_graph_compiler("backward"),
+        inference_compiler=_graph_compiler("inference"))
+
+
+class _HiddenWhileTracing:
+    """Note [Flatten protocol and Dynamo]: NeuronTensor follows the traceable wrapper-subclass
+    protocol (`__tensor_flatten__`, no inner tensors) so that `Module._apply` swaps
+    parameters in place. Dynamo and AOTAutograd (at trace time and in their runtime wrappers)
+    would then treat it as a subclass to desugar into inner tensors, which a tensor without
+    inner tensors cannot survive. So the PT2 stack (modules `_PT2`) never sees the protocol and
+    traces a neuron tensor as what it is, a plain tensor on the neuron device; everyone else
+    (Module._apply, swap_tensors) still does. Who asks is read from the caller's frame."""
+
+    def __init__(self, name, attr):
+        self.name = name
+        self.attr = attr
+
+    def __get__(self, obj, cls=None):
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__") == "torch.utils._python_dispatch":
+            f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
+        if f is not None and f.f_globals.get("__name__", "").startswith(_PT2):
+            raise AttributeError(self.name)
+        return self.attr.__get__(obj, cls)
+
+
+_PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
+        "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
+
+
+class NeuronInductorError(RuntimeError):
+    """TorchInductor (torch.compile's default backend) was asked to compile neuron code."""
+
+
+_INDUCTOR_MESSAGE = (
+    "torch.compile's backend cannot run code on the 'neuron' device (only backend 'neuron' "
+    "can; TorchInductor, the default, generates no neuron code). Use "
+    "torch.compile(model, backend=\"neuron\"), which runs each captured graph on the device "
+    "as one fused segment.")
+
+
+class _Refusing(type):
+    def __getattr__(cls, name):  # any question Inductor asks about the class: refuse
+        raise NeuronInductorError(_INDUCTOR_MESSAGE)
+
+
+class _RefuseInductor(metaclass=_Refusing):
+    """Inductor's codegen entry for 'neuron': refuses with a clear error."""
+
+    def __init__(self, *args, **kwargs):
+        raise NeuronInductorError(_INDUCTOR_MESSAGE)
+
+
+def _wrap_neuron_tensor(builder, value):
+    """Dynamo meets a neuron tensor: a plain tensor for backend 'neuron'; any other backend
+    (Inductor) cannot run it, so say so before it tries."""
+    from torch._dynamo.variables.builder import VariableBuilder
+    if not _is_neuron_backend(builder.tx.output.compiler_fn):
+        raise NeuronInductorError(_INDUCTOR_MESSAGE)
+    return VariableBuilder.wrap_tensor(builder, value)
+
+
+def _is_neuron_backend(fn) -> bool:
+    """Through Dynamo's and torch.compile's wrappers, is the backend ours?"""
+    for _ in range(8):
+        if fn is None:
+            return False
+        if fn is neuron_backend:
+            return True
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None)
+              or getattr(fn, "compiler_fn", None))
+    return False
+
+
+_registered = False
+# Dynamo must never trace the engine itself: a graph break (`.item()`, print) runs the
+# unsupported call with Dynamo's frame hook still set, and the flush it causes would be
+# captured as a graph of its own. `adaptive_eager.models` stays traceable (user models).
+_NEVER_TRACED = ["adaptive_eager._engine", "adaptive_eager._tensor", "adaptive_eager.neuron",
+                 "adaptive_eager._registration", "adaptive_eager.compile",
+                 "adaptive_eager.config", "adaptive_eager.metrics", "adaptive_eager.explain",
+                 "fusion", "device"]
+
+
+def register() -> None:
+    """Backend 'neuron'; Dynamo sees neuron tensors as tensors; Inductor refuses clearly.
+
+    Idempotent. Runs when torch._dynamo is first imported (see `install`)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from torch._dynamo import trace_rules
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    from torch._dynamo.variables.builder import VariableBuilder
+    from torch._inductor.codegen import common as inductor_codegen
+    if "neuron" not in _COMPILER_FNS:
+        register_backend(name="neuron")(neuron_backend)
+    for trace_numpy in (False, True):  # Dynamo caches the table per this flag
+        table = VariableBuilder._type_dispatch_impl(trace_numpy)
+        table[_engine.NeuronTensor] = _wrap_neuron_tensor
+    for module in _NEVER_TRACED:
+        trace_rules.add(module)
+    for name in ("__tensor_flatten__", "__tensor_unflatten__"):
+        attr = _engine.NeuronTensor.__dict__.get(name)
+        if attr is not None and not isinstance(attr, _HiddenWhileTracing):
+            setattr(_engine.NeuronTensor, name, _HiddenWhileTracing(name, attr))
+    inductor_codegen.register_device_op_overrides(
+        "neuron", inductor_codegen.DeviceOpOverrides())
+    inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,
+                                                  _RefuseInductor, _RefuseInductor)
+
+
+def install() -> None:
+    """Call `register` as soon as torch._dynamo exists, without importing it ourselves
+    (it takes about a second, and `import torch` loads this package)."""
+    if "torch._dynamo" in sys.modules:
+        register()
+        return
+    if not any(isinstance(f, _AfterDynamoImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDynamoImport())
+
+
+class _AfterDynamoImport(importlib.abc.MetaPathFinder):
+    """An import hook that runs `register` right after `torch._dynamo` has executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            register()
+
+        spec.loader.exec_module = exec_then_register  # this loader instance only
+        return spec

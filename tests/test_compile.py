@@ -1,0 +1,202 @@
+"""torch.compile(backend="neuron"): results match CPU and eager, graphs run as segments."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from adaptive_eager import compile as aec
+from adaptive_eager.models import GPT, batches, train
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch._dynamo
+    torch._dynamo.reset()
+    aec.STATS.graphs.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt", "cnn"])
+def test_training_3_steps_matches_cpu(kind):
+    cpu, m_cpu = train(kind, "cpu")
+    eager, _ = train(kind, "neuron")
+    compiled, m_neuron = train(kind, "neuron", compile=True)
+    torch.testing.assert_close(compiled, cpu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    for p, q in zip(m_cpu.parameters(), m_neuron.parameters()):
+        torch.testing.assert_close(q.cpu(), p, rtol=1e-4, atol=1e-5)
+    assert aec.STATS.graphs["forward"] >= 1 and aec.STATS.graphs["backward"] >= 1
+
+
+def test_gradients_match_cpu_and_eager():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    net(x).pow(2).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    net = net.to("neuron")
+    out = torch.compile(net, backend="neuron")(x.to("neuron"))
+    out.pow(2).sum().backward()
+    for p, g in zip(net.parameters(), ref):
+        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-5, atol=1e-6)
+
+
+def test_each_graph_is_one_flush_in_eager_mode():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    net = net.to("neuron")
+    x = torch.randn(5, 8).to("neuron")
+    f = torch.compile(net, backend="neuron")
+    with torch.no_grad():
+        f(x)  # compile
+        ae.reset_metrics()
+        y = f(x)
+    m = ae.metrics()
+    assert m.flushes == {aec.GRAPH_REASON: 1}  # the whole inference graph, one segment
+    assert m.launches == 1  # linear, gelu, linear: one fused executable
+    torch.testing.assert_close(y.cpu(), net.cpu()(x.cpu()))
+
+
+def _gpt_step(device, compiled):
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = batches("gpt", 1)[0]
+    x, y = x.to(device), y.to(device)
+
+    def loss_fn():
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    loss_fn = torch.compile(loss_fn, backend="neuron") if compiled else loss_fn
+
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def test_launches_per_step_no_more_than_adaptive_graph():
+    per_step = {}
+    ae.set_adaptive(True)  # the process-wide mode: Dynamo skips frames under dispatch modes
+    for compiled in (False, True):
+        step = _gpt_step("neuron", compiled)
+        step(), step()
+        ae.synchronize()
+        ae.reset_metrics()
+        loss = step()
+        ae.synchronize()
+        per_step[compiled] = ae.metrics().launches
+        loss.item()
+    assert per_step[True] <= per_step[False], per_step
+
+
+def test_new_batch_size_recompiles_at_most_once():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4).to("neuron")
+    f = torch.compile(net, backend="neuron")
+    with torch.no_grad():
+        for b in (2, 3, 5, 7, 11):
+            x = torch.randn(b, 8)
+            torch.testing.assert_close(f(x.to("neuron")).cpu(), net.cpu()(x), rtol=1e-5,
+                                       atol=1e-6)
+            net.to("neuron")
+    assert aec.STATS.graphs["inference"] == 2  # static, then automatic dynamic shapes
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_graph_break_runs_between_graphs_in_current_mode(adaptive):
+    def f(x):
+        y = (x * 2).sin()
+        if y.sum().item() > -1e9:  # a sync: Dynamo breaks the graph here
+            y = y + 1
+        return y.cos()
+
+    x = torch.randn(16)
+    ae.set_adaptive(adaptive)
+    out = torch.compile(f, backend="neuron")(x.to("neuron"))
+    torch.testing.assert_close(out.cpu(), f(x))
+    assert aec.STATS.graphs["inference"] == 2  # one graph either side of the break
+    assert ae.metrics().flushes.get("item", 0) == adaptive  # eager: nothing left to flush
+
+
+def test_under_a_dispatch_mode_scope_dynamo_runs_the_code_unchanged():
+    """Dynamo skips frames while a TorchDispatchMode (`with ae.adaptive():`) is active."""
+    x = torch.randn(16)
+    with ae.adaptive():
+        out = torch.compile(lambda a: (a * 2).sin(), backend="neuron")(x.to("neuron"))
+        torch.testing.assert_close(out.cpu(), (x * 2).sin())
+    assert not aec.STATS.graphs
+
+
+def test_default_backend_raises_a_clear_error():
+    x = torch.randn(4).to("neuron")
+    with pytest.raises(Exception, match='backend="neuron"') as info:
+        torch.compile(lambda a: a.sin() + 1)(x)
+    assert not isinstance(info.value, ae.NeuronRuntimeError)
+    torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1)  # the engine keeps working
+
+
+def test_default_backend_still_compiles_cpu_code():
+    f = torch.compile(lambda a: a.sin() + 1)
+    x = torch.randn(4)
+    torch.testing.assert_close(f(x), x.sin() + 1)
+
+
+def test_private_dynamo_hooks_are_in_place():
+    """Pins the private API the backend rests on (README, Note [Dynamo and the neuron
+    tensor]): if a torch upgrade moves it, this fails before users do."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.variables.builder import VariableBuilder
+    assert lookup_backend("neuron") is aec.neuron_backend
+    assert callable(VariableBuilder.wrap_tensor)
+    for trace_numpy in (False, True):
+        table = VariableBuilder._type_dispatch_impl(trace_numpy)
+        assert table[ae._engine.NeuronTensor] is aec._wrap_neuron_tensor
+    assert hasattr(ae._engine.NeuronTensor, "__coerce_same_metadata_as_tangent__")
+
+
+def test_import_does_not_load_dynamo_and_backend_appears_later():
+    code = ("import sys, torch, adaptive_eager\n"
+            "assert 'torch._dynamo' not in sys.modules\n"
+            "f = torch.compile(lambda a: a * 2 + 1, backend='neuron')\n"
+            "x = torch.arange(4.0)\n"
+            "print(f(x.to('neuron')).cpu().tolist())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[1.0, 3.0, 5.0, 7.0]"
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_training_with_a_changing_batch_size_recompiles_once(adaptive):
+    """Forward and backward graphs go dynamic after the second batch size; gradients match
+    CPU for every size."""
+    import copy
+    ae.set_adaptive(adaptive)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 4))
+    dev = copy.deepcopy(net).to("neuron")
+    f = torch.compile(dev, backend="neuron")
+    for b in (3, 5, 7, 9):
+        x = torch.randn(b, 8)
+        out = f(x.to("neuron"))
+        out.pow(2).mean().backward()
+        ref = net(x)
+        ref.pow(2).mean().backward()
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dev[0].weight.grad.cpu(), net[0].weight.grad, rtol=1e-4,
+                                   atol=1e-5)
+    assert aec.STATS.graphs["forward"] == 2  # static, then automatic dynamic shapes
+    assert aec.STATS.graphs["backward"] == 2
