@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from . import _registration
-from ._engine import NeuronFallbackError, NeuronRuntimeError
+from .errors import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
 from .config import config
 from ._engine import override

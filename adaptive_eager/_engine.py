@@ -9,98 +9,29 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import os
-import sys
 import threading
-import traceback
 import warnings
 import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-import device as _dev
-import fusion
 from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch, LaunchError
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
-from fusion.ir import Handle, Node, OpSig, encode_static, scalar_positions
-from fusion.ops import BARRIER, CONTRACTION, INPLACE_VIEW, RANDOM, VIEW, op_class
+from fusion.ir import Handle, Node, encode_static, scalar_positions
+from fusion.ops import BARRIER, INPLACE_VIEW, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
+from .errors import (NeuronFallbackError, _generator_error, _hand_off, _out_of_bounds,
+                     _raise_launch_error, _sparse_error)
+from .meta import _RUN_NOW, _extent_bytes, _global_state, _meta_buffers, _to_meta, infer
+from .source import _source, _user_stacklevel
 
 aten = torch.ops.aten
 DEVICE = None  # torch.device("neuron", 0), set by registration
 NeuronTensor = None  # the tensor class, set by _tensor (which imports this module)
-_SKIP_FILES = tuple(os.path.dirname(m.__file__) + os.sep
-                    for m in (torch, _dev, fusion, sys.modules[__name__.rpartition(".")[0]]))
-_SKIP_FILES += ("<frozen", os.path.join(os.path.dirname(os.__file__), "contextlib.py"))
-
-
-class NeuronRuntimeError(RuntimeError):
-    """An error the device found while running an op, raised at the next sync point."""
-
-    def __init__(self, op: str, message: str, source):
-        self.op = op
-        self.source = source
-        where = f'File "{source[0]}", line {source[1]}' if source else "unknown"
-        if source and source[2]:
-            where += "\n" + source[2]
-        super().__init__(f"An error occurred on Neuron for operation={op}; "
-                         f"error message={message}; python stack trace={where}")
-
-
-def _raise_launch_error(launch):
-    """Raise the user-facing error of a failed launch: the op's own error as a
-    NeuronRuntimeError naming the op and the user's source line; a bug of ours (an internal
-    error while running it) as itself, with a note."""
-    err = launch.error
-    k = getattr(err, "instr_index", 0)
-    node = launch.context[k] if launch.context else None
-    op = node.func._schema.name if node is not None else launch.name
-    if launch.internal:
-        note = f"(internal error of adaptive-eager while running {op}: please report it)"
-        if note not in getattr(err, "__notes__", ()):
-            err.add_note(note)
-        raise err
-    raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
-                             node.source if node is not None else None) from err
-
-
-class NeuronFallbackError(RuntimeError):
-    """A device op could not run and CPU recovery is turned off."""
-
-
-_RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
-
-
-class MetaResult:
-    """What an op signature produces, computed once by meta execution (see Engine.infer)."""
-
-    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize")
-
-    def __init__(self, leaves, spec, op, resize=()):
-        self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
-        self.single = spec.is_leaf()  # one output: no pytree rebuild per call
-        self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
-        self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
-        self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
-        # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
-        # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
-        self.spec = spec
-
-
-def _info(size, stride, offset, t) -> tuple:
-    """(layout, view bytes, extent bytes) a NeuronTensor caches, from its meta twin."""
-    return ((size, stride, offset, str(t.dtype)[6:]), t.numel() * t.element_size(),
-            _extent_bytes(size, stride, offset, t.element_size()))
-
-
-def _extent_bytes(size, stride, offset, itemsize) -> int:
-    if any(s == 0 for s in size):
-        return 0
-    return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
 
 
 @contextlib.contextmanager
@@ -263,7 +194,7 @@ class Engine:
                 return self._dispatch(func, args, kwargs)
         except BaseException as e:
             if type(threading.current_thread()) is threading._DummyThread:
-                return _hand_off(e)  # Note [Device-thread errors]
+                return _hand_off(e)  # Note [Device-thread errors] in errors.py
             if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
                 raise e.with_traceback(None) from None
             raise
@@ -283,7 +214,7 @@ class Engine:
         key = (func, args_t, kwargs_t, _global_state())
         meta = self.meta_cache.get(key)
         if meta is None:
-            meta = self.infer(func, args, kwargs, args_t, kwargs_t, handles)
+            meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
@@ -331,106 +262,6 @@ class Engine:
         args_t = tuple([e.enc(a, i in spos) for i, a in enumerate(args)])
         kwargs_t = tuple([(k, e.enc(v, k in snames)) for k, v in kwargs.items()])
         return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
-
-    def infer(self, func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
-        """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
-        (shapes, dtypes) propagate with PyTorch's own message."""
-        metas = _meta_buffers(handles)
-
-        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
-        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-        with warnings.catch_warnings(record=True) as meta_warnings:
-            warnings.simplefilter("always")
-            try:
-                out = func(*m_args, **m_kwargs)
-            except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
-                meta_error = e
-            else:
-                meta_error = None
-        cls = op_class(func)
-        probe = None
-        if meta_error is not None or _worth_probing(cls, handles, args_t, kwargs_t):
-            probe = _probe(func, args, kwargs, args_t, kwargs_t, handles)
-            if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
-                probe._ae_user_error = True
-                raise probe
-        if meta_error is not None:
-            return _RUN_NOW
-        out = _cpu_shaped(func, m_args, m_kwargs, out)
-        storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
-        leaves, spec = tree_flatten(out)
-        rets = func._schema.returns
-        schema_args = func._schema.arguments
-        ret_alias = []
-        for r in rets:
-            ai = r.alias_info
-            if ai is None or not ai.before_set:  # lists keep it on the element type
-                ret_alias.append(None)
-                continue
-            j = next(j for j, a in enumerate(schema_args)
-                     if a.alias_info is not None and a.alias_info.before_set & ai.before_set)
-            ret_alias.append((j, ai.is_write))
-        per_ret = out if len(rets) > 1 else (out,)
-        leaf_alias = []
-        for r, o in zip(ret_alias, per_ret):
-            n = len(tree_flatten(o)[0])
-            leaf_alias += [(r, k) for k in range(n)]
-        cpu_leaves = tree_flatten(probe)[0] if probe is not None else ()
-        out_leaves, outs, new_bytes, resize = [], [], [], []
-        nh = len(handles)
-        for i, leaf in enumerate(leaves):
-            alias = leaf_alias[i][0] if i < len(leaf_alias) else None
-            if not isinstance(leaf, torch.Tensor):
-                out_leaves.append(("value", leaf))
-                outs.append(None)
-                continue
-            size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
-            dt = str(leaf.dtype)[6:]
-            li = storage_li.get(leaf.untyped_storage()._cdata)
-            if alias is not None and alias[1]:  # in-place or out=: hand back the argument
-                j, k = alias[0], leaf_alias[i][1]
-                out_leaves.append(("arg", j, k))
-                outs.append(None)
-                t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(schema_args[j].name)
-                t = t[1 + k] if t[0] == "L" else t
-                if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
-                    resize.append((j, k, size, stride))
-            elif (alias is not None or cls == VIEW) and li is not None:
-                out_leaves.append(("view", li, size, stride, off, leaf.dtype,
-                                   _info(size, stride, off, leaf)))
-                outs.append(None)
-            else:
-                cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
-                if (isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size
-                        and (cpu.stride() != stride or cpu.dtype != leaf.dtype)):
-                    # Note [CPU layouts]: where a meta kernel lays out or types an output
-                    # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it).
-                    stride, dt = cpu.stride(), str(cpu.dtype)[6:]
-                    leaf = torch.empty_strided(size, stride, dtype=cpu.dtype, device="meta")
-                k = len(new_bytes)
-                out_leaves.append(("new", k, size, stride, leaf.dtype,
-                                   _info(size, stride, 0, leaf)))
-                outs.append(("N", nh + k, size, stride, dt))
-                new_bytes.append(_extent_bytes(size, stride, off, leaf.element_size()))
-        writes = []
-        for j, a in enumerate(schema_args):
-            if a.alias_info is not None and a.alias_info.is_write:
-                t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(a.name)
-                if t is None:
-                    continue
-                for x in (t[1:] if t[0] == "L" else (t,)):
-                    if type(x) is tuple and x[0] == "T" and x[1] not in writes:
-                        writes.append(x[1])
-        flops = _flops(func, m_args, m_kwargs, out)
-        outs = tuple(outs) if new_bytes else None
-        op = None
-        if outs is not None or writes:
-            op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
-                       tuple(new_bytes))
-        if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
-            for w in meta_warnings:
-                warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
-        return MetaResult(tuple(out_leaves), spec, op, tuple(resize))
 
     def _resize_out(self, t, size, stride) -> None:
         """An out= tensor of the wrong shape is resized, as CPU's resize_output does (the
@@ -766,170 +597,6 @@ class _FakeNode:
         self.source = _source()
 
 
-_BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"}
-
-
-def _cpu_shaped(func, m_args, m_kwargs, out):
-    """Where CPU kernels shape outputs unlike the meta kernels: eval-mode batch norm returns
-    empty saved statistics on CPU (meta says (C,)). Our device follows CPU."""
-    if func.overloadpacket.__name__ not in _BN:
-        return out
-    names = [a.name for a in func._schema.arguments]
-    training = (m_kwargs.get("training", m_args[names.index("training")]
-                             if "training" in names and names.index("training") < len(m_args)
-                             else False))
-    if training:
-        return out
-    return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
-
-
-def _out_of_bounds(size, stride, off, dtype, nbytes):
-    """CPU's error for a view that would address memory outside its buffer."""
-    need = _extent_bytes(size, stride, off, dtype.itemsize)
-    e = RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset "
-                     f"{off}, and itemsize {dtype.itemsize} requiring a storage size of {need} "
-                     f"are out of bounds for storage of size {nbytes}")
-    e._ae_user_error = True
-    raise e
-
-
-def _global_state() -> tuple:
-    """The global state that meta execution (and so a cached MetaResult) depends on."""
-    return (
-        torch.get_default_dtype(),  # `int_tensor / 2`, factories without dtype=
-        torch.is_grad_enabled(),  # ops that branch on grad mode (batch norm stats, ...)
-        torch.is_inference_mode_enabled(),  # inference tensors behave differently
-        torch.are_deterministic_algorithms_enabled(),  # kernels that refuse or change
-        torch.is_autocast_enabled("neuron"),  # autocast state seen by composite ops
-    )
-
-
-# Note [CPU probe]: meta kernels are not CPU's kernels. Some lay out or type outputs unlike
-# CPU (floor_divide on a transposed input, `bool ** False`), some accept what CPU refuses
-# (`float & float`, mm of float32 by float64), some refuse what CPU accepts (empty inputs).
-# On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
-# the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
-# (big buffers; contractions of one dtype, whose layouts meta gets right) and for random ops
-# (they would draw from the generator). A probe error counts only if CPU raises it for two
-# different fillings (zeros and ones), so value checks (a zero divisor, index 1 of a size-1
-# dim) are not mistaken for user errors; those are found at run time as on the device.
-_PROBE_MAX_BYTES = 16 * 2**20
-
-
-def _worth_probing(cls, handles, args_t, kwargs_t) -> bool:
-    if cls == RANDOM or sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
-        return False
-    if cls == CONTRACTION:
-        return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
-    return True
-
-
-def _tensor_templates(ts):
-    for t in ts:
-        if type(t) is tuple and t:
-            if t[0] == "T":
-                yield t
-            elif t[0] == "L":
-                yield from _tensor_templates(t[1:])
-
-
-def _probe(func, args, kwargs, args_t, kwargs_t, handles):
-    """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
-    first = None
-    for fill in (0, 1):
-        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8) for h in handles]
-
-        def twin(v, t):
-            if type(t) is tuple and t and t[0] == "T":
-                _, li, size, stride, off, dt = t
-                x = torch.empty(0, dtype=getattr(torch, dt)).set_(
-                    bufs[li].untyped_storage(), off, size, stride)
-                if fill:
-                    x.fill_(fill)
-                return x
-            if type(t) is tuple and t and t[0] == "L":
-                return [twin(x, tt) for x, tt in zip(v, t[1:])]
-            if isinstance(v, torch.device) and v.type == DEVICE.type:
-                return torch.device("cpu")
-            return v
-
-        with torch._C._DisableTorchDispatch(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                c_args = [twin(v, t) for v, t in zip(args, args_t)]
-                c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-                return func(*c_args, **c_kwargs)
-            except Exception as e:
-                if first is not None and type(e) is type(first):
-                    return first.with_traceback(None)
-                if first is not None:
-                    return None  # a value check, not a user error: let the device find it
-                first = e
-    return None
-
-
-_HANDOFF: list = []  # errors raised on autograd's device thread, for the caller (_surface)
-_HANDOFF_LOCK = threading.Lock()
-
-
-def _hand_off(e: BaseException) -> str:
-    """Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
-    where a Python exception unwinding through PyTorch's Python device guard aborts the
-    process (the guard calls into Python while the error is pending). There the error is
-    handed over instead: the op returns a value the dispatcher refuses with a C++ error,
-    which autograd carries to the caller safely, and the backward wrapper in
-    _registration re-raises the original exception."""
-    with _HANDOFF_LOCK:
-        _HANDOFF.append(e)
-    return f"<{type(e).__name__} on autograd's device thread: {e}>"
-
-
-def take_handoff() -> BaseException | None:
-    """The first error handed over from autograd's device thread, if any (clears them)."""
-    with _HANDOFF_LOCK:
-        if not _HANDOFF:
-            return None
-        first = _HANDOFF[0]
-        _HANDOFF.clear()
-        return first
-
-
-def _meta_buffers(handles) -> list:
-    """One meta byte buffer per device buffer: meta twins of views share them, so aliasing
-    and storage offsets behave in shape inference as on the device."""
-    return [torch.empty(0, dtype=torch.uint8, device="meta").set_(
-        torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,)) for h in handles]
-
-
-def _to_meta(v, t, metas):
-    """The meta twin of argument v (template t): same sizes, strides, offsets, aliasing."""
-    if type(t) is tuple and t and t[0] == "T":
-        _, li, size, stride, off, dt = t
-        return torch.empty(0, dtype=getattr(torch, dt), device="meta").set_(
-            metas[li].untyped_storage(), off, size, stride)
-    if type(t) is tuple and t and t[0] == "L":
-        return [_to_meta(x, tt, metas) for x, tt in zip(v, t[1:])]
-    if isinstance(v, torch.device) and v.type == DEVICE.type:
-        return torch.device("meta")  # a device= argument must not allocate (or draw) for real
-    return v
-
-
-def _generator_error(g) -> RuntimeError:
-    """As CUDA: a device op refuses a generator of another device (and a neuron generator
-    cannot be made: README, known gaps)."""
-    return RuntimeError(f"Expected a '{DEVICE.type}' device type for generator but found "
-                       f"'{g.device.type}'")
-
-
-def _sparse_error(op: str, layout) -> NotImplementedError:
-    """Sparse results (`to_sparse`, `sparse_coo_tensor(..., device="neuron")`) are refused."""
-    return NotImplementedError(
-        f"{op}: sparse layouts (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, "
-        f"torch.sparse_bsr, torch.sparse_bsc) are not supported on the neuron device, which "
-        f"holds strided tensors only (this result would be {layout}). Keep sparse tensors on "
-        f"the CPU.")
-
-
 def _on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""
@@ -951,38 +618,6 @@ def _buffer_view(v):
         return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
     return torch.empty(0, dtype=v.dtype).set_(
         h.buffer.storage, v.storage_offset(), v.shape, v.stride())
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` that points a warning at the user's line, not at our frames."""
-    f, level = sys._getframe(1), 1
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
-        f, level = f.f_back, level + 1
-    return level
-
-
-def _source():
-    """(file, line, stack) of the user's code that issued the op."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
-        f = f.f_back
-    if f is None:
-        return None
-    stack = None
-    if _config.config.stack_trace:
-        stack = "".join(traceback.format_stack(f))
-    return (f.f_code.co_filename, f.f_lineno, stack)
-
-
-def _flops(func, args, kwargs, out) -> float:
-    from torch.utils.flop_counter import flop_registry
-    f = flop_registry.get(func.overloadpacket)
-    if f is not None:
-        try:
-            return float(f(*args, **kwargs, out_val=out))
-        except Exception:  # a formula that does not take these args: count elements
-            pass
-    return float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
 
 
 def _package_version() -> str:

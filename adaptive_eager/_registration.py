@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _engine, _tensor, compile, neuron, pinned, profiler  # noqa: F401  (_tensor sets the class)
+from . import _engine, _tensor, compile, errors, neuron, pinned, profiler  # noqa: F401  (_tensor sets the class)
 
 _done = False
 _lib = None
@@ -44,7 +44,7 @@ def register() -> None:
 
 def _wrap_backward() -> None:
     """Errors raised by neuron ops on autograd's device thread are handed over (Note
-    [Device-thread errors] in _engine.py) and re-raised here, on the caller's thread, as the
+    [Device-thread errors] in errors.py) and re-raised here, on the caller's thread, as the
     original exception. Wraps the one private function both backward() and grad() call."""
     import torch.autograd
     import torch.autograd.graph as graph
@@ -56,11 +56,11 @@ def _wrap_backward() -> None:
         try:
             result = run(*args, **kwargs)
         except RuntimeError:
-            err = _engine.take_handoff()
+            err = errors.take_handoff()
             if err is None:
                 raise
             raise err.with_traceback(None) from None
-        err = _engine.take_handoff()  # an op returning nothing swallows the refusal
+        err = errors.take_handoff()  # an op returning nothing swallows the refusal
         if err is not None:
             raise err.with_traceback(None)
         return result
@@ -190,7 +190,7 @@ def _host_factory(name):
 
     def impl(*args, **kwargs):
         if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
-            raise _engine._generator_error(kwargs["generator"])
+            raise errors._generator_error(kwargs["generator"])
         kwargs = dict(kwargs, device=torch.device("cpu"))
         eng = _engine.ENGINE
         with eng.lock, torch._C._DisableTorchDispatch():
