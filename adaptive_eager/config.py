@@ -67,6 +67,11 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
      "flush when queued (not yet written) values exceed this many MiB"),
     ("realtime", "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
      "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)"),
+    ("executor", "ADAPTIVE_EAGER_EXECUTOR", "interpreter", str,
+     "what runs fused groups: interpreter (bit for bit eager), inductor (TorchInductor, "
+     "compiled before first launch) or auto (interpreted, compiled in background when hot)"),
+    ("tier_up", "ADAPTIVE_EAGER_TIER_UP", 3, int,
+     "executor auto: launches of a group before it is compiled in the background"),
 ]
 
 
@@ -91,6 +96,8 @@ class Config:
     max_group_contractions: int = 4
     max_pending_mb: float = 1024.0
     realtime: bool = False
+    executor: str = "interpreter"
+    tier_up: int = 3
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":

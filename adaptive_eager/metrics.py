@@ -39,6 +39,15 @@ class Snapshot:
     hbm_bytes: int
     mean_group_size: float
     group_sizes: dict
+    # Executors (fusion/executors): launches that ran TorchInductor's code vs the rest;
+    # Inductor's real compile wall time, apart from the modeled compile_time_us above.
+    compiled_launches: int = 0
+    interpreted_launches: int = 0
+    compiled_groups: int = 0  # Inductor compiles (one per group and scalar values)
+    inductor_cache_hits: int = 0  # of which Inductor answered from its FX graph cache
+    inductor_compile_s: float = 0.0
+    tier_ups: int = 0  # auto: groups sent to the background compiler
+    compile_failures: dict = dataclasses.field(default_factory=dict)  # reason -> groups
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -61,7 +70,18 @@ def snapshot(engine, base: dict) -> Snapshot:
     st = r.cache.stats
     groups = dict(m.group_sizes)
     n = sum(groups.values())
+    ex = _executor_counts(r.executor)
+    compiled = ex["compiled_launches"] - base.get("compiled_launches", 0)
     return Snapshot(
+        compiled_launches=compiled,
+        interpreted_launches=m.launches - base.get("launches", 0) - compiled,
+        compiled_groups=ex["compiled_groups"] - base.get("compiled_groups", 0),
+        inductor_cache_hits=ex["inductor_cache_hits"] - base.get("inductor_cache_hits", 0),
+        inductor_compile_s=ex["compile_s"] - base.get("compile_s", 0.0),
+        tier_ups=ex["tier_ups"] - base.get("tier_ups", 0),
+        compile_failures={k: v - base.get("failures", {}).get(k, 0)
+                          for k, v in ex["failures"].items()
+                          if v - base.get("failures", {}).get(k, 0)},
         ops=m.ops, launches=m.launches, flushes=dict(m.flushes),
         compiles=st.misses - base.get("compiles", 0),
         cache_memory_hits=st.memory_hits - base.get("mem", 0),
@@ -78,10 +98,21 @@ def snapshot(engine, base: dict) -> Snapshot:
         group_sizes=groups)
 
 
+def _executor_counts(ex) -> dict:
+    c = ex.counters if ex is not None else {}
+    return {"compiled_launches": c.get("compiled_launches", 0),
+            "compiled_groups": c.get("compiled_groups", 0),
+            "inductor_cache_hits": c.get("inductor_cache_hits", 0),
+            "tier_ups": c.get("tier_ups", 0),
+            "compile_s": ex.compile_s if ex is not None else 0.0,
+            "failures": dict(ex.failures) if ex is not None else {}}
+
+
 def base_of(engine) -> dict:
     """The cumulative counters `reset_metrics` subtracts from later snapshots."""
     r, st = engine.runner, engine.runner.cache.stats
-    return {"compiles": st.misses, "mem": st.memory_hits, "disk": st.disk_hits,
+    return {**_executor_counts(r.executor), "launches": engine.metrics.launches,
+            "compiles": st.misses, "mem": st.memory_hits, "disk": st.disk_hits,
             "plan": r.counters["plan_hits"], "busy": engine.device.busy_us,
             "ctime": r.counters["compile_time_us"], "saved": r.counters["bytes_saved"],
             "hbm": engine.device.hbm_bytes}
@@ -95,6 +126,13 @@ def report(s: Snapshot) -> str:
         ("compiles", s.compiles), ("cache hits (memory)", s.cache_memory_hits),
         ("cache hits (disk)", s.cache_disk_hits), ("plan reuses", s.plan_hits),
         ("compile time (modeled)", f"{s.compile_time_us / 1e3:.1f} ms"),
+        ("launches compiled / interpreted",
+         f"{s.compiled_launches} / {s.interpreted_launches}"),
+        ("Inductor compiles (cache hits)", f"{s.compiled_groups} ({s.inductor_cache_hits})"),
+        ("Inductor compile time (wall)", f"{s.inductor_compile_s:.2f} s"),
+        ("tier-ups", s.tier_ups),
+        ("groups not compiled", ", ".join(f"{k}={v}" for k, v in
+                                          sorted(s.compile_failures.items())) or "-"),
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),

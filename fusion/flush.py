@@ -65,12 +65,14 @@ class FlushReport:
     n_ops: int
     plan: Plan
     plan_hit: bool
+    compiled: list[bool] = None  # per group: ran TorchInductor's code (fusion/executors)
 
     @property
     def groups(self) -> list[dict]:
         return [{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
-                 "flops": g.flops, "level": "plan" if self.plan_hit else g.level}
-                for g in self.plan.groups]
+                 "flops": g.flops, "level": "plan" if self.plan_hit else g.level,
+                 "compiled": bool(self.compiled and self.compiled[i])}
+                for i, g in enumerate(self.plan.groups)]
 
     boundaries = property(lambda self: self.plan.reasons)
     launches = property(lambda self: self.plan.launches)
@@ -79,8 +81,10 @@ class FlushReport:
 
 
 class Runner:
-    def __init__(self, device: Device, cache: ExecutableCache, max_plans: int = 256):
+    def __init__(self, device: Device, cache: ExecutableCache, max_plans: int = 256,
+                 executor=None):
         self.device = device
+        self.executor = executor  # None: the interpreter; else fusion.executors.tiered
         self.cache = cache
         self.plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self.max_plans = max_plans
@@ -127,14 +131,14 @@ class Runner:
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             self.counters["plan_misses"] += 1
-        self._execute(nodes, plan, handles)
+        compiled = self._execute(nodes, plan, handles)
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
                      len(plan.groups), "reused" if hit else "built")
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
         self.counters["bytes_saved"] += plan.skipped_bytes
-        return FlushReport(reason, strategy.name, len(nodes), plan, hit)
+        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled)
 
     def _plan(self, nodes, canon, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -184,9 +188,10 @@ class Runner:
                           f"its ops run one by one for the rest of this process.", stacklevel=2)
             return OneByOne(program), "bad"
 
-    def _execute(self, nodes, plan: Plan, handles) -> None:
+    def _execute(self, nodes, plan: Plan, handles) -> list[bool] | None:
         env: dict[int, torch.UntypedStorage] = {}
         dev = self.device
+        compiled = [] if self.executor is not None else None
         for gp in plan.groups:
             exe = gp.exe
             st = [None] * exe.program.n_slots
@@ -196,11 +201,19 @@ class Runner:
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
             if isinstance(exe, OneByOne):
+                if compiled is not None:
+                    compiled.append(False)
                 for k, n in enumerate(members):
                     dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng),
                                       n.in_bytes + n.out_bytes, n.flops, context=[n]))
             else:
-                dev.submit(Launch(exe.name, functools.partial(exe.run, st, inputs, dev.rng),
+                run = functools.partial(exe.run, st, inputs, dev.rng)
+                if compiled is not None:  # Note [Executors] in fusion/executors/tiered.py
+                    ran = False
+                    if len(exe.instrs) > 1:  # fused groups only; single ops stay as eager
+                        run, ran = self.executor.launcher(exe, st, inputs, run)
+                    compiled.append(ran)
+                dev.submit(Launch(exe.name, run,
                                   gp.nbytes, gp.flops, gp.low_precision, context=members))
             for s in range(exe.program.n_inputs, exe.program.n_slots):
                 c = gp.slots[s]
@@ -212,6 +225,7 @@ class Runner:
                 if h is not None and h.pending:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
+        return compiled
 
 
 class OneByOne(Executable):
