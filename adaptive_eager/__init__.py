@@ -21,6 +21,7 @@ __all__ = [
     "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
     "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
+    "wait_for_compiles",
 ]
 
 _registration.register()
@@ -109,6 +110,14 @@ class adaptive(TorchDispatchMode):
             # Under other modes, redispatch so that they see the op too.
             return _engine.ENGINE.dispatch(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def wait_for_compiles() -> None:
+    """Block until the background TorchInductor compiles queued so far are done (executor
+    `auto`; a no-op for the others). Benchmarks and tests use it to reach the steady state."""
+    ex = _engine.ENGINE.runner.executor
+    if ex is not None:
+        ex.wait()
 
 
 def explain() -> Explanation:

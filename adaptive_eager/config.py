@@ -151,7 +151,13 @@ def override(**changes):
     _engine.ENGINE.flush("config")
     for k, v in changes.items():
         setattr(config, k, v)
-    _engine.ENGINE.reconfigure()
+    try:
+        _engine.ENGINE.reconfigure()
+    except Exception:  # a refused value (unknown strategy/executor): the old settings stay
+        for k, v in old.items():
+            setattr(config, k, v)
+        _engine.ENGINE.reconfigure()
+        raise
     try:
         yield config
     finally:

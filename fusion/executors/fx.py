@@ -61,7 +61,7 @@ def check(exe) -> str | None:
         if ins.f64:
             return "float64 (computed as float32)"
         rets = [str(r.type) for r in ins.op._schema.returns]
-        if not (rets in ([], ["Tensor[]"]) or all(r == "Tensor" for r in rets)):
+        if not (rets in ([], ["Tensor[]"], ["List[Tensor]"]) or all(r == "Tensor" for r in rets)):
             return f"returns {rets}"
         bad = []
 
