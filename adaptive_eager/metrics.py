@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from fusion.executors import STATS
+
 
 @dataclasses.dataclass
 class Metrics:
@@ -70,7 +72,7 @@ def snapshot(engine, base: dict) -> Snapshot:
     st = r.cache.stats
     groups = dict(m.group_sizes)
     n = sum(groups.values())
-    ex = _executor_counts(r.executor)
+    ex = _executor_counts()
     compiled = ex["compiled_launches"] - base.get("compiled_launches", 0)
     return Snapshot(
         compiled_launches=compiled,
@@ -98,20 +100,18 @@ def snapshot(engine, base: dict) -> Snapshot:
         group_sizes=groups)
 
 
-def _executor_counts(ex) -> dict:
-    c = ex.counters if ex is not None else {}
-    return {"compiled_launches": c.get("compiled_launches", 0),
-            "compiled_groups": c.get("compiled_groups", 0),
-            "inductor_cache_hits": c.get("inductor_cache_hits", 0),
-            "tier_ups": c.get("tier_ups", 0),
-            "compile_s": ex.compile_s if ex is not None else 0.0,
-            "failures": dict(ex.failures) if ex is not None else {}}
+def _executor_counts() -> dict:
+    c = STATS.counters
+    return {"compiled_launches": c["compiled_launches"],
+            "compiled_groups": c["compiled_groups"],
+            "inductor_cache_hits": c["inductor_cache_hits"], "tier_ups": c["tier_ups"],
+            "compile_s": STATS.compile_s, "failures": dict(STATS.failures)}
 
 
 def base_of(engine) -> dict:
     """The cumulative counters `reset_metrics` subtracts from later snapshots."""
     r, st = engine.runner, engine.runner.cache.stats
-    return {**_executor_counts(r.executor), "launches": engine.metrics.launches,
+    return {**_executor_counts(), "launches": engine.metrics.launches,
             "compiles": st.misses, "mem": st.memory_hits, "disk": st.disk_hits,
             "plan": r.counters["plan_hits"], "busy": engine.device.busy_us,
             "ctime": r.counters["compile_time_us"], "saved": r.counters["bytes_saved"],

@@ -233,6 +233,11 @@ def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True) ->
            "steady": steady(modes, steps, rounds, per_round) if rounds else {}}
     if do_calibrate and "inductor" in modes:
         rows = calibrate("inductor", steps["inductor"])
+        if "interpreter" in modes:  # the same launches (same plan), run interpreted
+            interp = calibrate("interpreter", steps["interpreter"])
+            if [r["name"] for r in interp] == [r["name"] for r in rows]:
+                for r, i in zip(rows, interp):
+                    r["interpreted_wall_us"] = i["wall_us"]
         comp = [r for r in rows if r["compiled"]]
         res["calibration"] = rows
         if len(comp) >= 3:

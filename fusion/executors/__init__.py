@@ -4,7 +4,24 @@
 `inductor` and `auto` hand the group's FX graph to TorchInductor (float tolerance)."""
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 EXECUTORS = ("interpreter", "inductor", "auto")
+
+
+@dataclasses.dataclass
+class ExecutorStats:
+    """Every executor's counters, in one place (they outlive executor switches)."""
+
+    # compiled_launches, compiled_groups, tier_ups, inductor_cache_hits (compiles Inductor
+    # answered from its FX graph cache)
+    counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    compile_s: float = 0.0  # Inductor's wall time (not the modeled compile time)
+
+
+STATS = ExecutorStats()
 _made: dict[tuple, object] = {}  # one executor per setting: compiled groups outlive switches
 
 

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from . import STATS
 from .fx import NotCompilable, build, check, scalar_key, scalar_positions
 
 log = logging.getLogger("adaptive_eager.fusion.inductor")
@@ -66,11 +67,8 @@ class TieredExecutor:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ae-inductor")
         self._lock = threading.Lock()  # counters written by both threads
         self._logged: set[str] = set()
-        self.counters = collections.Counter()  # compiled_launches, compiled_groups, tier_ups,
-        # inductor_cache_hits (compiles Inductor answered from its caches)
-        self.compile_s = 0.0  # wall time spent compiling (worker thread)
-        self.failures = collections.Counter()  # reason -> groups left to the interpreter
-        self.compile_wall = []  # (group name, seconds) per compile, for the benchmarks
+        self.counters = STATS.counters  # shared by every executor (fusion.executors.STATS)
+        self.failures = STATS.failures  # reason -> groups left to the interpreter
 
     def launcher(self, exe, st, inputs, interpret):
         """The callable that runs this launch: compiled code, or `interpret`."""
@@ -150,8 +148,7 @@ class TieredExecutor:
                        if str(e) else f"inductor: {type(e).__name__}")
             return
         with self._lock:
-            self.compile_s += dt
-            self.compile_wall.append((grp.name, dt))
+            STATS.compile_s += dt
             self.counters["compiled_groups"] += 1
             self.counters["inductor_cache_hits"] += \
                 counters["inductor"]["fxgraph_cache_hit"] - hits
