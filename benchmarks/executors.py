@@ -298,7 +298,11 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CI smoke run)")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--plot", help="write the calibration plot (PNG)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads for every mode, set "
+                   "before anything compiles (a shared machine: fewer threads, less noise)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     results = []
     for w in a.workloads:
         size = TINY[w] if a.tiny else {}
