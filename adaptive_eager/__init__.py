@@ -13,7 +13,9 @@ from ._engine import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
 from .config import config, override
 from .explain import Explanation
-from .metrics import Snapshot, base_of, report, snapshot
+# report as _report: importing the `adaptive_eager.report` submodule (the CLI) rebinds the
+# package attribute `report` to that module.
+from .metrics import Snapshot, base_of, report as _report, snapshot
 from device import DeviceSpec, NeuronOutOfMemoryError
 
 __all__ = [
@@ -42,7 +44,7 @@ def reset_metrics() -> None:
 
 def metrics_report() -> str:
     """A readable table of metrics()."""
-    return report(metrics())
+    return _report(metrics())
 
 
 def set_adaptive(on: bool) -> None:
