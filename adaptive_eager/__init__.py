@@ -14,7 +14,9 @@ from . import _engine
 from .config import config
 from ._engine import override
 from .explain import Explanation
-from .metrics import Snapshot, report, snapshot
+# report as _report: importing the `adaptive_eager.report` submodule (the CLI) rebinds the
+# package attribute `report` to that module.
+from .metrics import Snapshot, report as _report, snapshot
 from device import COUNTERS
 from device import DeviceSpec, NeuronOutOfMemoryError
 
@@ -23,6 +25,7 @@ __all__ = [
     "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
     "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
+    "wait_for_compiles",
 ]
 
 _registration.register()
@@ -42,7 +45,7 @@ def reset_metrics() -> None:
 
 def metrics_report() -> str:
     """A readable table of metrics()."""
-    return report(metrics())
+    return _report(metrics())
 
 
 def set_adaptive(on: bool) -> None:
@@ -110,6 +113,14 @@ class adaptive(TorchDispatchMode):
             # Under other modes, redispatch so that they see the op too.
             return _engine.ENGINE.dispatch(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def wait_for_compiles() -> None:
+    """Block until the background TorchInductor compiles queued so far are done (executor
+    `auto`; a no-op for the others). Benchmarks and tests use it to reach the steady state."""
+    ex = _engine.ENGINE.runner.executor
+    if ex is not None:
+        ex.wait()
 
 
 def explain() -> Explanation:

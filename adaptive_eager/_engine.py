@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch, LaunchError
 from fusion.cache import ExecutableCache
+from fusion.executors import make_executor
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, encode_static, scalar_positions
 from fusion.ops import BARRIER, INPLACE_VIEW, op_class
@@ -48,14 +49,22 @@ def override(**changes):
                          f"{sorted(STRATEGIES)}")
     old = {k: getattr(cfg, k) for k in changes}
     state = (ENGINE.adaptive, ENGINE.strategy_name)
-    _apply_settings(changes)
-    try:
-        yield cfg
-    finally:
+
+    def restore():
         _apply_settings(old)
         with ENGINE.lock:
             ENGINE.adaptive, ENGINE.strategy_name = state
             ENGINE.reconfigure()
+
+    try:
+        _apply_settings(changes)
+    except BaseException:  # a refused value (an unknown executor...): the old settings stay
+        restore()
+        raise
+    try:
+        yield cfg
+    finally:
+        restore()
 
 
 def _apply_settings(values: dict) -> None:
@@ -124,16 +133,18 @@ class Engine:
                                                        cfg.max_group_contractions)
         self.eager_strategy = STRATEGIES["none"](self.spec)  # eager: one op per launch
         cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
-        salt = "|".join([_package_version(), torch.__version__, "executor=eager",
+        salt = "|".join([_package_version(), torch.__version__, f"executor={cfg.executor}",
                          self.spec.fingerprint()])
+        executor = make_executor(cfg.executor, cfg.tier_up, cfg.cache_dir)
         old = getattr(self, "runner", None)
         if old is None or old.cache.directory != cache_dir or old.device is not self.device \
+                or old.cache.salt != salt or old.executor is not executor \
                 or (old.cache.max_entries, old.cache.max_bytes) != (
                     cfg.cache_max_entries,
                     None if cfg.cache_max_mb is None else int(cfg.cache_max_mb * 2**20)):
             cache = ExecutableCache(cache_dir, max_entries=cfg.cache_max_entries,
                                     max_mb=cfg.cache_max_mb, salt=salt)
-            self.runner = Runner(self.device, cache)
+            self.runner = Runner(self.device, cache, executor=executor)
 
     @_locked
     def set_adaptive(self, on: bool) -> None:

@@ -90,6 +90,13 @@ class Config:
     realtime: bool = _setting(
         "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
         "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)")
+    executor: str = _setting(
+        "ADAPTIVE_EAGER_EXECUTOR", "interpreter", str,
+        "what runs fused groups: interpreter (bit for bit eager), inductor (TorchInductor, "
+        "compiled before first launch) or auto (interpreted, compiled in background when hot)")
+    tier_up: int = _setting(
+        "ADAPTIVE_EAGER_TIER_UP", 3, int,
+        "executor auto: launches of a group before it is compiled in the background")
     metrics_enabled: bool = _setting(
         "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
         "'1': write this process's metrics as JSON at exit (one file per process)")

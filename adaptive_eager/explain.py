@@ -16,6 +16,11 @@ class Explanation:
         return self.report.groups
 
     @property
+    def compiled(self) -> list[bool]:
+        """Per group: did it run TorchInductor's compiled code (executor inductor/auto)?"""
+        return [g["compiled"] for g in self.report.groups]
+
+    @property
     def boundaries(self) -> list[str]:
         return self.report.boundaries
 
@@ -38,7 +43,8 @@ class Explanation:
             if i:
                 lines.append(f"  -- boundary: {r.boundaries[i - 1]}")
             name = g["name"] if len(g["name"]) <= 70 else g["name"][:67] + "..."
-            lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}")
+            ran = "  [compiled]" if g.get("compiled") else ""  # TorchInductor's code ran
+            lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}{ran}")
             if g.get("bad"):
                 lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")
         return "\n".join(lines)

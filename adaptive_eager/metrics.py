@@ -33,6 +33,15 @@ class Snapshot:
     mean_group_size: float
     group_sizes: dict
     sync_sites: dict
+    # Executors (fusion/executors): launches that ran TorchInductor's code vs the rest;
+    # Inductor's real compile wall time, apart from the modeled compile_time_us above.
+    compiled_launches: int = 0
+    interpreted_launches: int = 0
+    compiled_groups: int = 0  # Inductor compiles (one per group and scalar values)
+    inductor_cache_hits: int = 0  # of which Inductor answered from its FX graph cache
+    inductor_compile_s: float = 0.0
+    tier_ups: int = 0  # auto: groups sent to the background compiler
+    compile_failures: dict = dataclasses.field(default_factory=dict)  # reason -> groups
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -65,7 +74,12 @@ def snapshot(hbm) -> Snapshot:
         compile_time_us=c.compile_time_us, peak_memory_bytes=hbm.peak,
         memory_bytes=hbm.used, bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
-        group_sizes=groups, sync_sites=dict(c.sync_sites))
+        group_sizes=groups, sync_sites=dict(c.sync_sites),
+        compiled_launches=c.compiled_launches,
+        interpreted_launches=c.launches - c.compiled_launches,
+        compiled_groups=c.compiled_groups, inductor_cache_hits=c.inductor_cache_hits,
+        inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
+        compile_failures=dict(c.compile_failures))
 
 
 def report(s: Snapshot) -> str:
@@ -79,6 +93,13 @@ def report(s: Snapshot) -> str:
         ("fused executables run op by op", ", ".join(
             f"{k}={v}" for k, v in sorted(s.bad_executables.items())) or "-"),
         ("compile time (modeled)", f"{s.compile_time_us / 1e3:.1f} ms"),
+        ("launches compiled / interpreted",
+         f"{s.compiled_launches} / {s.interpreted_launches}"),
+        ("Inductor compiles (cache hits)", f"{s.compiled_groups} ({s.inductor_cache_hits})"),
+        ("Inductor compile time (wall)", f"{s.inductor_compile_s:.2f} s"),
+        ("tier-ups", s.tier_ups),
+        ("groups not compiled", ", ".join(f"{k}={v}" for k, v in
+                                          sorted(s.compile_failures.items())) or "-"),
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),

@@ -35,6 +35,15 @@ class Counters:
     bad_executables: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)  # fused compiles that failed, by reason
     bytes_saved: int = 0  # bytes of values freed before their flush, never written back
+    # Executors (fusion/executors): launches that ran TorchInductor's code; Inductor's real
+    # compile wall time, apart from the modeled compile_time_us above.
+    compiled_launches: int = 0
+    compiled_groups: int = 0  # Inductor compiles (one per group and scalar values)
+    inductor_cache_hits: int = 0  # of which Inductor answered from its FX graph cache
+    inductor_compile_s: float = 0.0
+    tier_ups: int = 0  # auto: groups sent to the background compiler
+    compile_failures: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter)  # reason -> groups left to the interpreter
     # "reason@file:line" -> host reads (item, repr, cpu...) that flushed queued work
     sync_sites: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

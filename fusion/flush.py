@@ -65,13 +65,15 @@ class FlushReport:
     n_ops: int
     plan: Plan
     plan_hit: bool
+    compiled: list[bool] = None  # per group: ran TorchInductor's code (fusion/executors)
 
     @property
     def groups(self) -> list[dict]:
         return [{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
                  "flops": g.flops, "level": "plan" if self.plan_hit else g.level,
-                 "bad": getattr(g.exe, "reason", None)}
-                for g in self.plan.groups]
+                 "bad": getattr(g.exe, "reason", None),
+                 "compiled": bool(self.compiled and self.compiled[i])}
+                for i, g in enumerate(self.plan.groups)]
 
     boundaries = property(lambda self: self.plan.reasons)
     launches = property(lambda self: self.plan.launches)
@@ -80,8 +82,10 @@ class FlushReport:
 
 
 class Runner:
-    def __init__(self, device: Device, cache: ExecutableCache, max_plans: int = 256):
+    def __init__(self, device: Device, cache: ExecutableCache, max_plans: int = 256,
+                 executor=None):
         self.device = device
+        self.executor = executor  # None: the interpreter; else fusion.executors.tiered
         self.cache = cache
         self.plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self.max_plans = max_plans
@@ -128,14 +132,14 @@ class Runner:
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             COUNTERS.plan_misses += 1
-        self._execute(nodes, plan, handles)
+        compiled = self._execute(nodes, plan, handles)
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
                      len(plan.groups), "reused" if hit else "built")
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
         COUNTERS.bytes_saved += plan.skipped_bytes
-        return FlushReport(reason, strategy.name, len(nodes), plan, hit)
+        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled)
 
     def _plan(self, nodes, canon, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -187,10 +191,11 @@ class Runner:
                           f"its ops run one by one for the rest of this process.", stacklevel=2)
             return OneByOne(program, reason), "bad"
 
-    def _execute(self, nodes, plan: Plan, handles) -> None:
+    def _execute(self, nodes, plan: Plan, handles) -> list[bool] | None:
         env: dict[int, torch.UntypedStorage] = {}
         bad: dict[int, Launch] = {}  # canonical buffer -> the failed launch that poisoned it
         dev = self.device
+        compiled = [] if self.executor is not None else None
         for gp in plan.groups:
             exe = gp.exe
             st = [None] * exe.program.n_slots
@@ -205,15 +210,24 @@ class Runner:
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
             if isinstance(exe, OneByOne):
+                if compiled is not None:
+                    compiled.append(False)
                 for k, n in enumerate(members):
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
                                                                   poisoned),
                                                n.in_bytes + n.out_bytes, n.flops, context=[n]))
                     origin = origin or (launch if launch.error is not None else None)
             else:
-                launch = dev.submit(Launch(exe.name, functools.partial(
-                    exe.run, st, inputs, dev.rng, poisoned), gp.nbytes, gp.flops,
-                    gp.low_precision, context=members))
+                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned)
+                ran = False
+                # Note [Executors] in fusion/executors/tiered.py: fused groups only (single
+                # ops stay as eager), and only with valid inputs (poison is the interpreter's)
+                if compiled is not None and len(exe.instrs) > 1 and not poisoned:
+                    run, ran = self.executor.launcher(exe, st, inputs, run, poisoned)
+                if compiled is not None:
+                    compiled.append(ran)
+                launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
+                                           gp.low_precision, context=members))
                 if launch.error is not None:
                     origin = launch
             for s in range(exe.program.n_inputs, exe.program.n_slots):
@@ -232,6 +246,7 @@ class Runner:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
                     h.poison = bad.get(gp.slots[s])
+        return compiled
 
 
 class OneByOne(Executable):

@@ -41,3 +41,8 @@ def mode(request):
         return
     with ae.adaptive(strategy=request.param):
         yield request.param
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inductor-all", action="store_true",
+                     help="model tests under the Inductor executor for every model (slow)")
