@@ -56,10 +56,28 @@ PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
 
 _VAR = re.compile(r"\bv\d+\b")
 _DEF = re.compile(r"^(v\d+)\s*=[^=]")
-_MUT = [re.compile(r"\b(v\d+)\.(?!requires_grad_)[a-z_0-9]+_\("),  # in-place method
-        re.compile(r"^(v\d+)\[[^\]]*\]\s*[-+*/]?="),                 # setitem / augmented
-        re.compile(r"^(v\d+)\s*[-+*/]="),                            # augmented assignment
-        re.compile(r"\bout=(v\d+)")]
+_INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
+_SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
+_OUT = re.compile(r"\bout=(v\d+)")
+
+
+def _receiver(code: str, end: int) -> str | None:
+    """The variable an in-place method ending at `end` writes: the first variable of its
+    receiver chain (`v2.mT[0].mul_(2)` writes v2)."""
+    depth, k = 0, end
+    while k > 0:
+        c = code[k - 1]
+        if c in ")]":
+            depth += 1
+        elif c in "([":
+            if depth == 0:
+                break
+            depth -= 1
+        elif depth == 0 and c in " ,=":
+            break
+        k -= 1
+    m = _VAR.match(code, k)
+    return m.group(0) if m else None
 _SYNC = re.compile(r"synchronize\(\)|\.cpu\(\)|\.item\(\)|\.tolist\(\)")
 
 
@@ -69,9 +87,10 @@ def stmt_info(code: str) -> dict:
     """What a statement reads, defines and mutates, from its text."""
     d = _DEF.match(code)
     defs = d.group(1) if d else None
-    muts = set()
-    for r in _MUT:
-        muts.update(m.group(1) for m in r.finditer(code))
+    muts = {v for v in (_receiver(code, m.start()) for m in _INPLACE.finditer(code)) if v}
+    muts.update(m.group(1) for m in _OUT.finditer(code))
+    if not d and (m := _SETITEM.match(code)):
+        muts.add(m.group(1))
     rhs = code[d.end() - 1:] if d else code
     if code.startswith("del "):
         rhs = ""
@@ -864,6 +883,7 @@ def shrink(stmts, fail, still_fails, budget=300) -> list[str]:
     for k, s in enumerate(best):  # shapes (a, b, c) -> smaller
         for m in list(re.finditer(r"\((\d+(?:, \d+)*),?\)", s))[::-1]:
             nums = [int(x) for x in m.group(1).split(", ")]
+            start, end = m.start(), m.end()
             for pos in range(len(nums)):
                 for smaller in (1, 2):
                     if nums[pos] <= smaller or calls >= budget:
@@ -872,10 +892,10 @@ def shrink(stmts, fail, still_fails, budget=300) -> list[str]:
                     new[pos] = smaller
                     txt = "(" + ", ".join(map(str, new)) + ("," if len(new) == 1 else "") + ")"
                     cand = list(best)
-                    cand[k] = s[:m.start()] + txt + s[m.end():]
+                    cand[k] = s[:start] + txt + s[end:]
                     calls += 1
                     if still_fails(cand):
-                        best, s, nums = cand, cand[k], new
+                        best, s, nums, end = cand, cand[k], new, start + len(txt)
                         break
     return best
 
