@@ -28,7 +28,8 @@ Note [Comparison rules]
   float32 (float32 saturation included) with rtol = atol = 1e-3; integer and bool values derived
   from float64 (comparisons, argmax, casts) get dtype/shape/stride checks only. Values that
   depend on a float64 random op get dtype/shape/stride checks only (the device draws them from
-  the float32 stream). float32 random ops use CPU's stream and are compared as any value.
+  the float32 stream), and so do later random draws until the next `manual_seed` (the streams
+  have moved apart). float32 random ops use CPU's stream and are compared as any value.
 - Adaptive vs eager: the same error outcome and, where both read a value, bit for bit equal
   (NaN equal to NaN, -0.0 distinct from 0.0), every dtype, f64 included.
 """
@@ -113,8 +114,33 @@ FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", 
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
 # each entry carries its minimal repro. The long-run command runs everything. Remove an entry
 # once its bug is fixed and the CI pass still passes.
-CI_EXCLUDED_FAMILIES: dict[str, str] = {}
-CI_EXCLUDED_PATTERNS: dict[str, str] = {}
+CI_EXCLUDED_FAMILIES: dict[str, str] = {
+    # issue 8 #2: after a deferred error, adaptive mode gives wrong values to independent ops
+    "errors": "x = torch.full((2, 1), 100.0, device=dev)\n"
+              "bad = torch.rand_like(torch.zeros(1, dtype=torch.int32, device=dev))  # raises on CPU\n"
+              "y = x[1:] * 1\n"
+              "torch.neuron.synchronize()   # NeuronRuntimeError, as expected\n"
+              "y  # eager: [[100.]]; adaptive graph: [[8.9e-36]]",
+    # issue 8 #4: out= of the wrong shape is not resized as CPU does
+    "out": "v1 = torch.tensor([3], device=dev); v3 = torch.randn((), device=dev)\n"
+           "torch.cumsum(v1, 0, out=v3)   # CPU: v3.shape == (1,); neuron: ()",
+}
+CI_EXCLUDED_PATTERNS: dict[str, str] = {
+    # issue 8 #5: nonzero-family outputs get strides (2, 1) where CPU gives (1, N)
+    r"nonzero|argwhere|torch\.where\(v\d+ > 0\)\[0\]":
+        "torch.nonzero(torch.full((1, 2), 0.5, device=dev)).stride()  # CPU (1, 2), neuron (2, 1)",
+    # issue 8 #5: t.mT[idx] gets a contiguous layout where CPU keeps the transposed one
+    r"\.mT\[":
+        "v2 = torch.rand((2, 2, 2), device=dev) > 0.5\n"
+        "v2.mT[torch.tensor([1], device=dev)].stride()   # CPU (4, 1, 2), neuron (4, 2, 1)",
+    # issue 8 #6: F.leaky_relu on int64 raises ValueError where CPU raises NotImplementedError
+    r"leaky_relu": "F.leaky_relu(torch.ones(1, dtype=torch.long, device=dev))",
+    # issue 8 #1a: the process aborts ("terminate called without an active exception")
+    r"mse_loss": "x = torch.zeros(0, 2, device=dev).requires_grad_()\n"
+                 "F.mse_loss(x, torch.zeros_like(x)).backward()",
+    # found by this fuzzer: normal_/uniform_ on an empty integer tensor raise on neuron only
+    r"\.normal_\(|\.uniform_\(": "torch.full((0,), 0, device=dev).normal_()  # CPU: no error",
+}
 
 
 class Gen:
@@ -541,6 +567,7 @@ def run_reference(stmts, upto=None):
     taint: dict[str, set] = {}
     first = None
     n = len(stmts) if upto is None else upto + 1
+    rng_diverged = False  # a float64 draw moved CPU's stream differently from the device's
 
     def aliases(name):
         t = ns.get(name)
@@ -579,6 +606,11 @@ def run_reference(stmts, upto=None):
                 new.add("f64")
                 if info["random"]:
                     new.add("rng64")
+                    rng_diverged = True
+            if info["random"] and rng_diverged:
+                new.add("rng64")
+            if "manual_seed(" in code:
+                rng_diverged = False
             if info["deletes"]:
                 taint.pop(info["deletes"], None)
                 continue
@@ -827,13 +859,14 @@ class Pool:
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
         if not ready:
-            return [{"config": "all", "kind": "hang", "detail": f"no answer in {self.timeout}s: "
-                     + self._kill()}]
+            return [{"config": "all", "kind": "hang", "detail": f"no answer in {self.timeout}s",
+                     "stderr": self._kill()}]
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
             rc = self.proc.returncode
-            return [{"config": "all", "kind": "crash", "detail": f"worker exit {rc}: " + self._kill()}]
+            return [{"config": "all", "kind": "crash", "detail": f"worker exit {rc}",
+                     "stderr": self._kill()}]
         return json.loads(line)["fails"]
 
 
@@ -953,7 +986,8 @@ def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_
                 found[sig] = {**f, "seed": seed, "count": 1, "configs": [f["config"]],
                               "snippet": snippet(small, f["config"])}
                 log(f"\n=== seed {seed}: {f['config']} {f['kind']}: {f['detail'][:400]}\n"
-                    f"{found[sig]['snippet']}\n")
+                    + (f"stderr: ...{f['stderr'][-400:]}\n" if f.get("stderr") else "")
+                    + f"{found[sig]['snippet']}\n")
     finally:
         if own:
             pool.close()
