@@ -604,9 +604,10 @@ def run_reference(stmts, upto=None):
             res = ns.get(d) if d else None
             if f64_in or (isinstance(res, torch.Tensor) and res.dtype == torch.float64):
                 new.add("f64")
-                if info["random"]:
-                    new.add("rng64")
-                    rng_diverged = True
+            # a float64 draw: from a float64 input or dtype (`randn(...).double()` draws float32)
+            if info["random"] and ok and (f64_in or "dtype=torch.float64" in code):
+                new.add("rng64")
+                rng_diverged = True
             if info["random"] and rng_diverged:
                 new.add("rng64")
             if "manual_seed(" in code:
