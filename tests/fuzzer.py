@@ -828,7 +828,7 @@ def worker_main():
 class Pool:
     """One persistent worker child; a crash or hang becomes a failure and a fresh worker."""
 
-    def __init__(self, timeout=120.0):
+    def __init__(self, timeout=300.0):
         self.timeout = timeout
         self.proc = None
 
@@ -843,7 +843,11 @@ class Pool:
     def close(self):
         if self.proc is not None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self.proc = None
 
     def _kill(self):
@@ -950,7 +954,7 @@ def snippet(stmts, config: str) -> str:
 # --------------------------------------------------------------------------- driver
 
 def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_shrink=True,
-         log=print, pool=None, exclude=()):
+         log=print, pool=None, exclude=(), make=None):
     """Generate and check programs; returns (programs run, [distinct failures, shrunk])."""
     cfgs = configs(modes, policies)
     own = pool is None
@@ -962,7 +966,7 @@ def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_
         for seed in seeds:
             if t_end is not None and time.time() > t_end:
                 break
-            stmts = generate(seed, families, exclude)
+            stmts = (make or generate)(seed, families, exclude)
             fails = pool.check(stmts, cfgs)
             count += 1
             for f in fails:
@@ -972,7 +976,19 @@ def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_
                     found[sig]["configs"] = sorted(set(found[sig]["configs"]) | {f["config"]})
                     continue
                 small = stmts
-                if do_shrink:
+                if f["kind"] in ("crash", "hang"):
+                    # the culprit, alone in a fresh worker (earlier programs may have set it up)
+                    pool.close()
+                    if not any(g["kind"] == f["kind"] for g in pool.check(stmts, cfgs)):
+                        f = {**f, "detail": f["detail"] + " (not reproduced alone in a fresh "
+                                                           "worker: earlier programs set it up)"}
+                        sig = signature(f)
+                        do_this = False
+                    else:
+                        do_this = do_shrink
+                else:
+                    do_this = do_shrink
+                if do_this:
                     one = [c for c in cfgs if (c[0] + ("-lazy" if c[1] == "lazy" else "")) == f["config"]
                            ] or cfgs
                     if f["kind"] not in ("crash", "hang"):

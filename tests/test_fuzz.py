@@ -146,3 +146,15 @@ def test_abort_in_a_worker_is_caught_and_shrunk():
         assert pool.check(prog[:2] + prog[3:], [("eager", "default")]) == []
     finally:
         pool.close()
+
+
+def test_driver_reports_and_shrinks_a_crash():
+    prog = ["v0 = torch.ones(2, device=dev)", "v1 = v0 * 3",
+            "_ = v1.sum().item() == 6.0 and __import__('os').abort()",
+            "torch.neuron.synchronize()"]
+    make = lambda seed, fams, excl: prog if seed == 1 else prog[:2] + prog[3:]
+    n, fails = fuzzer.fuzz(range(3), ["eager"], ["default"], make=make, log=lambda s: None)
+    assert n == 3
+    assert [(f["kind"], f["seed"], f["count"]) for f in fails] == [("crash", 1, 1)]
+    assert "exit -6" in fails[0]["detail"] and "not reproduced" not in fails[0]["detail"]
+    assert fails[0]["snippet"].endswith("\n".join(prog))
