@@ -181,7 +181,8 @@ class Gen:
                      for _ in range(nd))
 
     def lit(self):
-        return self.r.choice(["0", "1", "2", "-1", "0.5", "-1.5", "3", "1e-3", "100.0"])
+        return self.r.choice(["0", "1", "2", "-1", "0.5", "-1.5", "3", "1e-3", "100.0", "False",
+                              "True", "float('nan')", "-0.0"])
 
     def dim(self, t):
         return self.r.randrange(-t.dim(), t.dim()) if t.dim() else 0
