@@ -12,9 +12,11 @@ shrunk like any other failure).
 
 Note [Comparison rules]
 - Errors: each run stops at its first exception. CPU raises at statement i with type T =>
-  neuron raises T at i (immediate), or `ae.NeuronRuntimeError` at some j >= i no later than the
-  next explicit sync statement (deferred, as the README documents; every program ends with
-  one). Neuron raising where CPU does not, or a different type, is a failure.
+  neuron raises T at i (immediate), or, at some j >= i no later than the next explicit sync
+  statement, `ae.NeuronRuntimeError` (deferred, as the README documents; every program ends
+  with a sync) or the exception CPU raises at j too (i is still pending). Neuron raising where
+  CPU does not, or a different type, is a failure. The statement a neuron run stopped at
+  counts as failed in the reference (its effects are unknown).
 - Values: the CPU reference runs every statement, skipping the ones that raise; a skipped
   statement *taints* what it defines and mutates (and everything aliasing it, found from CPU
   storage sharing), and so does every statement reading a tainted variable. Untainted
@@ -558,8 +560,12 @@ def _settle():
         pass
 
 
-def run_reference(stmts, upto=None):
+def run_reference(stmts, upto=None, fail_at=None):
     """CPU, skipping statements that raise; returns (first error, readings, taint flags).
+
+    The first error carries `all`: {statement: exception type} of every statement that
+    raised. `upto`: stop after that statement; `fail_at`: treat that statement as failed
+    (the neuron run stopped there, so its effects are unknown).
 
     Taints per variable: 'err' (depends on a skipped statement), 'f64' (computed from
     float64), 'rng64' (depends on a float64 random draw). Note [Comparison rules]."""
@@ -567,6 +573,7 @@ def run_reference(stmts, upto=None):
     ns = _namespace("cpu")
     taint: dict[str, set] = {}
     first = None
+    errors: dict[int, str] = {}
     n = len(stmts) if upto is None else upto + 1
     rng_diverged = False  # a float64 draw moved CPU's stream differently from the device's
 
@@ -590,12 +597,13 @@ def run_reference(stmts, upto=None):
             missing = any(x not in ns for x in info["reads"])
             f64_in = any(isinstance(ns.get(x), torch.Tensor) and ns[x].dtype == torch.float64
                          for x in info["reads"])
-            ok = not missing and "err" not in inherited
+            ok = not missing and "err" not in inherited and i != fail_at
             if ok:
                 try:
                     exec(code, ns)
                 except Exception as e:
                     ok = False
+                    errors[i] = type(e).__name__
                     if first is None:
                         first = _err(i, e)
             new = set(inherited)
@@ -628,6 +636,8 @@ def run_reference(stmts, upto=None):
                 ns.pop(d, None)
         reads = {k: _read(v) for k, v in ns.items()
                  if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
+    if first is not None:
+        first["all"] = errors
     return first, reads, {k: sorted(v) for k, v in taint.items()}
 
 
@@ -731,14 +741,15 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
         i, j = cerr["at"], nerr["at"]
         if j == i and nerr["type"] == cerr["type"]:
             pass
-        elif nerr["deferred"] and i <= j <= next_sync(stmts, i):
-            deferred = True
+        elif i <= j <= next_sync(stmts, i) and (
+                nerr["deferred"] or cerr["all"].get(j) == nerr["type"]):
+            deferred = True  # i's error is pending (or j raised on CPU too, i deferred)
         else:
             return [("raised", f"CPU raised {cerr['type']} at statement {i} ({cerr['msg']}); "
                                f"neuron raised {nerr['type']} at statement {j} ({nerr['msg']})")]
-    # the reference as far as the neuron run went
+    # the reference as far as the neuron run went; the statement it stopped at counts as failed
     upto = nerr["at"] if nerr else None
-    _, creads, taint = run_reference(stmts, upto) if upto is not None else ref
+    _, creads, taint = run_reference(stmts, upto, upto) if upto is not None else ref
     for var, n in sorted(nreads.items()):
         t = taint.get(var, [])
         if "err" in t:

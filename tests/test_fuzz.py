@@ -158,3 +158,18 @@ def test_driver_reports_and_shrinks_a_crash():
     assert [(f["kind"], f["seed"], f["count"]) for f in fails] == [("crash", 1, 1)]
     assert "exit -6" in fails[0]["detail"] and "not reproduced" not in fails[0]["detail"]
     assert fails[0]["snippet"].endswith("\n".join(prog))
+
+
+def test_a_later_cpu_error_inside_the_deferred_window_is_accepted():
+    prog = ["v0 = torch.randn((1, 1), device=dev)",
+            "v1 = v0 & 1",                        # CPU raises; neuron may defer it
+            "v2 = torch.arange(3, device=dev)",
+            "v3 = v2.mT",                         # raises on CPU too (1-D), at once on neuron
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert ref[0]["all"] == {1: "NotImplementedError", 3: "RuntimeError"}
+    later = ({"at": 3, "type": "RuntimeError", "msg": "", "deferred": False},
+             fuzzer.run_program(prog[:3], "neuron")[1])
+    assert fuzzer.compare(prog, ref, later) == []
+    other = (dict(later[0], type="ValueError"), later[1])
+    assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
