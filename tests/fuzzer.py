@@ -461,7 +461,6 @@ class Gen:
                 exec(code, self.ns)
         except Exception:
             if self.r.random() >= keep_error:
-                self.n = max(self.n, 0)
                 return False
         self.stmts.append(code)
         return True
@@ -523,10 +522,8 @@ def _read(t):
     return out
 
 
-def run_program(stmts, dev, mode="eager", policy="default", skip=None):
-    """Run statements in order; stop at the first error. Returns (error, {var: reading}).
-
-    `skip`: the CPU reference's taint run (see run_reference)."""
+def run_program(stmts, dev, mode="eager", policy="default"):
+    """Run statements in order; stop at the first error. Returns (error, {var: reading})."""
     import torch
     import adaptive_eager as ae
     import contextlib
@@ -914,7 +911,7 @@ def _without(stmts, drop):
         keep = out
 
 
-def shrink(stmts, fail, still_fails, budget=300) -> list[str]:
+def shrink(stmts, still_fails, budget=300) -> list[str]:
     """Greedy: delete statements (with their dependents), then shrink literal shapes."""
     best = list(stmts)
     calls = 0
@@ -965,6 +962,30 @@ def snippet(stmts, config: str) -> str:
 
 # --------------------------------------------------------------------------- driver
 
+def _config_name(c) -> str:
+    return c[0] + ("-lazy" if c[1] == "lazy" else "")
+
+
+def _triage(pool, stmts, f, cfgs, do_shrink):
+    """(failure, shrunk program). A crash or hang is first re-run alone in a fresh worker:
+    earlier programs in the same worker may have set it up."""
+    if f["kind"] in ("crash", "hang"):
+        pool.close()
+        if not any(g["kind"] == f["kind"] for g in pool.check(stmts, cfgs)):
+            return {**f, "detail": f["detail"] + " (not reproduced alone in a fresh worker)"}, stmts
+    if not do_shrink:
+        return f, stmts
+    sig, cfg = signature(f), f["config"]
+    one = [c for c in cfgs if _config_name(c) == cfg] or cfgs
+    if f["kind"] not in ("crash", "hang"):
+        one = sorted(set(one) | {("eager", "default")})  # adaptive is compared with eager
+
+    def matching(prog):
+        return [g for g in pool.check(prog, one) if signature(g) == sig and g["config"] == cfg]
+    small = shrink(stmts, lambda cand: bool(matching(cand)))
+    return (matching(small) or [f])[0], small
+
+
 def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_shrink=True,
          log=print, pool=None, exclude=(), make=None):
     """Generate and check programs; returns (programs run, [distinct failures, shrunk])."""
@@ -987,31 +1008,11 @@ def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_
                     found[sig]["count"] += 1
                     found[sig]["configs"] = sorted(set(found[sig]["configs"]) | {f["config"]})
                     continue
-                small = stmts
-                if f["kind"] in ("crash", "hang"):
-                    # the culprit, alone in a fresh worker (earlier programs may have set it up)
-                    pool.close()
-                    if not any(g["kind"] == f["kind"] for g in pool.check(stmts, cfgs)):
-                        f = {**f, "detail": f["detail"] + " (not reproduced alone in a fresh "
-                                                           "worker: earlier programs set it up)"}
-                        sig = signature(f)
-                        do_this = False
-                    else:
-                        do_this = do_shrink
-                else:
-                    do_this = do_shrink
-                if do_this:
-                    one = [c for c in cfgs if (c[0] + ("-lazy" if c[1] == "lazy" else "")) == f["config"]
-                           ] or cfgs
-                    if f["kind"] not in ("crash", "hang"):
-                        one = sorted(set(one) | {("eager", "default")})
-
-                    def still(cand, one=one, sig=sig, cfg=f["config"]):
-                        return any(signature(g) == sig and g["config"] == cfg
-                                   for g in pool.check(cand, one))
-                    small = shrink(stmts, f, still)
-                    f = next((g for g in pool.check(small, one)
-                              if signature(g) == sig and g["config"] == f["config"]), f)
+                f, small = _triage(pool, stmts, f, cfgs, do_shrink)
+                sig = signature(f)
+                if sig in found:  # an unreproduced crash seen before
+                    found[sig]["count"] += 1
+                    continue
                 found[sig] = {**f, "seed": seed, "count": 1, "configs": [f["config"]],
                               "snippet": snippet(small, f["config"])}
                 log(f"\n=== seed {seed}: {f['config']} {f['kind']}: {f['detail'][:400]}\n"
