@@ -828,6 +828,9 @@ def check(stmts, cfgs) -> list[dict]:
 
 def worker_main():
     """Child process: one JSON request per line on stdin, one JSON answer per line on stdout."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "where are you?"
     os.environ.pop("NEURON_LAUNCH_BLOCKING", None)
     import torch  # noqa: F401  (loads adaptive_eager through the entry point)
     out = sys.stdout
@@ -868,11 +871,15 @@ class Pool:
             self.proc = None
 
     def _kill(self):
+        if self.proc.poll() is None:  # a hang: have the worker print every thread's stack
+            import signal
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
         self.proc.kill()
         self.proc.wait()
-        err = self.proc.stderr.read()[-1500:]
+        err = self.proc.stderr.read()
         self.proc = None
-        return err
+        return err[-4000:]
 
     def check(self, stmts, cfgs) -> list[dict]:
         if self.proc is None:
