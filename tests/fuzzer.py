@@ -46,6 +46,7 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -856,9 +857,11 @@ class Pool:
         env = dict(os.environ)
         env.setdefault("TORCH_NEURONX_NEFF_DISABLE_CACHE", "1")
         env.pop("NEURON_LAUNCH_BLOCKING", None)
+        # stderr to a file, not a pipe: a pipe nobody reads fills up (warnings) and blocks
+        self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+                                     stderr=self.err, text=True, env=env)
 
     def close(self):
         if self.proc is not None:
@@ -869,6 +872,7 @@ class Pool:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+            self.err.close()
 
     def _kill(self):
         if self.proc.poll() is None:  # a hang: have the worker print every thread's stack
@@ -877,9 +881,12 @@ class Pool:
             time.sleep(2)
         self.proc.kill()
         self.proc.wait()
-        err = self.proc.stderr.read()
         self.proc = None
-        return err[-4000:]
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 4000))
+        err = self.err.read().decode(errors="replace")
+        self.err.close()
+        return err
 
     def check(self, stmts, cfgs) -> list[dict]:
         if self.proc is None:

@@ -173,3 +173,18 @@ def test_a_later_cpu_error_inside_the_deferred_window_is_accepted():
     assert fuzzer.compare(prog, ref, later) == []
     other = (dict(later[0], type="ValueError"), later[1])
     assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
+
+
+def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
+    pool = fuzzer.Pool(timeout=20)
+    try:
+        # 1 MB of stderr (C++ warnings do this) must not block the worker on a full pipe
+        noisy = ["_ = __import__('sys').__stderr__.write('w' * 1_000_000)",
+                 "torch.neuron.synchronize()"]
+        assert pool.check(noisy, [("eager", "default")]) == []
+        pool.timeout = 2
+        fails = pool.check(["__import__('time').sleep(60)"], [("eager", "default")])
+        assert [f["kind"] for f in fails] == ["hang"]
+        assert "most recent call first" in fails[0]["stderr"]  # faulthandler's stack dump
+    finally:
+        pool.close()
