@@ -1,0 +1,1091 @@
+"""Differential fuzzer: random straight-line programs on CPU, neuron eager and adaptive eager.
+
+    python tests/fuzzer.py --minutes 10 --mode graph --policy lazy --seed 1
+    python tests/fuzzer.py --programs 200 --mode all --seed 0        # every mode, both policies
+
+Stages, one function each: `generate` (a program: a list of one-line Python statements over
+variables v0, v1, ...), `run_program` (execute it on one device/mode and read every variable
+back), `compare` (the rules below), `shrink` (delete statements, then shrink shapes, while the
+failure keeps its signature) and `Pool` (a persistent worker child process: programs go in as
+JSON lines on stdin, results come back on stdout, so an abort or a hang is caught, reported and
+shrunk like any other failure).
+
+Note [Comparison rules]
+- Errors: each run stops at its first exception. CPU raises at statement i with type T =>
+  neuron raises T at i (immediate), or, at some j >= i no later than the next explicit sync
+  statement, `ae.NeuronRuntimeError` (deferred, as the README documents; every program ends
+  with a sync) or the exception CPU raises at j too (i is still pending). Neuron raising where
+  CPU does not, or a different type, is a failure. The statement a neuron run stopped at
+  counts as failed in the reference (its effects are unknown).
+- Values: the CPU reference runs every statement, skipping the ones that raise; a skipped
+  statement *taints* what it defines and mutates (and everything aliasing it, found from CPU
+  storage sharing), and so does every statement reading a tainted variable. Untainted
+  variables must match: dtype, shape, strides (dims of size > 1; storage offset too), values
+  (exact for integers and bools, float32 `assert_close` defaults, NaN equal to NaN) and `.grad`.
+  After a deferred error, reading an untainted variable may raise NeuronRuntimeError (clearly
+  marked invalid) but must never give a wrong value. Tainted values are not compared.
+- Float64 policy (README "CPU fallback and dtypes"): the device stores float64 but computes it
+  as float32, random streams included. A value is *f64-tainted* when it, or anything it was
+  computed from, is float64: floating values are compared against CPU's float64 result cast to
+  float32 (float32 saturation included) with rtol = atol = 1e-3; integer and bool values derived
+  from float64 (comparisons, argmax, casts) get dtype/shape/stride checks only. Values that
+  depend on a float64 random op get dtype/shape/stride checks only (the device draws them from
+  the float32 stream), and so do later random draws until the next `manual_seed` (the streams
+  have moved apart). float32 random ops use CPU's stream and are compared as any value.
+- Adaptive vs eager: the same error outcome and, where both read a value, bit for bit equal
+  (NaN equal to NaN, -0.0 distinct from 0.0), every dtype, f64 included.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+MODES = ["eager", "graph", "matmul", "none"]
+POLICIES = ["default", "lazy"]  # default: queue_low_threshold as configured; lazy: 0
+
+PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
+           "dev = 'neuron'   # 'cpu' for the reference\n"
+           "torch.manual_seed(0)\n")
+
+_VAR = re.compile(r"\bv\d+\b")
+_DEF = re.compile(r"^(v\d+)\s*=[^=]")
+_INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
+_SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
+_OUT = re.compile(r"\bout=(v\d+)")
+
+
+def _receiver(code: str, end: int) -> str | None:
+    """The variable an in-place method ending at `end` writes: the first variable of its
+    receiver chain (`v2.mT[0].mul_(2)` writes v2)."""
+    depth, k = 0, end
+    while k > 0:
+        c = code[k - 1]
+        if c in ")]":
+            depth += 1
+        elif c in "([":
+            if depth == 0:
+                break
+            depth -= 1
+        elif depth == 0 and c in " ,=":
+            break
+        k -= 1
+    m = _VAR.match(code, k)
+    return m.group(0) if m else None
+_SYNC = re.compile(r"synchronize\(\)|\.cpu\(\)|\.item\(\)|\.tolist\(\)")
+
+
+# --------------------------------------------------------------------------- statements
+
+def stmt_info(code: str) -> dict:
+    """What a statement reads, defines and mutates, from its text."""
+    d = _DEF.match(code)
+    defs = d.group(1) if d else None
+    muts = {v for v in (_receiver(code, m.start()) for m in _INPLACE.finditer(code)) if v}
+    muts.update(m.group(1) for m in _OUT.finditer(code))
+    if not d and (m := _SETITEM.match(code)):
+        muts.add(m.group(1))
+    rhs = code[d.end() - 1:] if d else code
+    if code.startswith("del "):
+        rhs = ""
+    reads = set(_VAR.findall(rhs)) | muts
+    return {"defs": defs, "muts": muts, "reads": reads,
+            "backward": ".backward(" in code, "sync": bool(_SYNC.search(code)),
+            "random": bool(re.search(r"\b(rand|randn|randint|randperm|rand_like|randn_like|"
+                                     r"dropout|bernoulli|normal_|uniform_|multinomial)\b",
+                                     code)),
+            "deletes": code[4:].strip() if code.startswith("del ") else None}
+
+
+# --------------------------------------------------------------------------- generator
+
+FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
+            "scatter", "random", "shape", "nn", "autograd", "sync", "del",
+            "errors"]  # "errors": keep now and then a statement that raises on CPU
+
+# Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
+# tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
+# each entry carries its minimal repro. The long-run command runs everything. Remove an entry
+# once its bug is fixed and the CI pass still passes.
+CI_EXCLUDED_FAMILIES: dict[str, str] = {
+    # issue 8 #2: after a deferred error, adaptive mode gives wrong values to independent ops
+    "errors": "x = torch.full((2, 1), 100.0, device=dev)\n"
+              "bad = torch.rand_like(torch.zeros(1, dtype=torch.int32, device=dev))  # raises on CPU\n"
+              "y = x[1:] * 1\n"
+              "torch.neuron.synchronize()   # NeuronRuntimeError, as expected\n"
+              "y  # eager: [[100.]]; adaptive graph: [[8.9e-36]]",
+    # issue 8 #4: out= of the wrong shape is not resized as CPU does
+    "out": "v1 = torch.tensor([3], device=dev); v3 = torch.randn((), device=dev)\n"
+           "torch.cumsum(v1, 0, out=v3)   # CPU: v3.shape == (1,); neuron: ()",
+}
+CI_EXCLUDED_PATTERNS: dict[str, str] = {
+    # issue 8 #5: nonzero-family outputs get strides (2, 1) where CPU gives (1, N)
+    r"nonzero|argwhere|torch\.where\(v\d+ > 0\)\[0\]":
+        "torch.nonzero(torch.full((1, 2), 0.5, device=dev)).stride()  # CPU (1, 2), neuron (2, 1)",
+    # issue 8 #5: t.mT[idx] gets a contiguous layout where CPU keeps the transposed one
+    r"\.mT\[":
+        "v2 = torch.rand((2, 2, 2), device=dev) > 0.5\n"
+        "v2.mT[torch.tensor([1], device=dev)].stride()   # CPU (4, 1, 2), neuron (4, 2, 1)",
+    # issue 8 #6: F.leaky_relu on int64 raises ValueError where CPU raises NotImplementedError
+    r"leaky_relu": "F.leaky_relu(torch.ones(1, dtype=torch.long, device=dev))",
+    # issue 8 #1a: the process aborts ("terminate called without an active exception")
+    r"mse_loss": "x = torch.zeros(0, 2, device=dev).requires_grad_()\n"
+                 "F.mse_loss(x, torch.zeros_like(x)).backward()",
+    # issue 8 #6: a bool tensor to a bool power is bool on CPU, int64 on neuron (pow_ raises)
+    r"(\*\*|pow_\() ?(False|True)": "(torch.tensor([True, False], device=dev) ** False).dtype"
+                                     "  # CPU bool, neuron int64; b.pow_(False) raises on neuron",
+    # found by this fuzzer: cross_entropy of a 1-D input with a (1,) target reads garbage as
+    # the target on neuron (CPU returns a loss); float64 in eager raises another error
+    r"cross_entropy": "F.cross_entropy(torch.tensor([0.5, -1.0], device=dev), "
+                      "torch.tensor([1], device=dev))  # neuron: IndexError: Target 94185469528328"
+                      " is out of bounds",
+    # found by this fuzzer: normal_/uniform_ on an empty integer tensor raise on neuron only
+    r"\.normal_\(|\.uniform_\(": "torch.full((0,), 0, device=dev).normal_()  # CPU: no error",
+}
+
+
+class Gen:
+    """Builds one program, running each candidate statement on CPU to learn shapes/dtypes."""
+
+    def __init__(self, seed: int, families=None, exclude=(), length=(6, 18)):
+        import torch
+        self.torch = torch
+        self.r = random.Random(seed)
+        fams = list(families or FAMILIES)
+        self.keep_error = 0.04 if "errors" in fams else 0.0
+        self.families = [f for f in fams if f != "errors"]
+        self.exclude = [re.compile(p) for p in exclude]
+        self.length = length
+        self.ns = _namespace("cpu")
+        self.stmts: list[str] = []
+        self.n = 0
+
+    # -- helpers
+    def fresh(self):
+        v = f"v{self.n}"
+        self.n += 1
+        return v
+
+    def vars(self, pred=lambda t: True):
+        T = self.torch.Tensor
+        return [k for k, t in self.ns.items()
+                if _VAR.fullmatch(k) and isinstance(t, T) and pred(t)]
+
+    def pick(self, pred=lambda t: True):
+        vs = self.vars(pred)
+        return self.r.choice(vs) if vs else None
+
+    def shape(self, maxdim=3):
+        r = self.r
+        nd = r.choice([0, 1, 1, 2, 2, 2, 3, 3][: 2 + 2 * maxdim])
+        return tuple(r.choice([0, 1, 2, 3, 4, 5]) if r.random() < 0.1 else r.choice([1, 2, 3, 4, 5])
+                     for _ in range(nd))
+
+    def lit(self):
+        return self.r.choice(["0", "1", "2", "-1", "0.5", "-1.5", "3", "1e-3", "100.0", "False",
+                              "True", "float('nan')", "-0.0"])
+
+    def dim(self, t):
+        return self.r.randrange(-t.dim(), t.dim()) if t.dim() else 0
+
+    def idx(self, n, k=None):
+        k = k or self.r.randint(1, 4)
+        hi = n + (1 if self.r.random() < 0.05 else 0)  # now and then an out-of-range index
+        vals = [self.r.randrange(-n, hi) if hi > -n and n else 0 for _ in range(k)]
+        return f"torch.tensor({vals}, device=dev)"
+
+    def create(self):
+        v, r, s = self.fresh(), self.r, self.shape()
+        kind = r.choice(["randn", "randn", "randint", "bool", "arange", "full", "tensor", "f64"])
+        if kind == "randn":
+            return f"{v} = torch.randn({s}, device=dev)"
+        if kind == "f64":
+            return f"{v} = torch.randn({s}, device=dev).double()"
+        if kind == "randint":
+            return f"{v} = torch.randint(-4, 5, {s}, device=dev)"
+        if kind == "bool":
+            return f"{v} = torch.rand({s}, device=dev) > 0.5"
+        if kind == "arange":
+            n = r.randint(0, 8)
+            return f"{v} = torch.arange({n}{r.choice(['.', ''])}, device=dev)"
+        if kind == "full":
+            return f"{v} = torch.full({s}, {self.lit()}, device=dev)"
+        vals = [r.choice([0, 1, -2, 3, 7]) for _ in range(r.randint(1, 4))]
+        return f"{v} = torch.tensor({vals}, device=dev)"
+
+    # -- families: each returns a statement or None (not applicable right now)
+    def f_pointwise(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        t = self.ns[a]
+        if r.random() < 0.4:
+            fl = ["neg", "abs", "exp", "sin", "sqrt", "sigmoid", "tanh", "floor", "round",
+                  "sign", "log1p", "reciprocal", "relu", "square", "isnan", "frac", "rsqrt",
+                  "logical_not", "bitwise_not", "trunc", "ceil", "erf", "signbit"]
+            return f"{v} = {a}.{r.choice(fl)}()"
+        b = self.pick() if r.random() < 0.6 else self.lit()
+        if r.random() < 0.15:
+            c = self.pick(lambda t: t.dtype == self.torch.bool) or f"{a} > 0"
+            return f"{v} = torch.where({c}, {a}, {b})"
+        if r.random() < 0.15:
+            fn = r.choice(["maximum", "minimum", "atan2", "copysign", "xlogy", "fmod",
+                           "remainder", "logical_and", "logical_xor", "hypot", "eq", "ne"])
+            return f"{v} = torch.{fn}({a}, {b})"
+        if r.random() < 0.1:
+            return f"{v} = {a}.clamp(min={self.lit()}, max={self.lit()})"
+        op = r.choice(["+", "-", "*", "/", "//", "%", "**", "<", ">=", "==", "&", "|", "^"])
+        return f"{v} = {a} {op} {b}" if r.random() < 0.8 else f"{v} = {b} {op} {a}"
+
+    def f_view(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        t = self.ns[a]
+        nd = t.dim()
+        opts = [f"{a}.unsqueeze({r.randint(-nd - 1, nd)})", f"{a}.view(-1)",
+                f"{a}.reshape(-1)", f"{a}.flatten()", f"{a}.contiguous()", f"{a}.clone()",
+                f"{a}.squeeze()"]
+        if nd <= 2:
+            opts.append(f"{a}.t()")
+        if nd >= 1:
+            d = self.dim(t)
+            n = t.shape[d]
+            s = r.randint(0, max(n - 1, 0))
+            opts += [f"{a}[{r.choice(['1:', '::2', ':-1', '-1', '0', '...'])}]",
+                     f"{a}.narrow({d}, {s}, {r.randint(0, max(n - s, 0))})",
+                     f"{a}.select({d}, {r.randint(-n, n - 1) if n else 0})",
+                     f"{a}.expand(2, *{a}.shape)", f"{a}.flip({d})",
+                     f"{a}.movedim({d}, 0)"]
+        if nd >= 2:
+            p = list(range(nd))
+            r.shuffle(p)
+            opts += [f"{a}.mT", f"{a}.transpose(0, 1)", f"{a}.permute{tuple(p)}",
+                     f"{a}[:, ::2]", f"{a}.diagonal()", f"{a}.mT[0]", f"{a}.unflatten(0, (1, -1))"]
+        return f"{v} = {r.choice(opts)}"
+
+    def f_inplace(self):
+        r = self.r
+        a = self.pick()
+        if a is None:
+            return None
+        t = self.ns[a]
+        b = self.pick() if r.random() < 0.5 else self.lit()
+        opts = [f"{a}.add_({b})", f"{a}.mul_({b})", f"{a}.sub_({b})", f"{a}.div_({b})",
+                f"{a}.clamp_(min={self.lit()})", f"{a}.zero_()", f"{a}.fill_({self.lit()})",
+                f"{a}.neg_()", f"{a}.exp_()", f"{a}.pow_({r.choice(['2', 'False', '0.5'])})",
+                f"{a} += {b}", f"{a} *= {b}", f"{a}.copy_({b})" if b.startswith("v") else f"{a}.zero_()",
+                f"{a}.masked_fill_({a} > 0, {self.lit()})", f"{a}.abs_()",
+                f"{a}.unsqueeze_(0)", f"{a}.t_()" if t.dim() <= 2 else f"{a}.squeeze_()"]
+        if t.dim() >= 1:
+            opts += [f"{a}[{r.choice(['0', '1:', '::2', '-1', '...'])}] = {b}",
+                     f"{a}[{r.choice(['0', '1:', '::2'])}] += {self.lit()}",
+                     f"{a}.mT.mul_({self.lit()})" if t.dim() >= 2 else f"{a}[:1].mul_(2)"]
+        return r.choice(opts)
+
+    def f_out(self):
+        r = self.r
+        a, o = self.pick(), self.pick()
+        if a is None:
+            return None
+        b = self.pick() if r.random() < 0.5 else self.lit()
+        target = o if r.random() < 0.7 else f"torch.empty({r.choice(['0', '(2, 2)', '1'])}, device=dev)"
+        v = self.fresh()
+        fn = r.choice([f"torch.add({a}, {b}, out={{}})", f"torch.mul({a}, {b}, out={{}})",
+                       f"torch.neg({a}, out={{}})", f"torch.sum({a}, 0, out={{}})",
+                       f"torch.exp({a}, out={{}})", f"torch.mm({a}, {a}.mT, out={{}})",
+                       f"torch.where({a} > 0, {a}, {b}, out={{}})",
+                       f"torch.clamp({a}, 0, 1, out={{}})", f"torch.cumsum({a}, 0, out={{}})"])
+        if target.startswith("torch."):
+            return f"{v} = " + fn.format(target)
+        return fn.format(target)
+
+    def f_dtype(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        dt = r.choice(["float32", "float64", "int64", "int32", "bool", "uint8", "int16"])
+        return f"{v} = " + r.choice([f"{a}.to(torch.{dt})", f"{a}.float()", f"{a}.double()",
+                                     f"{a}.long()", f"{a}.bool()", f"{a}.int()",
+                                     f"torch.zeros_like({a}, dtype=torch.{dt})",
+                                     f"{a}.type_as({self.pick()})",
+                                     f"torch.ones({self.shape()}, dtype=torch.{dt}, device=dev)"])
+
+    def f_reduce(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        t = self.ns[a]
+        d = self.dim(t)
+        opts = [f"{a}.sum()", f"{a}.sum({d})", f"{a}.sum({d}, keepdim=True)", f"{a}.mean()",
+                f"{a}.mean({d})", f"{a}.amax({d})", f"{a}.max({d}).values", f"{a}.max({d})[1]",
+                f"{a}.argmax()", f"{a}.prod({d})", f"{a}.std({d})", f"{a}.var()",
+                f"{a}.logsumexp({d})", f"{a}.cumsum({d})", f"{a}.any()", f"{a}.all({d})",
+                f"{a}.norm()", f"{a}.softmax({d})", f"{a}.log_softmax({d})",
+                f"torch.count_nonzero({a})", f"{a}.min()", f"{a}.sort({d}).values",
+                f"{a}.topk(1, {d}).indices", f"{a}.sum(dtype=torch.float64)", f"{a}.aminmax()[0]",
+                f"{a}.cummax({d}).values", f"{a}.median()"]
+        return f"{v} = {r.choice(opts)}"
+
+    def f_matmul(self):
+        r, v = self.r, self.fresh()
+        a = self.pick(lambda t: t.dim() >= 1)
+        if a is None:
+            return None
+        t = self.ns[a]
+        b = self.pick(lambda u: u.dim() >= 1 and u.shape[-1:] == t.shape[-1:]) or a
+        opts = [f"{a} @ {a}.mT" if t.dim() >= 2 else f"{a} @ {a}",
+                f"{a}.mT @ {a}" if t.dim() >= 2 else f"torch.dot({a}, {b})",
+                f"torch.matmul({a}, {b}.mT)" if self.ns[b].dim() >= 2 else f"torch.matmul({a}, {b})",
+                f"F.linear({a}, {b})", f"{a} @ {b}", f"torch.mm({a}, {b})",
+                f"torch.bmm({a}, {a}.mT)", f"torch.einsum('...i,...i->...', {a}, {b})",
+                f"torch.mv({a}, {b})", f"torch.addmm({b}, {a}, {a}.mT)"]
+        return f"{v} = {r.choice(opts)}"
+
+    def f_index(self):
+        r, v = self.r, self.fresh()
+        a = self.pick(lambda t: t.dim() >= 1)
+        if a is None:
+            return None
+        t = self.ns[a]
+        n = t.shape[0]
+        ix = self.idx(n)
+        src = self.pick()
+        opts = [f"{v} = {a}.index_select(0, {ix})", f"{v} = {a}[{ix}]",
+                f"{v} = {a}[{a} > 0]", f"{v} = torch.nonzero({a})", f"{v} = torch.argwhere({a})",
+                f"{v} = torch.where({a} > 0)[0]", f"{v} = {a}.masked_fill({a} < 0, {self.lit()})",
+                f"{v} = {a}.take({self.idx(t.numel())})", f"{v} = {a}.masked_select({a} != 0)",
+                f"{a}.index_put_(({ix},), torch.tensor({self.lit()}, device=dev))",
+                f"{v} = {a}.index_put(({ix},), {src}, accumulate=True)",
+                f"{v} = {a}.mT[{ix}]" if t.dim() >= 2 else f"{v} = {a}[{ix}]",
+                f"{a}.index_add_(0, {ix}, {src})", f"{a}.index_copy_(0, {ix}, {src})",
+                f"{v} = {a}.gather(0, {ix})" if t.dim() == 1 else f"{v} = {a}[..., 0]",
+                f"{a}[{ix}] = {self.lit()}", f"{v} = torch.nonzero({a}).flatten()"]
+        return r.choice(opts)
+
+    def f_scatter(self):
+        r, v = self.r, self.fresh()
+        a = self.pick(lambda t: t.dim() >= 1)
+        if a is None:
+            return None
+        t = self.ns[a]
+        n = t.shape[0]
+        k = r.randint(1, 3)
+        ix = self.idx(n, k)
+        src = self.pick() or a
+        shp = (k,) + tuple(t.shape[1:])
+        ixf = f"{ix}.view(-1, *[1] * ({a}.dim() - 1)).expand({shp})"
+        opts = [f"{v} = {a}.scatter(0, {ixf}, {self.lit()})",
+                f"{v} = {a}.scatter_add(0, {ixf}, {src})",
+                f"{v} = {a}.scatter_reduce(0, {ixf}, {src}, '{r.choice(['sum', 'amax', 'amin', 'prod', 'mean'])}')",
+                f"{a}.scatter_(0, {ixf}, {src})", f"{v} = {a}.gather(0, {ixf})"]
+        return r.choice(opts)
+
+    def f_random(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        opts = [f"torch.manual_seed({r.randint(0, 99)})", f"{v} = torch.rand({self.shape()}, device=dev)",
+                f"{v} = torch.randn({self.shape()}, dtype=torch.float64, device=dev)",
+                f"{v} = torch.randint(0, 5, {self.shape()}, device=dev)",
+                f"{v} = torch.randperm({r.randint(0, 6)}, device=dev)"]
+        if a is not None:
+            opts += [f"{v} = torch.rand_like({a})", f"{v} = F.dropout({a}, {r.choice([0.0, 0.5, 1.0])})",
+                     f"{v} = torch.bernoulli({a}.sigmoid())", f"{a}.uniform_()", f"{a}.normal_()",
+                     f"{v} = torch.randn_like({a})"]
+        return r.choice(opts)
+
+    def f_shape(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        b = self.pick() or a
+        t = self.ns[a]
+        opts = [f"torch.cat([{a}, {b}])", f"torch.stack([{a}, {b}])", f"{a}.repeat(2, *[1] * {a}.dim())",
+                f"torch.cat([{a}, {a}], -1)"]
+        if t.dim() >= 1:
+            opts += [f"{a}.chunk(2)[0]", f"{a}.split(1)[-1]", f"{a}.roll(1, 0)", f"{a}.flip(-1)"]
+        if t.dim() >= 2:
+            opts += [f"{a}.tril()", f"{a}.triu(1)"]
+        return f"{v} = {r.choice(opts)}"
+
+    def f_nn(self):
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        b = self.pick() or a
+        opts = [f"F.gelu({a})", f"F.logsigmoid({a})", f"F.mse_loss({a}, {b})", f"F.silu({a})",
+                f"F.layer_norm({a}, {a}.shape[-1:])", f"F.leaky_relu({a})", f"F.softplus({a})",
+                f"F.normalize({a}, dim=-1)", f"F.relu6({a})", f"F.hardtanh({a})",
+                f"F.cross_entropy({a}, {b})", f"F.embedding({b}, {a})"]
+        return f"{v} = {r.choice(opts)}"
+
+    def f_autograd(self):
+        r = self.r
+        leaves = self.vars(lambda t: t.requires_grad)
+        if leaves and r.random() < 0.6:
+            a = self.pick(lambda t: t.requires_grad and t.is_floating_point())
+            if a is None:
+                return None
+            return r.choice([f"{a}.sum().backward()", f"{a}.backward(torch.ones_like({a}))",
+                             f"{a}.pow(2).mean().backward()", f"F.mse_loss({a}, torch.zeros_like({a})).backward()",
+                             f"F.logsigmoid({a}).sum().backward()"])
+        a = self.pick()
+        if a is None:
+            return None
+        v = self.fresh()
+        return f"{v} = {a}.detach().{r.choice(['float', 'double'])}().requires_grad_()"
+
+    def f_sync(self):
+        a = self.pick()
+        return self.r.choice(["torch.neuron.synchronize()"] + (
+            [f"_ = {a}.cpu()", f"_ = {a}.sum().item()", f"_ = {a}.tolist()"] if a else []))
+
+    def f_del(self):
+        a = self.pick()
+        return f"del {a}" if a and len(self.vars()) > 2 else None
+
+    # -- driver
+    def step(self, code: str, keep_error: float) -> bool:
+        if any(p.search(code) for p in self.exclude):
+            return False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                exec(code, self.ns)
+        except Exception:
+            if self.r.random() >= keep_error:
+                return False
+        self.stmts.append(code)
+        return True
+
+    def build(self) -> list[str]:
+        r = self.r
+        self.step(f"torch.manual_seed({r.randint(0, 999)})", 0)
+        for _ in range(r.randint(2, 4)):
+            self.step(self.create(), 0)
+        target = r.randint(*self.length)
+        tries = 0
+        while len(self.stmts) < target and tries < 200:
+            tries += 1
+            fam = r.choice(self.families)
+            code = getattr(self, "f_" + fam)() if fam != "create" else self.create()
+            if code is None:
+                continue
+            self.step(code, keep_error=self.keep_error)
+        self.stmts.append("torch.neuron.synchronize()")
+        return self.stmts
+
+
+def generate(seed: int, families=None, exclude=()) -> list[str]:
+    """Program `seed`: statements from `families`, none matching an `exclude` regex."""
+    return Gen(seed, families, exclude).build()
+
+
+# --------------------------------------------------------------------------- running
+
+def _namespace(dev):
+    """A program's globals; every run starts from seed 0 (PRELUDE), as the snippet does."""
+    import torch
+    torch.manual_seed(0)
+    import torch.nn.functional as F
+    import adaptive_eager as ae
+    return {"torch": torch, "F": F, "ae": ae, "dev": dev, "__builtins__": __builtins__}
+
+
+def _err(i, e):
+    return {"at": i, "type": type(e).__name__, "msg": str(e).split("\n")[0][:300],
+            "deferred": type(e).__name__ == "NeuronRuntimeError"}
+
+
+def _read(t):
+    """A tensor's metadata and value on the host, or the error reading it raised."""
+    import torch
+    out = {"dtype": str(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
+           "offset": t.storage_offset(), "requires_grad": t.requires_grad}
+    try:
+        out["value"] = t.detach().cpu().clone()
+    except Exception as e:
+        out["read_error"] = type(e).__name__
+    if t.requires_grad and t.is_leaf:
+        try:
+            g = t.grad
+            out["grad"] = None if g is None else g.detach().cpu().clone()
+        except Exception as e:
+            out["read_error"] = type(e).__name__
+    return out
+
+
+def run_program(stmts, dev, mode="eager", policy="default"):
+    """Run statements in order; stop at the first error. Returns (error, {var: reading})."""
+    import torch
+    import adaptive_eager as ae
+    import contextlib
+    ns = _namespace(dev)
+    err = None
+    with contextlib.ExitStack() as st, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dev != "cpu":
+            if policy == "lazy":
+                st.enter_context(ae.override(queue_low_threshold=0))
+            if mode != "eager":
+                st.enter_context(ae.adaptive(strategy=mode))
+        for i, code in enumerate(stmts):
+            try:
+                exec(code, ns)
+            except Exception as e:
+                err = _err(i, e)
+                break
+        reads = {k: _read(v) for k, v in ns.items()
+                 if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
+    _settle()
+    return err, reads
+
+
+def _settle():
+    import adaptive_eager as ae
+    try:
+        ae.set_adaptive(False)
+        ae.synchronize()
+    except Exception:
+        pass
+
+
+def run_reference(stmts, upto=None, fail_at=None):
+    """CPU, skipping statements that raise; returns (first error, readings, taint flags).
+
+    The first error carries `all`: {statement: exception type} of every statement that
+    raised. `upto`: stop after that statement; `fail_at`: treat that statement as failed
+    (the neuron run stopped there, so its effects are unknown).
+
+    Taints per variable: 'err' (depends on a skipped statement), 'f64' (computed from
+    float64), 'rng64' (depends on a float64 random draw). Note [Comparison rules]."""
+    import torch
+    ns = _namespace("cpu")
+    taint: dict[str, set] = {}
+    first = None
+    errors: dict[int, str] = {}
+    n = len(stmts) if upto is None else upto + 1
+    rng_diverged = False  # a float64 draw moved CPU's stream differently from the device's
+
+    def aliases(name):
+        t = ns.get(name)
+        if not isinstance(t, torch.Tensor):
+            return {name}
+        p = t.untyped_storage().data_ptr()
+        return {k for k, u in ns.items() if _VAR.fullmatch(k) and isinstance(u, torch.Tensor)
+                and (u is t or (p and u.untyped_storage().data_ptr() == p))} | {name}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, code in enumerate(stmts[:n]):
+            info = stmt_info(code)
+            if info["backward"]:  # writes the .grad of every leaf it reaches
+                info["muts"] |= {k for k, u in ns.items() if _VAR.fullmatch(k)
+                                 and isinstance(u, torch.Tensor) and u.requires_grad and u.is_leaf}
+            inherited = set().union(*(taint.get(x, set()) for x in info["reads"] if x in ns)) \
+                if info["reads"] else set()
+            missing = any(x not in ns for x in info["reads"])
+            f64_in = any(isinstance(ns.get(x), torch.Tensor) and ns[x].dtype == torch.float64
+                         for x in info["reads"])
+            ok = not missing and "err" not in inherited and i != fail_at
+            if ok:
+                try:
+                    exec(code, ns)
+                except Exception as e:
+                    ok = False
+                    errors[i] = type(e).__name__
+                    if first is None:
+                        first = _err(i, e)
+            new = set(inherited)
+            if not ok:
+                new.add("err")
+            d = info["defs"]
+            res = ns.get(d) if d else None
+            if f64_in or (isinstance(res, torch.Tensor) and res.dtype == torch.float64):
+                new.add("f64")
+            # a float64 draw: from a float64 input or dtype (`randn(...).double()` draws float32)
+            if info["random"] and ok and (f64_in or "dtype=torch.float64" in code):
+                new.add("rng64")
+                rng_diverged = True
+            if info["random"] and rng_diverged:
+                new.add("rng64")
+            if "manual_seed(" in code:
+                rng_diverged = False
+            if info["deletes"]:
+                taint.pop(info["deletes"], None)
+                continue
+            targets = set(info["muts"]) | ({d} if d else set())
+            for x in list(targets):
+                targets |= aliases(x)
+            for x in targets:
+                if ok and x == d and x not in info["muts"] and not (aliases(x) - {x}):
+                    taint[x] = set(new)  # a fresh value: only what it was computed from
+                else:
+                    taint[x] = taint.get(x, set()) | new
+            if not ok and d:
+                ns.pop(d, None)
+        reads = {k: _read(v) for k, v in ns.items()
+                 if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
+    if first is not None:
+        first["all"] = errors
+    return first, reads, {k: sorted(v) for k, v in taint.items()}
+
+
+# --------------------------------------------------------------------------- comparison
+
+def _floaty(dtype: str) -> bool:
+    return dtype in ("torch.float32", "torch.float64", "torch.float16", "torch.bfloat16")
+
+
+def _significant(shape, stride):
+    return [s for n, s in zip(shape, stride) if n > 1]
+
+
+def _bits_equal(a, b) -> bool:
+    import torch
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        na, nb = a.isnan(), b.isnan()
+        if not torch.equal(na, nb):
+            return False
+        ib = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.masked_fill(na, 0).contiguous().view(ib),
+                           b.masked_fill(nb, 0).contiguous().view(ib))
+    return torch.equal(a, b)
+
+
+def _close(n, c, f64: bool) -> str | None:
+    import torch
+    try:
+        if f64:
+            torch.testing.assert_close(n.to(torch.float32), c.to(torch.float32), rtol=1e-3,
+                                       atol=1e-3, equal_nan=True)
+        elif n.is_floating_point():
+            torch.testing.assert_close(n, c, equal_nan=True)
+        elif not torch.equal(n, c):
+            return "values differ"
+    except AssertionError as e:
+        return str(e).strip().split("\n")[0][:200] + " " + " ".join(
+            str(e).strip().split("\n")[1:4])[:300]
+    return None
+
+
+def compare_reading(var, n, c, taint) -> list[tuple[str, str]]:
+    """(kind, detail) for each way a neuron reading differs from CPU's."""
+    out = []
+    for key in ("dtype", "shape"):
+        if n[key] != c[key]:
+            return [(key, f"{var}: neuron {n[key]} vs cpu {c[key]}")]
+    if n["requires_grad"] != c["requires_grad"]:
+        out.append(("requires_grad", f"{var}: neuron {n['requires_grad']} vs cpu {c['requires_grad']}"))
+    if "value" in c and "value" in n and c["value"].numel() > 0:
+        if (_significant(n["shape"], n["stride"]) != _significant(c["shape"], c["stride"])
+                or (n["offset"] != c["offset"])):
+            out.append(("stride", f"{var}: neuron stride {n['stride']} offset {n['offset']} "
+                                  f"vs cpu {c['stride']} offset {c['offset']}"))
+    if "rng64" in taint:
+        return out
+    f64 = "f64" in taint
+    if f64 and not _floaty(c["dtype"]):
+        return out
+    if "value" in n and "value" in c:
+        d = _close(n["value"], c["value"], f64)
+        if d:
+            out.append(("value", f"{var}: {d}"))
+    if ("grad" in n) != ("grad" in c) or ((n.get("grad") is None) != (c.get("grad") is None)):
+        out.append(("grad", f"{var}: neuron grad {n.get('grad') is not None} vs cpu "
+                            f"{c.get('grad') is not None}"))
+    elif n.get("grad") is not None:
+        ng, cg = n["grad"], c["grad"]
+        if ng.dtype != cg.dtype or ng.shape != cg.shape:
+            out.append(("grad", f"{var}.grad: neuron {ng.dtype}{list(ng.shape)} vs cpu "
+                                f"{cg.dtype}{list(cg.shape)}"))
+        else:
+            d = _close(ng, cg, f64)
+            if d:
+                out.append(("grad", f"{var}.grad: {d}"))
+    return out
+
+
+def next_sync(stmts, i):
+    for j in range(i, len(stmts)):
+        if stmt_info(stmts[j])["sync"]:
+            return j
+    return len(stmts) - 1
+
+
+def compare(stmts, ref, run) -> list[tuple[str, str]]:
+    """Failures of one neuron run against the CPU reference (Note [Comparison rules])."""
+    cerr, _, _ = ref
+    nerr, nreads = run
+    fails = []
+    deferred = False
+    if cerr is None and nerr is not None:
+        return [("raised", f"neuron raised {nerr['type']} at statement {nerr['at']} where "
+                           f"CPU does not: {nerr['msg']}")]
+    if cerr is not None:
+        if nerr is None:
+            return [("raised", f"CPU raised {cerr['type']} at statement {cerr['at']} "
+                               f"({cerr['msg']}); neuron raised nothing")]
+        i, j = cerr["at"], nerr["at"]
+        if j == i and nerr["type"] == cerr["type"]:
+            pass
+        elif i <= j <= next_sync(stmts, i) and (
+                nerr["deferred"] or cerr["all"].get(j) == nerr["type"]):
+            deferred = True  # i's error is pending (or j raised on CPU too, i deferred)
+        else:
+            return [("raised", f"CPU raised {cerr['type']} at statement {i} ({cerr['msg']}); "
+                               f"neuron raised {nerr['type']} at statement {j} ({nerr['msg']})")]
+    # the reference as far as the neuron run went; the statement it stopped at counts as failed
+    upto = nerr["at"] if nerr else None
+    _, creads, taint = run_reference(stmts, upto, upto) if upto is not None else ref
+    for var, n in sorted(nreads.items()):
+        t = taint.get(var, [])
+        if "err" in t:
+            continue
+        c = creads.get(var)
+        if c is None:
+            fails.append(("missing", f"{var} exists on neuron only"))
+            continue
+        if "read_error" in n:
+            if not (deferred and n["read_error"] == "NeuronRuntimeError"):
+                fails.append(("read", f"reading {var} raised {n['read_error']}"))
+            continue
+        fails += compare_reading(var, n, c, t)
+    return fails
+
+
+def compare_to_eager(eager, run, taint) -> list[tuple[str, str]]:
+    """Adaptive must equal eager bit for bit (NaN equal to NaN); values poisoned by a failed
+    statement (CPU taint 'err') are undefined in both and not compared."""
+    (ee, er), (ae_, ar) = eager, run
+    if (ee and (ee["at"], ee["type"])) != (ae_ and (ae_["at"], ae_["type"])):
+        fmt = lambda e: "nothing" if e is None else f"{e['type']} at statement {e['at']}"
+        return [("vs-eager-raised", f"eager raised {fmt(ee)}, adaptive {fmt(ae_)}")]
+    fails = []
+    for var, a in sorted(ar.items()):
+        e = er.get(var)
+        if e is None or "err" in taint.get(var, ()):
+            continue
+        for key in ("dtype", "shape", "stride", "offset"):
+            if a[key] != e[key]:
+                fails.append(("vs-eager-" + key, f"{var}: adaptive {a[key]} vs eager {e[key]}"))
+        if "value" in a and "value" in e and not _bits_equal(a["value"], e["value"]):
+            fails.append(("vs-eager-value", f"{var}: not bit-equal to eager"))
+        if "value" in a and "read_error" in e:
+            fails.append(("vs-eager-read", f"{var}: eager read raised {e['read_error']}"))
+        ga, ge = a.get("grad"), e.get("grad")
+        if (ga is None) != (ge is None) or (ga is not None and not _bits_equal(ga, ge)):
+            fails.append(("vs-eager-grad", f"{var}.grad differs from eager"))
+    return fails
+
+
+def configs(modes, policies):
+    out = []
+    for m in modes:
+        for p in (["default"] if m == "eager" else policies):
+            out.append((m, p))
+    return out
+
+
+def check(stmts, cfgs) -> list[dict]:
+    """Run one program on CPU and each (mode, policy); every failure as a dict."""
+    ref = run_reference(stmts)
+    fails = []
+    eager = None
+    need_eager = any(m == "eager" for m, _ in cfgs) or any(m != "eager" for m, _ in cfgs)
+    if need_eager:
+        eager = run_program(stmts, "neuron")
+        if ("eager", "default") in cfgs:
+            fails += [{"config": "eager", "kind": k, "detail": d} for k, d in compare(stmts, ref, eager)]
+    for m, p in cfgs:
+        if m == "eager":
+            continue
+        run = run_program(stmts, "neuron", m, p)
+        name = f"{m}" + ("-lazy" if p == "lazy" else "")
+        fails += [{"config": name, "kind": k, "detail": d} for k, d in compare(stmts, ref, run)]
+        fails += [{"config": name, "kind": k, "detail": d} for k, d in compare_to_eager(eager, run, ref[2])]
+    return fails
+
+
+# --------------------------------------------------------------------------- worker / pool
+
+def worker_main():
+    """Child process: one JSON request per line on stdin, one JSON answer per line on stdout."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "where are you?"
+    os.environ.pop("NEURON_LAUNCH_BLOCKING", None)
+    import torch  # noqa: F401  (loads adaptive_eager through the entry point)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # programs may print; keep the protocol channel clean
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            fails = check(req["stmts"], [tuple(c) for c in req["configs"]])
+        except Exception:
+            fails = [{"config": "harness", "kind": "internal", "detail": traceback.format_exc()[-800:]}]
+        out.write(json.dumps({"fails": fails}) + "\n")
+        out.flush()
+
+
+class Pool:
+    """One persistent worker child; a crash or hang becomes a failure and a fresh worker."""
+
+    def __init__(self, timeout=300.0):
+        self.timeout = timeout
+        self.proc = None
+
+    def _start(self):
+        env = dict(os.environ)
+        env.setdefault("TORCH_NEURONX_NEFF_DISABLE_CACHE", "1")
+        env.pop("NEURON_LAUNCH_BLOCKING", None)
+        # stderr to a file, not a pipe: a pipe nobody reads fills up (warnings) and blocks
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, env=env)
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+            self.err.close()
+
+    def _kill(self):
+        if self.proc.poll() is None:  # a hang: have the worker print every thread's stack
+            import signal
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 4000))
+        err = self.err.read().decode(errors="replace")
+        self.err.close()
+        return err
+
+    def check(self, stmts, cfgs) -> list[dict]:
+        if self.proc is None:
+            self._start()
+        self.proc.stdin.write(json.dumps({"stmts": stmts, "configs": cfgs}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        if not ready:
+            return [{"config": "all", "kind": "hang", "detail": f"no answer in {self.timeout}s",
+                     "stderr": self._kill()}]
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            rc = self.proc.returncode
+            return [{"config": "all", "kind": "crash", "detail": f"worker exit {rc}",
+                     "stderr": self._kill()}]
+        return json.loads(line)["fails"]
+
+
+# --------------------------------------------------------------------------- shrinking
+
+def signature(f: dict):
+    """What makes two failures the same bug: kind and detail, names and numbers blanked."""
+    detail = re.sub(r"\bv\d+\b", "v", f["detail"])
+    detail = re.sub(r"\[[^\]]*\]", "[]", detail)
+    detail = re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", detail)
+    return (f["kind"], detail[:60])
+
+
+def _without(stmts, drop):
+    """Drop statements, then those reading a variable no remaining statement defines."""
+    keep = [s for k, s in enumerate(stmts) if k not in drop]
+    while True:
+        defined, out = set(), []
+        for s in keep:
+            info = stmt_info(s)
+            if info["reads"] - defined:
+                continue
+            out.append(s)
+            if info["defs"]:
+                defined.add(info["defs"])
+        if len(out) == len(keep):
+            return out
+        keep = out
+
+
+def shrink(stmts, still_fails, budget=300) -> list[str]:
+    """Greedy: delete statements (with their dependents), then shrink literal shapes."""
+    best = list(stmts)
+    calls = 0
+    changed = True
+    while changed and calls < budget:
+        changed = False
+        for k in range(len(best) - 1, -1, -1):
+            if k >= len(best) or best[k] == "torch.neuron.synchronize()" and k == len(best) - 1:
+                continue
+            cand = _without(best, {k})
+            calls += 1
+            if cand != best and still_fails(cand):
+                best, changed = cand, True
+            if calls >= budget:
+                break
+    for k, s in enumerate(best):  # shapes (a, b, c) -> smaller
+        for m in list(re.finditer(r"\((\d+(?:, \d+)*),?\)", s))[::-1]:
+            nums = [int(x) for x in m.group(1).split(", ")]
+            start, end = m.start(), m.end()
+            for pos in range(len(nums)):
+                for smaller in (1, 2):
+                    if nums[pos] <= smaller or calls >= budget:
+                        continue
+                    new = list(nums)
+                    new[pos] = smaller
+                    txt = "(" + ", ".join(map(str, new)) + ("," if len(new) == 1 else "") + ")"
+                    cand = list(best)
+                    cand[k] = s[:start] + txt + s[end:]
+                    calls += 1
+                    if still_fails(cand):
+                        best, s, nums, end = cand, cand[k], new, start + len(txt)
+                        break
+    return best
+
+
+def snippet(stmts, config: str) -> str:
+    mode, _, lazy = config.partition("-")
+    head = PRELUDE
+    body = list(stmts)
+    if mode in ("graph", "matmul", "none"):
+        ctx = f"ae.adaptive(strategy={mode!r})"
+        if lazy:
+            ctx = f"ae.override(queue_low_threshold=0), " + ctx
+        head += f"with {ctx}:\n"
+        body = ["    " + s for s in body]
+    return head + "\n".join(body)
+
+
+# --------------------------------------------------------------------------- driver
+
+def _config_name(c) -> str:
+    return c[0] + ("-lazy" if c[1] == "lazy" else "")
+
+
+def _triage(pool, stmts, f, cfgs, do_shrink):
+    """(failure, shrunk program). A crash or hang is first re-run alone in a fresh worker:
+    earlier programs in the same worker may have set it up."""
+    if f["kind"] in ("crash", "hang"):
+        pool.close()
+        if not any(g["kind"] == f["kind"] for g in pool.check(stmts, cfgs)):
+            return {**f, "detail": f["detail"] + " (not reproduced alone in a fresh worker)"}, stmts
+    if not do_shrink:
+        return f, stmts
+    sig, cfg = signature(f), f["config"]
+    one = [c for c in cfgs if _config_name(c) == cfg] or cfgs
+    if f["kind"] not in ("crash", "hang"):
+        one = sorted(set(one) | {("eager", "default")})  # adaptive is compared with eager
+
+    def matching(prog):
+        return [g for g in pool.check(prog, one) if signature(g) == sig and g["config"] == cfg]
+    small = shrink(stmts, lambda cand: bool(matching(cand)))
+    return (matching(small) or [f])[0], small
+
+
+def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_shrink=True,
+         log=print, pool=None, exclude=(), make=None):
+    """Generate and check programs; returns (programs run, [distinct failures, shrunk])."""
+    cfgs = configs(modes, policies)
+    own = pool is None
+    pool = pool or Pool()
+    found: dict = {}
+    count = 0
+    t_end = None if minutes is None else time.time() + 60 * minutes
+    try:
+        for seed in seeds:
+            if t_end is not None and time.time() > t_end:
+                break
+            stmts = (make or generate)(seed, families, exclude)
+            fails = pool.check(stmts, cfgs)
+            count += 1
+            for f in fails:
+                sig = signature(f)
+                if sig in found:
+                    found[sig]["count"] += 1
+                    found[sig]["configs"] = sorted(set(found[sig]["configs"]) | {f["config"]})
+                    continue
+                f, small = _triage(pool, stmts, f, cfgs, do_shrink)
+                sig = signature(f)
+                if sig in found:  # an unreproduced crash seen before
+                    found[sig]["count"] += 1
+                    continue
+                found[sig] = {**f, "seed": seed, "count": 1, "configs": [f["config"]],
+                              "snippet": snippet(small, f["config"])}
+                log(f"\n=== seed {seed}: {f['config']} {f['kind']}: {f['detail'][:400]}\n"
+                    + (f"stderr: ...{f['stderr'][-400:]}\n" if f.get("stderr") else "")
+                    + f"{found[sig]['snippet']}\n")
+    finally:
+        if own:
+            pool.close()
+    return count, list(found.values())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--minutes", type=float, default=None)
+    ap.add_argument("--programs", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="first program seed")
+    ap.add_argument("--mode", action="append", choices=MODES + ["all"])
+    ap.add_argument("--policy", choices=POLICIES + ["both"], default="both")
+    ap.add_argument("--families", default=None, help="comma-separated subset of " + ",".join(FAMILIES))
+    ap.add_argument("--ci", action="store_true",
+                    help="leave out CI_EXCLUDED_FAMILIES and CI_EXCLUDED_PATTERNS (known bugs)")
+    ap.add_argument("--exclude", action="append", default=[], help="regex: skip such statements")
+    ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--json", default=None, help="write the failures here")
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker_main()
+    modes = MODES if not a.mode or "all" in a.mode else a.mode
+    policies = POLICIES if a.policy == "both" else [a.policy]
+    fams = a.families.split(",") if a.families else list(FAMILIES)
+    exclude = list(a.exclude)
+    if a.ci:
+        fams = [f for f in fams if f not in CI_EXCLUDED_FAMILIES]
+        exclude += list(CI_EXCLUDED_PATTERNS)
+    if a.programs is None and a.minutes is None:
+        a.programs = 100
+    seeds = range(a.seed, a.seed + a.programs) if a.programs else itertools.count(a.seed)
+    t0 = time.time()
+    n, fails = fuzz(seeds, modes, policies, fams, a.minutes, not a.no_shrink, exclude=exclude)
+    dt = time.time() - t0
+    print(f"\n{n} programs, modes {modes}, policies {policies}, {dt:.0f} s: "
+          f"{len(fails)} distinct failure(s)")
+    for f in fails:
+        print(f"- {f['kind']} in {','.join(f['configs'])} (x{f['count']}, first seed "
+              f"{f['seed']}): {f['detail'][:150]}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"programs": n, "seconds": dt, "failures": fails}, fh, indent=1)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
