@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _engine, _tensor, neuron  # noqa: F401  (_tensor sets the class)
+from . import _engine, _tensor, distributed, neuron  # noqa: F401  (_tensor sets the class)
 
 _done = False
 _lib = None
@@ -36,6 +36,7 @@ def register() -> None:
     _register_autocast()
     _register_fused_rnn_cells()
     _wrap_backward()
+    distributed.register()
     _done = True
 
 

@@ -14,6 +14,8 @@ class Metrics:
     cpu_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    collectives: int = 0  # torch.distributed collectives and P2P ops on neuron tensors
+    collective_bytes: int = 0  # their payload (bytes of this rank's tensors they carry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Snapshot:
     hbm_bytes: int
     mean_group_size: float
     group_sizes: dict
+    collectives: int = 0
+    collective_bytes: int = 0
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -75,7 +79,7 @@ def snapshot(engine, base: dict) -> Snapshot:
         bytes_saved=r.counters["bytes_saved"] - base.get("saved", 0),
         hbm_bytes=dev.hbm_bytes - base.get("hbm", 0),
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
-        group_sizes=groups)
+        group_sizes=groups, collectives=m.collectives, collective_bytes=m.collective_bytes)
 
 
 def base_of(engine) -> dict:
@@ -98,6 +102,7 @@ def report(s: Snapshot) -> str:
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
+        ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),
         ("host->device bytes", s.h2d_bytes), ("device->host bytes", s.d2h_bytes),
         ("HBM bytes moved by launches", s.hbm_bytes),
         ("bytes not written back", s.bytes_saved),

@@ -36,6 +36,7 @@ class Launch:
     end_us: float = 0.0
     error: BaseException | None = None
     context: Any = None  # what the engine wants back with an error (op name, source line)
+    cost_us: float = 0.0  # kind "collective": its time, from device/interconnect.py
 
 
 class DeviceError(RuntimeError):
@@ -64,6 +65,7 @@ class Device:
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.launches = 0
         self.dmas = 0
+        self.collectives = 0
         self.hbm_bytes = 0  # HBM traffic of all launches
         self.rng = DeviceRNG()
 
@@ -83,6 +85,9 @@ class Device:
         if launch.kind == "dma":
             cost = spec.dma_us(launch.dma_bytes)
             self.dmas += 1
+        elif launch.kind == "collective":  # costed by its caller (device/interconnect.py)
+            cost = launch.cost_us
+            self.collectives += 1
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
             self.launches += 1
@@ -126,11 +131,14 @@ class Device:
     def chrome_trace(self) -> dict:
         """The device timeline in Chrome/Perfetto trace-event format."""
         events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": 0,
-                   "tid": 0 if kind == "launch" else 1, "args": {"bytes": b, "flops": f}}
+                   "tid": _TIDS.get(kind, 1), "args": {"bytes": b, "flops": f}}
                   for name, kind, ts, dur, b, f in self.trace]
         meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                for t, n in ((0, "NeuronCore launches"), (1, "DMA"))]
+                for t, n in ((0, "NeuronCore launches"), (1, "DMA"), (2, "collectives"))]
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+_TIDS = {"launch": 0, "dma": 1, "collective": 2}  # trace rows
 
 
 def _sleep_us(us: float) -> None:
