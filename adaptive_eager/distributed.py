@@ -83,7 +83,8 @@ def collective(eng, func, args, kwargs):
     pattern, size_arg = _COLLECTIVES[func._schema.name.split("::")[1]]
     tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, _engine.NeuronTensor)]
     for t in tensors:
-        if t._handle.poison is not None:  # Note [Poison] in fusion/program.py
+        if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
+            eng.synchronize()  # the earliest deferred error first, then this value's
             raise _engine._runtime_error(t._handle.poison) from t._handle.poison.error
     views = {}
 
