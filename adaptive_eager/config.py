@@ -28,6 +28,17 @@ def _opt_float(v: str) -> float | None:
     return float(v) if v else None
 
 
+def _core_list(v: str) -> tuple[int, ...] | None:
+    """The Neuron runtime's forms: '0-1' (a range), '2', '0,3' (a list)."""
+    if not v:
+        return None
+    cores = []
+    for part in v.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(cores)
+
+
 _SETTINGS: list[tuple[str, str, object, callable, str]] = [
     # (field, env var, default, parser, effect)
     ("adaptive", "TORCH_NEURONX_ENABLE_CONCATENATION", False, _flag_exact_1,
@@ -65,6 +76,10 @@ _SETTINGS: list[tuple[str, str, object, callable, str]] = [
      "flush when queued (not yet written) values exceed this many MiB"),
     ("realtime", "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
      "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)"),
+    ("visible_cores", "NEURON_RT_VISIBLE_CORES", None, _core_list,
+     "the chip's NeuronCores this process sees ('0-1', '2', '0,3'), numbered neuron:0.."),
+    ("num_cores", "NEURON_RT_NUM_CORES", None, _opt_int,
+     "how many NeuronCores this process sees (when NEURON_RT_VISIBLE_CORES is unset)"),
 ]
 
 
@@ -88,6 +103,8 @@ class Config:
     max_group_contractions: int = 4
     max_pending_mb: float = 1024.0
     realtime: bool = False
+    visible_cores: tuple[int, ...] | None = None
+    num_cores: int | None = None
 
     @classmethod
     def from_env(cls, env=os.environ) -> "Config":
