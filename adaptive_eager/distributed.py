@@ -138,6 +138,11 @@ _REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX",
                "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
 
 
+# The single-tensor forms (the *_into_tensor / *_tensor names are deprecated where these exist)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _group(name):
     if isinstance(name, dist.ProcessGroup):
         return name
@@ -174,7 +179,7 @@ def _f_all_reduce_coalesced(inputs, reduce_op, group_name):
 def _f_all_gather_into_tensor(input, group_size, group_name, out=None):
     if out is None:
         out = input.new_empty((input.shape[0] * group_size,) + tuple(input.shape[1:]))
-    dist.all_gather_into_tensor(out, input.contiguous(), group=_group(group_name))
+    _all_gather_single(out, input.contiguous(), group=_group(group_name))
     return out
 
 
@@ -188,7 +193,7 @@ def _f_reduce_scatter_tensor(input, reduce_op, group_size, group_name, out=None)
     if out is None:
         out = input.new_empty((input.shape[0] // group_size,) + tuple(input.shape[1:]))
     red = dist.ReduceOp.SUM if op == "avg" else getattr(dist.ReduceOp, _REDUCE_OPS[op])
-    dist.reduce_scatter_tensor(out, input.contiguous(), red, group=pg)
+    _reduce_scatter_single(out, input.contiguous(), red, group=pg)
     if op == "avg":
         out.div_(pg.size())
     return out

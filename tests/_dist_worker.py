@@ -63,6 +63,60 @@ def ddp_losses(rank, world):
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+def _full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+
+
+def fsdp2_losses(rank, world, mesh):
+    """FSDP2 (fully_shard per layer and at the root): data parallel over sharded params."""
+    from torch.distributed.fsdp import fully_shard
+    model = make_model().to("neuron")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = GLOBAL_BATCH // world
+    losses = []
+    for x, y in make_data():
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, [_full(p) for p in model.parameters()]
+
+
+def tp_losses(rank, world, mesh):
+    """Tensor parallel: the first Linear split by columns, the second by rows; every rank
+    sees the whole batch."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    model = make_model().to("neuron")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in make_data():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [_full(p) for p in model.parameters()]
+
+
+def dtensor_values(rank, world, mesh):
+    """A DTensor sharded by rows: its local shard, a redistribution, a reduction."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    d = distribute_tensor(x.to("neuron"), mesh, [Shard(0)])
+    full = d.redistribute(mesh, [Replicate()]).to_local()
+    return {"local": d.to_local().cpu(), "full": full.cpu(),
+            "sum": (d * 2).sum().full_tensor().item()}
+
+
 def collectives(rank, world):
     """Each collective and P2P op once, on neuron tensors: values and what they cost."""
     out = {}
@@ -79,10 +133,10 @@ def collectives(rank, world):
     dist.all_gather(gathered, torch.full((2,), float(rank), device=dev))
     out["all_gather"] = [t.cpu() for t in gathered]
     flat = torch.empty(2 * world, device=dev)
-    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank), device=dev))
+    dist.all_gather_single(flat, torch.full((2,), float(rank), device=dev))
     out["all_gather_into_tensor"] = flat.cpu()
     rs = torch.empty(2, device=dev)
-    dist.reduce_scatter_tensor(rs, torch.arange(2 * world, dtype=torch.float32, device=dev))
+    dist.reduce_scatter_single(rs, torch.arange(2 * world, dtype=torch.float32, device=dev))
     out["reduce_scatter_tensor"] = rs.cpu()
     b = torch.full((3,), float(rank + 5), device=dev)
     dist.broadcast(b, src=1)
@@ -119,9 +173,6 @@ def adaptive_boundary(rank, world):
             "launches": last.launches, "value": value}
 
 
-SCENARIOS = {"collectives": collectives, "ddp": ddp_losses, "boundary": adaptive_boundary}
-
-
 def run(rank, world, port, results):
     """One rank: every scenario in every mode; results (or the traceback) into `results`."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -134,10 +185,16 @@ def run(rank, world, port, results):
             mine["backend"] = type(dist.group.WORLD._get_backend(torch.device("neuron"))).__name__
             mine["backend_config"] = dist.get_backend_config()
             mine["device_types"] = [str(d) for d in dist.group.WORLD._device_types]
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("neuron", (world,))
             for mode in MODES:
                 with _mode(mode):
                     mine[("collectives", mode)] = collectives(rank, world)
                     mine[("ddp", mode)] = ddp_losses(rank, world)
+                    mine[("fsdp2", mode)] = fsdp2_losses(rank, world, mesh)
+                    mine[("tp", mode)] = tp_losses(rank, world, mesh)
+                    mine[("dtensor", mode)] = dtensor_values(rank, world, mesh)
+            mine["fallbacks"] = ae.metrics().cpu_fallbacks
             mine["boundary"] = adaptive_boundary(rank, world)
             dist.destroy_process_group()
         except BaseException:

@@ -108,6 +108,32 @@ def test_ddp_matches_single_process_cpu(ranks, mode):
             torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize("style", ["fsdp2", "tp"])
+@pytest.mark.parametrize("mode", W.MODES)
+def test_parallel_style_matches_single_process_cpu(ranks, style, mode):
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        losses, params = ranks[r][(style, mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_dtensor_on_a_neuron_mesh(ranks, mode):
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    for r in range(WORLD):
+        got = ranks[r][("dtensor", mode)]
+        torch.testing.assert_close(got["local"], x[2 * r:2 * r + 2])
+        torch.testing.assert_close(got["full"], x)
+        assert got["sum"] == 2 * x.sum().item()
+
+
+def test_no_cpu_fallback_in_any_parallel_style(ranks):
+    for r in range(WORLD):
+        assert ranks[r]["fallbacks"] == {}
+
+
 # -- one process, a world of one -----------------------------------------------------------
 @pytest.fixture
 def world_of_one(tmp_path):
