@@ -35,9 +35,9 @@ def device_address(handle) -> int:
 # PrivateUse1 hooks (`resizePrivateUse1Bytes`), which the Python hooks object cannot provide
 # (torch._C._acc.PrivateUse1Hooks exposes is_available, is_built, has_primary_context only).
 # A neuron tensor's `untyped_storage()` is this Python object, so `resize_` is ours: the
-# buffer's handle, shared by every view of it, gets a new device buffer (or none at size 0,
-# releasing its HBM). Views whose extent no longer fits fail as CPU's do ("setStorage: ...
-# out of bounds") until it grows back.
+# buffer's handle, shared by every view of it, gets a new device buffer (an empty one at
+# size 0, releasing its HBM). An op reading past the end fails on the device ("setStorage:
+# ... out of bounds", raised at the next sync; CPU would crash) until it grows back.
 
 
 class NeuronStorage:
@@ -75,10 +75,9 @@ class NeuronStorage:
                 return self
             eng.flush("resize")  # queued readers and writers of the old bytes run first
             old = h.buffer
-            new = None
+            eng._make_room(nbytes)
+            new = eng.device.alloc(nbytes)  # size 0: an empty buffer, no HBM
             if nbytes:
-                eng._make_room(nbytes)
-                new = eng.device.alloc(nbytes)
                 keep = min(nbytes, h.nbytes)
                 if keep and old is not None and old.storage is not None:
                     with torch._C._DisableTorchDispatch():

@@ -202,3 +202,33 @@ def test_ring_all_reduce_bandwidth_term_saturates():
     spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0)
     t = [collective_us(spec, RING_ALL_REDUCE, 2**26, p) for p in (2, 64, 512)]
     assert t[0] < t[1] < t[2] < 2 * t[0]
+
+
+# -- storage resize (FSDP2 frees and re-allocates unsharded parameters) ----------------------
+@pytest.mark.parametrize("mode", W.MODES)
+def test_storage_resize_frees_and_reallocates(mode):
+    with W._mode(mode):
+        x = torch.arange(6, dtype=torch.float32).to("neuron")
+        y = x * 2
+        torch.neuron.synchronize()
+        st = y.untyped_storage()
+        used = torch.neuron.memory_allocated()
+        st.resize_(0)
+        assert st.size() == 0 and torch.neuron.memory_allocated() == used - 24
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+            y + 1  # CPU would crash here
+        st.resize_(24)
+        assert st.nbytes() == 24 and torch.neuron.memory_allocated() == used
+        y.copy_(torch.ones(6))
+        assert (y + 1).cpu().tolist() == [2.0] * 6
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_storage_resize_keeps_the_prefix(mode):
+    with W._mode(mode):
+        y = torch.arange(6, dtype=torch.float32).to("neuron") * 2  # queued in adaptive mode
+        y.untyped_storage().resize_(12)  # runs the queue first
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 12"):
+            y[:3]  # y's own extent no longer fits: refused before any view is made
+        y.untyped_storage().resize_(24)
+        assert y.cpu()[:3].tolist() == [0.0, 2.0, 4.0]
