@@ -232,3 +232,25 @@ def test_storage_resize_keeps_the_prefix(mode):
             y[:3]  # y's own extent no longer fits: refused before any view is made
         y.untyped_storage().resize_(24)
         assert y.cpu()[:3].tolist() == [0.0, 2.0, 4.0]
+
+
+# -- torchrun ------------------------------------------------------------------------------
+def test_torchrun_ddp_example(tmp_path):
+    """`torchrun --nproc-per-node 2 examples/train_ddp.py`: the losses of one CPU process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "losses.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(root, "examples", "train_ddp.py"), "--adaptive", "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            root, os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(W.cpu_losses()[0]))
+    assert got["world"] == 2 and got["device_count"] == 1  # NEURON_RT_VISIBLE_CORES=LOCAL_RANK
+    assert got["cpu_fallbacks"] == {} and got["collectives"] > 0
