@@ -113,8 +113,8 @@ def main() -> None:
             lines.append(f"| {mode} | {r} | {f['launches']:.0f} | {f['collectives']:.0f} | "
                          f"{f['collective_bytes']:.0f} | {f['device_us']:.1f} | "
                          f"{f['collective_us']:.1f} | {f['fallbacks']} |")
-    lines += ["", "Projection (ring all-reduce over DeviceSpec.interconnect_gbps; weak scaling; "
-              "rank 0's step):", "",
+    lines += ["", "Projection (each collective of rank 0's step re-costed at p ranks with its "
+              "own pattern; weak scaling):", "",
               "| mode | ranks | projected step device time (us) | scaling efficiency |",
               "|---|---|---|---|"]
     for mode in MODES:

@@ -55,7 +55,8 @@ def main() -> None:
     m = ae.metrics()
     if rank == 0 and a.out:
         with open(a.out, "w") as f:
-            json.dump({"losses": losses, "world": world, "device_count": torch.neuron.device_count(),
+            json.dump({"losses": losses, "world": world,
+                       "device_count": torch.neuron.device_count(),
                        "collectives": m.collectives, "cpu_fallbacks": m.cpu_fallbacks}, f)
     dist.destroy_process_group()
 
