@@ -2,6 +2,7 @@
 import it). Every scenario returns plain data; the parent process asserts on it."""
 from __future__ import annotations
 
+import datetime
 import os
 import traceback
 import warnings
@@ -181,7 +182,10 @@ def run(rank, world, port, results):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            dist.init_process_group(rank=rank, world_size=world)  # no backend: neuron's default
+            # no backend: neuron's default; a short timeout, so a rank that failed cannot
+            # leave the other one waiting in a collective for gloo's default 30 minutes
+            dist.init_process_group(rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=60))
             mine["backend"] = type(dist.group.WORLD._get_backend(torch.device("neuron"))).__name__
             mine["backend_config"] = dist.get_backend_config()
             mine["device_types"] = [str(d) for d in dist.group.WORLD._device_types]

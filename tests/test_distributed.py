@@ -151,6 +151,7 @@ def test_collective_costs_device_time(world_of_one):
     ae.synchronize()
     m = ae.metrics() - before
     assert m.collectives == 1 and m.collective_bytes == 4096 and m.launches == 0
+    assert "collectives (bytes)" in ae.metrics_report()
     assert m.device_time_us == pytest.approx(
         collective_us(ae._engine.ENGINE.spec, RING_ALL_REDUCE, 4096, 1))
     assert x.cpu().tolist() == [1.0] * 1024
