@@ -108,7 +108,7 @@ class adaptive(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _dispatch_mode_stack() and _engine.NeuronTensor in types:
+        if not _dispatch_mode_stack() and types == (_engine.NeuronTensor,):
             # The only mode: go straight to the engine (what func() would reach anyway).
             # Under other modes, redispatch so that they see the op too.
             return _engine.ENGINE.dispatch(func, args, kwargs)

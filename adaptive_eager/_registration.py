@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _engine, _tensor, compile, errors, neuron, pinned, profiler  # noqa: F401  (_tensor sets the class)
+from . import _engine, _tensor, compile, distributed, errors, neuron, pinned, profiler  # noqa: F401,E501  (_tensor sets the class)
 
 _done = False
 _lib = None
@@ -39,6 +39,7 @@ def register() -> None:
     pinned.register()
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
+    distributed.register()
     _done = True
 
 

@@ -31,6 +31,15 @@ def device_address(handle) -> int:
     return addr
 
 
+# Note [Storage resize]: PyTorch resizes a wrapper tensor's storage through the C++
+# PrivateUse1 hooks (`resizePrivateUse1Bytes`), which the Python hooks object cannot provide
+# (torch._C._acc.PrivateUse1Hooks exposes is_available, is_built, has_primary_context only).
+# A neuron tensor's `untyped_storage()` is this Python object, so `resize_` is ours: the
+# buffer's handle, shared by every view of it, gets a new device buffer (an empty one at
+# size 0, releasing its HBM). An op reading past the end fails on the device ("setStorage:
+# ... out of bounds", raised at the next sync; CPU would crash) until it grows back.
+
+
 class NeuronStorage:
     """`untyped_storage()` of a neuron tensor: the identity (`data_ptr`) and size (`nbytes`)
     of its device buffer. It holds no host bytes; copy the tensor to the CPU for those."""
@@ -51,6 +60,32 @@ class NeuronStorage:
         return self._handle.nbytes
 
     size = nbytes
+
+    def resize_(self, nbytes: int) -> "NeuronStorage":
+        """Resize the device buffer, as `UntypedStorage.resize_` does on CPU: the first
+        min(old, new) bytes are kept. FSDP2 frees an unsharded parameter by resizing its
+        storage to 0 and re-allocates it before the next all-gather (Note [Storage resize])."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise RuntimeError(f"Storage size calculation overflowed with nbytes={nbytes}")
+        eng = _engine.ENGINE
+        with eng.lock:
+            h = self._handle
+            if nbytes == h.nbytes:
+                return self
+            eng.flush("resize")  # queued readers and writers of the old bytes run first
+            old = h.buffer
+            eng._make_room(nbytes)
+            new = eng.device.alloc(nbytes)  # size 0: an empty buffer, no HBM
+            if nbytes:
+                keep = min(nbytes, h.nbytes)
+                if keep and old is not None and old.storage is not None:
+                    with torch._C._DisableTorchDispatch():
+                        dst = torch.empty(0, dtype=torch.uint8).set_(new.storage, 0, (keep,))
+                        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old.storage, 0, (keep,)))
+            h.buffer, h.nbytes, h.pending = new, nbytes, False
+            _addresses.pop(h, None)  # a new allocation: a new device address
+        return self
 
     def __len__(self) -> int:
         return self._handle.nbytes

@@ -74,6 +74,8 @@ class NeuronTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1:  # another subclass among the args (DTensor's AsyncCollectiveTensor
+            return NotImplemented  # wrapping a neuron tensor): it unwraps first, then calls us
         return _engine.ENGINE.dispatch(func, args, kwargs or {})
 
     # -- sync points with their own reason ----------------------------------------------

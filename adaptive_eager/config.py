@@ -28,6 +28,17 @@ def _opt_float(v: str) -> float | None:
     return float(v) if v else None
 
 
+def _core_list(v: str) -> tuple[int, ...] | None:
+    """The Neuron runtime's forms: '0-1' (a range), '2', '0,3' (a list)."""
+    if not v:
+        return None
+    cores = []
+    for part in v.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(cores)
+
+
 def _setting(var: str, default, parse, doc: str):
     """A Config field: default, the environment variable that sets it, parser, effect."""
     return dataclasses.field(default=default, metadata={"var": var, "parse": parse, "doc": doc})
@@ -97,6 +108,12 @@ class Config:
     tier_up: int = _setting(
         "ADAPTIVE_EAGER_TIER_UP", 3, int,
         "executor auto: launches of a group before it is compiled in the background")
+    visible_cores: tuple[int, ...] | None = _setting(
+        "NEURON_RT_VISIBLE_CORES", None, _core_list,
+        "the chip's NeuronCores this process sees ('0-1', '2', '0,3'), numbered neuron:0..")
+    num_cores: int | None = _setting(
+        "NEURON_RT_NUM_CORES", None, _opt_int,
+        "how many NeuronCores this process sees (when NEURON_RT_VISIBLE_CORES is unset)")
     metrics_enabled: bool = _setting(
         "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
         "'1': write this process's metrics as JSON at exit (one file per process)")

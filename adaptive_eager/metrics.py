@@ -42,6 +42,8 @@ class Snapshot:
     inductor_compile_s: float = 0.0
     tier_ups: int = 0  # auto: groups sent to the background compiler
     compile_failures: dict = dataclasses.field(default_factory=dict)  # reason -> groups
+    collectives: int = 0
+    collective_bytes: int = 0
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -79,7 +81,8 @@ def snapshot(hbm) -> Snapshot:
         interpreted_launches=c.launches - c.compiled_launches,
         compiled_groups=c.compiled_groups, inductor_cache_hits=c.inductor_cache_hits,
         inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
-        compile_failures=dict(c.compile_failures))
+        compile_failures=dict(c.compile_failures,
+        collectives=c.collectives, collective_bytes=c.collective_bytes)
 
 
 def report(s: Snapshot) -> str:
@@ -103,6 +106,7 @@ def report(s: Snapshot) -> str:
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
+        ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),
         ("host->device bytes", s.h2d_bytes), ("device->host bytes", s.d2h_bytes),
         ("HBM bytes moved by launches", s.hbm_bytes),
         ("bytes not written back", s.bytes_saved),

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from . import _engine
+from . import _engine, cores
 
 _E = lambda: _engine.ENGINE  # noqa: E731  (the engine may be rebuilt by tests)
 
@@ -24,23 +24,15 @@ def _is_in_bad_fork() -> bool:
 
 
 def device_count() -> int:
-    return 1
+    return cores.count()
 
 
 def current_device() -> int:
-    return 0
+    return 0  # Note [One core per process] in cores.py
 
 
 def _check(device) -> int:
-    if device is None:
-        return 0
-    idx = device if isinstance(device, int) else torch.device(device).index or 0
-    if isinstance(device, (str, torch.device)) and torch.device(device).type != "neuron":
-        raise ValueError(f"expected a neuron device, got {device!r}")
-    if idx != 0:
-        raise RuntimeError(f"neuron:{idx} does not exist: this simulated machine has one "
-                           f"NeuronCore (neuron:0)")
-    return idx
+    return cores.check(device)  # Note [One core per process] in cores.py
 
 
 def set_device(device) -> None:

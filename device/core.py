@@ -38,6 +38,7 @@ class Launch:
     error: BaseException | None = None
     internal: bool = False  # the error is a bug of ours, not the op's (LaunchError)
     context: Any = None  # what the engine wants back with an error (op name, source line)
+    cost_us: float = 0.0  # kind "collective": its time, from device/interconnect.py
 
 
 class LaunchError(Exception):
@@ -60,8 +61,8 @@ class DeviceError(RuntimeError):
 
 
 # Timeline tracks by event kind: launches, DMAs, and the host's compiles and syncs.
-TRACKS = {"launch": 0, "dma": 1, "compile": 2, "sync": 3}
-TRACK_NAMES = ("NeuronCore launches", "DMA", "host: compiles", "host: syncs")
+TRACKS = {"launch": 0, "dma": 1, "compile": 2, "sync": 3, "collective": 4}
+TRACK_NAMES = ("NeuronCore launches", "DMA", "host: compiles", "host: syncs", "collectives")
 
 
 class Device:
@@ -97,6 +98,8 @@ class Device:
         if launch.kind == "dma":
             cost = spec.dma_us(launch.dma_bytes)
             COUNTERS.dmas += 1
+        elif launch.kind == "collective":  # costed by its caller (device/interconnect.py)
+            cost = launch.cost_us
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
             COUNTERS.launches += 1
@@ -151,6 +154,8 @@ class Device:
         meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
                 for t, n in enumerate(TRACK_NAMES)]
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
 
 
 def _sleep_us(us: float) -> None:

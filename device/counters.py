@@ -35,6 +35,8 @@ class Counters:
     bad_executables: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)  # fused compiles that failed, by reason
     bytes_saved: int = 0  # bytes of values freed before their flush, never written back
+    collectives: int = 0  # torch.distributed collectives and P2P ops on neuron tensors
+    collective_bytes: int = 0  # their payload (bytes of this rank's tensors they carry)
     # Executors (fusion/executors): launches that ran TorchInductor's code; Inductor's real
     # compile wall time, apart from the modeled compile_time_us above.
     compiled_launches: int = 0

@@ -28,6 +28,12 @@ class DeviceSpec:
     compile_base_us: float = 200_000.0  # assumption: fixed cost of one compile (0.2 s)
     compile_per_op_us: float = 20_000.0  # assumption: added compile cost per fused op
     max_in_flight: int = 8  # the reference runtime keeps up to 8 launches in flight
+    chip_cores: int = 4  # assumption: logical NeuronCores (LNC=2) on the simulated Trn2 chip
+    # Note [Interconnect assumptions]: one ring link per rank. NeuronLink-v3 is announced
+    # at ~1.28 TB/s per Trn2 chip (public launch figure); a quarter of it per logical core.
+    # Beyond one instance the links are the network (EFA), slower: see device/interconnect.py.
+    interconnect_gbps: float = 320.0  # assumption: per-rank link bandwidth, GB/s, one way
+    interconnect_latency_us: float = 5.0  # assumption: latency of one hop (one ring step)
 
     def launch_us(self, nbytes: int, flops: float, low_precision: bool = False) -> float:
         """Launch overhead + max(bytes / bandwidth, FLOPs / peak), in microseconds."""

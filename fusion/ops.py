@@ -54,6 +54,8 @@ _INDEXING = {
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
     "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
     "arange", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
+    # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
+    "split_with_sizes_copy", "_chunk_cat",
 }
 # Ops the schema marks as views but that need to touch data on our device, or are not
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).

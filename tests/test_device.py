@@ -10,15 +10,15 @@ import torch
 
 def test_device_registered_and_cuda_like_module():
     assert torch._C._get_privateuse1_backend_name() == "neuron"
-    assert torch.neuron.is_available() and torch.neuron.device_count() == 1
+    assert torch.neuron.is_available() and torch.neuron.device_count() == 4  # one chip
     assert torch.neuron.current_device() == 0
     torch.neuron.set_device(0)
-    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
-        torch.neuron.set_device(1)
-    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
-        torch.ones(2).to("neuron:1")
-    with pytest.raises(RuntimeError, match="neuron:1 does not exist"):
-        torch.zeros(2, device="neuron:1")
+    with pytest.raises(RuntimeError, match="neuron:4 does not exist"):
+        torch.neuron.set_device(4)
+    with pytest.raises(RuntimeError, match="neuron:4 does not exist"):
+        torch.ones(2).to("neuron:4")
+    with pytest.raises(RuntimeError, match="neuron:4 does not exist"):
+        torch.zeros(2, device="neuron:4")
     assert torch.accelerator.is_available()
     assert torch.accelerator.current_accelerator().type == "neuron"
     x = torch.ones(2).neuron()

@@ -1,0 +1,134 @@
+"""A 2-rank data-parallel training step on neuron (DDP over gloo), per mode and per rank,
+and a projection to more ranks from the same cost model.
+
+    python benchmarks/dp_step.py [--steps 5] [--out benchmarks/dp_results.md]
+
+Each rank runs the suite's GPT training step (benchmarks/workloads.py: the same model,
+AdamW, one batch per rank) wrapped in DistributedDataParallel. Figures per step, after one
+warm-up step: launches, collectives and their bytes, simulated device time (launches and
+collectives, as `ae.metrics().device_time_us`) and the part of it spent in collectives.
+
+The projection (Note [DP projection]) re-costs the all-reduces one rank issued per step with
+the ring model of device/interconnect.py at p ranks, and adds the rest of the step's device
+time, unchanged (weak scaling: the per-rank batch stays the same). Like the simulated device,
+it assumes no overlap of collectives with compute and one link figure for every hop (inside a
+Trn2 instance; past it the network is slower, so large-p figures are optimistic).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MODES = ["eager", "graph", "matmul"]
+PROJECTED_RANKS = (2, 8, 64, 512)
+
+
+def ddp_gpt_step(rank):
+    """The suite's GPT training step (workloads.gpt_train), under DDP, on this rank's batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from adaptive_eager.models import GPT, batches
+    from workloads import _train_step
+    torch.manual_seed(0)
+    model = DDP(GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x, y = batches("gpt", 1, seed=rank)[0]
+    return _train_step(model, opt, x.to("neuron"), y.to("neuron"))
+
+
+def _rank(rank, world, port, steps, results):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    import adaptive_eager as ae
+    from adaptive_eager import _engine
+    dist.init_process_group(rank=rank, world_size=world)
+    out = {}
+    for mode in MODES:
+        with (ae.adaptive(False) if mode == "eager" else ae.adaptive(strategy=mode)):
+            step = ddp_gpt_step(rank)
+            for _ in range(2):  # warm-up: compiles; DDP rebuilds its buckets at step 2
+                step().item()
+            ae.synchronize()
+            trace = _engine.ENGINE.device.trace
+            mark = len(trace)
+            before = ae.metrics()
+            for _ in range(steps):
+                step().item()
+            ae.synchronize()
+            m = ae.metrics() - before
+            coll = [(name, dur, nbytes) for name, kind, _, dur, nbytes, _ in list(trace)[mark:]
+                    if kind == "collective"]
+            out[mode] = {
+                "launches": m.launches / steps, "collectives": m.collectives / steps,
+                "collective_bytes": m.collective_bytes / steps,
+                "device_us": m.device_time_us / steps,
+                "collective_us": sum(d for _, d, _ in coll) / steps,
+                # the last step's collectives (every measured step issues the same ones):
+                # DDP's gradient all-reduces and its broadcast of module buffers
+                "last_step": [(n, b) for n, _, b in coll][-round(m.collectives / steps):],
+                "fallbacks": sum(m.cpu_fallbacks.values()),
+            }
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def project(fig: dict, ranks) -> list[tuple[int, float, float]]:
+    """(p, projected step device time in us, weak-scaling efficiency) per rank count."""
+    import adaptive_eager as ae
+    from adaptive_eager.distributed import _COLLECTIVES
+    from device.interconnect import collective_us
+    spec = ae._engine.ENGINE.spec
+
+    def wire(p):  # each collective of the step with its own pattern (ring, tree...)
+        return sum(collective_us(spec, _COLLECTIVES[name.split("::")[1]][0], b, p)
+                   for name, b in fig["last_step"])
+    rest = fig["device_us"] - wire(2)
+    return [(p, rest + wire(p), (rest + wire(1)) / (rest + wire(p))) for p in ranks]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", help="also write the tables (markdown) to this file")
+    a = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(2, port, a.steps, results), nprocs=2, join=True)
+        results = dict(results)
+    lines = ["| mode | rank | launches | collectives | collective bytes | device time (us) "
+             "| of which collectives (us) | CPU fallbacks |", "|---" * 8 + "|"]
+    for mode in MODES:
+        for r in (0, 1):
+            f = results[r][mode]
+            lines.append(f"| {mode} | {r} | {f['launches']:.0f} | {f['collectives']:.0f} | "
+                         f"{f['collective_bytes']:.0f} | {f['device_us']:.1f} | "
+                         f"{f['collective_us']:.1f} | {f['fallbacks']} |")
+    lines += ["", "Projection (each collective of rank 0's step re-costed at p ranks with its "
+              "own pattern; weak scaling):", "",
+              "| mode | ranks | projected step device time (us) | scaling efficiency |",
+              "|---|---|---|---|"]
+    for mode in MODES:
+        for p, t, eff in project(results[0][mode], PROJECTED_RANKS):
+            lines.append(f"| {mode} | {p} | {t:.1f} | {eff:.1%} |")
+    step = ", ".join(f"{n} of {b} B" for n, b in results[0]["graph"]["last_step"])
+    lines += ["", f"Collectives of one step (rank 0): {step}."]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(f"# 2-rank data-parallel step (`python benchmarks/dp_step.py --steps "
+                    f"{a.steps}`)\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
