@@ -81,7 +81,7 @@ def snapshot(hbm) -> Snapshot:
         interpreted_launches=c.launches - c.compiled_launches,
         compiled_groups=c.compiled_groups, inductor_cache_hits=c.inductor_cache_hits,
         inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
-        compile_failures=dict(c.compile_failures,
+        compile_failures=dict(c.compile_failures),
         collectives=c.collectives, collective_bytes=c.collective_bytes)
 
 
