@@ -558,7 +558,7 @@ def _enc_tensor(v, handles: list, where: dict, vbytes: list) -> tuple:
     h = v._handle
     li = where.get(h.uid)
     if li is None:
-        if v._wrapper_nbytes > h.nbytes:  # its storage was resized smaller (FSDP2's free)
+        if v._extent > h.nbytes:  # its storage was resized smaller (FSDP2's free)
             _out_of_bounds(v._layout[0], v._layout[1], v._layout[2], v.dtype, h.nbytes)
         li = where[h.uid] = len(handles)
         handles.append(h)

@@ -30,7 +30,7 @@ class NeuronTensor(torch.Tensor):
         if info is None:
             t._set_layout()
         else:  # precomputed per op signature by the engine's meta cache
-            t._layout, t._vbytes = info[0], info[1]
+            t._layout, t._vbytes, t._extent = info
         return t
 
     def _set_layout(self):
@@ -38,6 +38,9 @@ class NeuronTensor(torch.Tensor):
         self._layout = (tuple(self.shape), self.stride(), self.storage_offset(),
                         str(self.dtype)[6:])
         self._vbytes = self.numel() * self.element_size()
+        # bytes of the buffer this view reaches (its end): checked against the buffer
+        self._extent = _engine._extent_bytes(self._layout[0], self._layout[1],
+                                             self._layout[2], self.element_size())
 
     @property
     def data(self):

@@ -180,7 +180,10 @@ def test_collective_trace_row(world_of_one, tmp_path):
     ae.save_trace(str(tmp_path / "t.json"))
     import json
     events = json.load(open(tmp_path / "t.json"))["traceEvents"]
-    assert any(e.get("cat") == "collective" and e["tid"] == 2 for e in events)
+    from device.core import TRACKS
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert rows[TRACKS["collective"]] == "collectives"
+    assert any(e.get("cat") == "collective" and e["tid"] == TRACKS["collective"] for e in events)
 
 
 # -- the cost model ------------------------------------------------------------------------
