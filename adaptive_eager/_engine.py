@@ -286,16 +286,15 @@ class Engine:
         t._set_layout()
 
     def _grow(self, t, need: int) -> None:
-        """A tensor resized past its buffer gets a new, larger buffer that starts with the old
-        bytes (as CPU's resize_ reallocates its storage). Other views of the old buffer keep
-        the old one (on CPU they would share the new storage)."""
-        old = t._handle
+        """A tensor resized past its buffer: the buffer itself grows (a new, larger
+        allocation that starts with the old bytes), so every view of it sees the new storage,
+        as CPU's resize_ reallocates the storage its views share."""
+        h = t._handle
         self.flush("resize")
         self._make_room(need)
-        new = Handle(need, self.device.alloc(need))
-        new.poison = old.poison
-        if old.buffer is not None and old.nbytes:
-            src, dst, n = old.buffer.storage, new.buffer.storage, old.nbytes
+        buf = self.device.alloc(need)
+        if h.buffer is not None and h.nbytes:
+            src, dst, n = h.buffer.storage, buf.storage, h.nbytes
 
             def copy():
                 u8 = torch.uint8
@@ -304,7 +303,7 @@ class Engine:
 
             with torch._C._DisableTorchDispatch():
                 self.device.submit(Launch("resize_", copy, 2 * n, 0.0))
-        t._handle = new
+        h.buffer, h.nbytes = buf, need  # the old allocation is released with its last user
 
     def _inplace_view(self, func, args, kwargs):
         """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides

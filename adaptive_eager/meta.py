@@ -244,6 +244,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(schema_args[j].name)
             t = t[1 + k] if t[0] == "L" else t
             if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
+                cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
+                if isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size:
+                    stride = cpu.stride()  # CPU restrides a resized out (Note [CPU layouts])
                 resize.append((j, k, size, stride))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,

@@ -301,7 +301,14 @@ class Gen:
         if a is None:
             return None
         b = self.pick() if r.random() < 0.5 else self.lit()
-        target = o if r.random() < 0.7 else f"torch.empty({r.choice(['0', '(2, 2)', '1'])}, device=dev)"
+        # An out= tensor that overlaps an input is undefined behaviour in PyTorch (CPU itself
+        # reads half-written memory): such a target is replaced by a fresh tensor.
+        st = lambda k: self.ns[k].untyped_storage().data_ptr()  # noqa: E731
+        inputs = [x for x in (a, b) if x in self.ns and isinstance(self.ns[x], self.torch.Tensor)]
+        if any(self.ns[x].numel() and self.ns[o].numel() and st(x) == st(o) for x in inputs):
+            o = None
+        target = o if o is not None and r.random() < 0.7 else \
+            f"torch.empty({r.choice(['0', '(2, 2)', '1'])}, device=dev)"
         v = self.fresh()
         fn = r.choice([f"torch.add({a}, {b}, out={{}})", f"torch.mul({a}, {b}, out={{}})",
                        f"torch.neg({a}, out={{}})", f"torch.sum({a}, 0, out={{}})",

@@ -157,10 +157,16 @@ def test_out_and_resize_grow_past_their_buffer_as_on_cpu(mode):
     r = torch.add(torch.ones(1, 4, device=N), 1, out=out)
     assert r is out and out.shape == (1, 4) and out.tolist() == [[2., 2., 2., 2.]]
     x = torch.arange(3., device=N)
+    view = x[:2]
     x.resize_(2, 3)  # grows: the old values stay in front, as on CPU
     assert x.shape == (2, 3) and x.flatten()[:3].tolist() == [0., 1., 2.]
     x[1] = 7
+    x[0, 0] = 5
     assert x.tolist()[1] == [7., 7., 7.]
+    assert view.tolist() == [5., 1.]  # views share the grown storage, as on CPU
+    t = torch.randn(5, 2).t()  # out= resized from an input's layout takes CPU's strides
+    assert torch.clamp(t.to(N), 0, 1, out=torch.empty(1, 1, device=N)).stride() == \
+        torch.clamp(t, 0, 1, out=torch.empty(1, 1)).stride()
     with pytest.raises(RuntimeError, match="out of bounds for storage"):
         torch.arange(4., device=N).as_strided_((3, 3), (3, 1))
 
