@@ -1,0 +1,60 @@
+"""Host time per op on a chain of tiny pointwise ops (issue: the per-op path), in one run:
+plain CPU torch, a do-nothing `__torch_dispatch__` subclass (the floor any Python backend
+pays), and neuron eager / adaptive with the default policy. Figures are ratios to CPU in the
+same process (`extra_info`); the README records a measured run:
+
+    python -m pytest benchmarks/test_host_overhead.py --benchmark-enable -p no:randomly
+"""
+import pytest
+import torch
+
+from modes import mode_scope
+
+CHAIN = 800  # ops per step: `x * 1.0001 + 0.001`, 400 times, on 16 floats
+
+
+class Floor(torch.Tensor):
+    """A wrapper subclass whose dispatch does nothing but unwrap, run and wrap."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        t.inner = inner
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        a = [x.inner if type(x) is Floor else x for x in args]
+        out = func(*a, **(kwargs or {}))
+        return Floor(out) if isinstance(out, torch.Tensor) else out
+
+
+def chain(x):
+    for _ in range(CHAIN // 2):
+        x = x * 1.0001 + 0.001
+    return x
+
+
+@pytest.mark.parametrize("mode", ["cpu", "floor", "eager", "graph"])
+def test_tiny_chain(benchmark, mode):
+    benchmark.group = "tiny_chain"
+    x = torch.randn(16)
+    if mode == "floor":
+        x = Floor(x)
+    dev = "neuron" if mode in ("eager", "graph") else "cpu"
+    with mode_scope(mode if dev == "neuron" else "cpu") as device:
+        x = x.to(device) if dev == "neuron" else x
+
+        def step():
+            y = chain(x)
+            if dev == "neuron":
+                torch.neuron.synchronize()
+            return y
+
+        step()  # warm: compiles, plans
+        result = benchmark.pedantic(step, rounds=10, warmup_rounds=1)
+        benchmark.extra_info.update(mode=mode, ops_per_step=CHAIN)
+    expected = chain(torch.randn(16, generator=torch.Generator().manual_seed(0)))
+    assert result.shape == expected.shape
