@@ -9,7 +9,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusion.ir import OpSig
-from fusion.ops import CONTRACTION, RANDOM, VIEW, op_class
+from fusion.ops import CONTRACTION, VIEW, op_class
 
 from .source import DEVICE_TYPE, _user_stacklevel
 
@@ -83,8 +83,8 @@ def _global_state() -> tuple:
 # (`float & float`, mm of float32 by float64), some refuse what CPU accepts (empty inputs).
 # On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
 # the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
-# (big buffers; contractions of one dtype, whose layouts meta gets right) and for random ops
-# (they would draw from the generator). A probe error counts only if CPU raises it for two
+# (big buffers; contractions of one dtype, whose layouts meta gets right); a random op's probe
+# draws from a copy of the generator, so the real draws are untouched. A probe error counts only if CPU raises it for two
 # different fillings (zeros and ones), so value checks (a zero divisor, index 1 of a size-1
 # dim) are not mistaken for user errors; those are found at run time as on the device.
 
@@ -93,7 +93,7 @@ _PROBE_MAX_BYTES = 16 * 2**20
 
 
 def _worth_probing(cls, handles, args_t, kwargs_t) -> bool:
-    if cls == RANDOM or sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
+    if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
         return False
     if cls == CONTRACTION:
         return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
@@ -131,7 +131,9 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
                 return torch.device("cpu")
             return v
 
-        with torch._C._DisableTorchDispatch(), warnings.catch_warnings():
+        # fork_rng: a random op's probe draws from a throwaway copy of the generator
+        with torch._C._DisableTorchDispatch(), warnings.catch_warnings(), \
+                torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             try:
                 c_args = [twin(v, t) for v, t in zip(args, args_t)]

@@ -214,6 +214,12 @@ def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     ("bmm_empty_mixed", lambda d: torch.bmm(torch.ones(0, 2, 2, device=d),
                                             torch.ones(0, 2, 2, device=d, dtype=torch.float64))),
     ("leaky_relu_int", lambda d: F.leaky_relu(torch.arange(3, device=d))),
+    ("uniform_int", lambda d: torch.arange(3, device=d).uniform_()),
+    ("cross_entropy_1d", lambda d: F.cross_entropy(torch.tensor([0.5, -1.0], device=d),
+                                                   torch.tensor([1], device=d))),
+    ("masked_fill_nan_int", lambda d: torch.tensor([3, 1], device=d).masked_fill(
+        torch.tensor([True, False], device=d), float("nan"))),
+    ("cat_0d", lambda d: torch.cat([torch.tensor(True, device=d)] * 2, -1)),
 ])
 def test_dtypes_and_exceptions_match_cpu(name, f, mode):
     with warnings.catch_warnings():
