@@ -117,41 +117,11 @@ FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", 
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
 # each entry carries its minimal repro. The long-run command runs everything. Remove an entry
 # once its bug is fixed and the CI pass still passes.
-CI_EXCLUDED_FAMILIES: dict[str, str] = {
-    # issue 8 #2: after a deferred error, adaptive mode gives wrong values to independent ops
-    "errors": "x = torch.full((2, 1), 100.0, device=dev)\n"
-              "bad = torch.rand_like(torch.zeros(1, dtype=torch.int32, device=dev))  # raises on CPU\n"
-              "y = x[1:] * 1\n"
-              "torch.neuron.synchronize()   # NeuronRuntimeError, as expected\n"
-              "y  # eager: [[100.]]; adaptive graph: [[8.9e-36]]",
-    # issue 8 #4: out= of the wrong shape is not resized as CPU does
-    "out": "v1 = torch.tensor([3], device=dev); v3 = torch.randn((), device=dev)\n"
-           "torch.cumsum(v1, 0, out=v3)   # CPU: v3.shape == (1,); neuron: ()",
-}
-CI_EXCLUDED_PATTERNS: dict[str, str] = {
-    # issue 8 #5: nonzero-family outputs get strides (2, 1) where CPU gives (1, N)
-    r"nonzero|argwhere|torch\.where\(v\d+ > 0\)\[0\]":
-        "torch.nonzero(torch.full((1, 2), 0.5, device=dev)).stride()  # CPU (1, 2), neuron (2, 1)",
-    # issue 8 #5: t.mT[idx] gets a contiguous layout where CPU keeps the transposed one
-    r"\.mT\[":
-        "v2 = torch.rand((2, 2, 2), device=dev) > 0.5\n"
-        "v2.mT[torch.tensor([1], device=dev)].stride()   # CPU (4, 1, 2), neuron (4, 2, 1)",
-    # issue 8 #6: F.leaky_relu on int64 raises ValueError where CPU raises NotImplementedError
-    r"leaky_relu": "F.leaky_relu(torch.ones(1, dtype=torch.long, device=dev))",
-    # issue 8 #1a: the process aborts ("terminate called without an active exception")
-    r"mse_loss": "x = torch.zeros(0, 2, device=dev).requires_grad_()\n"
-                 "F.mse_loss(x, torch.zeros_like(x)).backward()",
-    # issue 8 #6: a bool tensor to a bool power is bool on CPU, int64 on neuron (pow_ raises)
-    r"(\*\*|pow_\() ?(False|True)": "(torch.tensor([True, False], device=dev) ** False).dtype"
-                                     "  # CPU bool, neuron int64; b.pow_(False) raises on neuron",
-    # found by this fuzzer: cross_entropy of a 1-D input with a (1,) target reads garbage as
-    # the target on neuron (CPU returns a loss); float64 in eager raises another error
-    r"cross_entropy": "F.cross_entropy(torch.tensor([0.5, -1.0], device=dev), "
-                      "torch.tensor([1], device=dev))  # neuron: IndexError: Target 94185469528328"
-                      " is out of bounds",
-    # found by this fuzzer: normal_/uniform_ on an empty integer tensor raise on neuron only
-    r"\.normal_\(|\.uniform_\(": "torch.full((0,), 0, device=dev).normal_()  # CPU: no error",
-}
+# Known bugs left out of the CI pass, each with its repro (empty: every family and op the
+# generator knows runs in CI). Add an entry only with a repro and an issue, and remove it
+# with the fix.
+CI_EXCLUDED_FAMILIES: dict[str, str] = {}
+CI_EXCLUDED_PATTERNS: dict[str, str] = {}
 
 
 class Gen:
