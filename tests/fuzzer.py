@@ -275,7 +275,8 @@ class Gen:
         # reads half-written memory): such a target is replaced by a fresh tensor.
         st = lambda k: self.ns[k].untyped_storage().data_ptr()  # noqa: E731
         inputs = [x for x in (a, b) if x in self.ns and isinstance(self.ns[x], self.torch.Tensor)]
-        if any(self.ns[x].numel() and self.ns[o].numel() and st(x) == st(o) for x in inputs):
+        if any(x == o or (self.ns[x].numel() and self.ns[o].numel() and st(x) == st(o))
+               for x in inputs):
             o = None
         target = o if o is not None and r.random() < 0.7 else \
             f"torch.empty({r.choice(['0', '(2, 2)', '1'])}, device=dev)"
@@ -494,7 +495,12 @@ def _read(t):
     """A tensor's metadata and value on the host, or the error reading it raised."""
     import torch
     out = {"dtype": str(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
-           "offset": t.storage_offset(), "requires_grad": t.requires_grad}
+           "offset": t.storage_offset()}
+    try:  # a view of a multi-output view modified in place raises even here (as on CPU)
+        out["requires_grad"] = t.requires_grad
+    except Exception as e:
+        out["read_error"] = type(e).__name__
+        return out
     try:
         out["value"] = t.detach().cpu().clone()
     except Exception as e:
@@ -670,7 +676,7 @@ def compare_reading(var, n, c, taint) -> list[tuple[str, str]]:
     for key in ("dtype", "shape"):
         if n[key] != c[key]:
             return [(key, f"{var}: neuron {n[key]} vs cpu {c[key]}")]
-    if n["requires_grad"] != c["requires_grad"]:
+    if n.get("requires_grad") != c.get("requires_grad"):
         out.append(("requires_grad", f"{var}: neuron {n['requires_grad']} vs cpu {c['requires_grad']}"))
     if "value" in c and "value" in n and c["value"].numel() > 0:
         if (_significant(n["shape"], n["stride"]) != _significant(c["shape"], c["stride"])
