@@ -673,9 +673,13 @@ def _close(n, c, f64: bool) -> str | None:
 def compare_reading(var, n, c, taint) -> list[tuple[str, str]]:
     """(kind, detail) for each way a neuron reading differs from CPU's."""
     out = []
-    for key in ("dtype", "shape"):
+    # a value drawn from the float32 stream for float64 (rng64) may differ, and so may the
+    # shape of what a data-dependent op (nonzero, where) makes of it: its dtype must match
+    for key in ("dtype",) if "rng64" in taint else ("dtype", "shape"):
         if n[key] != c[key]:
             return [(key, f"{var}: neuron {n[key]} vs cpu {c[key]}")]
+    if "rng64" in taint:
+        return out
     if n.get("requires_grad") != c.get("requires_grad"):
         out.append(("requires_grad", f"{var}: neuron {n['requires_grad']} vs cpu {c['requires_grad']}"))
     if "value" in c and "value" in n and c["value"].numel() > 0:
