@@ -557,7 +557,9 @@ def summary(results) -> str:
 
 
 def test_zz_summary(capsys):
-    """Prints the pass rate over the ops run in this session (defined last, so runs last)."""
+    """The pass rate over the ops run in this session, printed, and held to the issue's bar
+    (99.5% of the ops tested, in each mode) once at least 100 ops ran (a `-k` run of a few
+    ops only prints). Defined last, so it runs after the op tests of a whole-file run."""
     if not RESULTS:
         pytest.skip("no OpInfo test ran")
     text = summary(RESULTS)
@@ -565,6 +567,11 @@ def test_zz_summary(capsys):
     with capsys.disabled():
         print(f"\n{text}; {skipped} skipped; "
               f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
+    tested = [r for r in RESULTS.values() if r.skipped is None]
+    if len(tested) >= 100:
+        for mode in MODES:
+            rate = sum(r.passed(mode) for r in tested) / len(tested)
+            assert rate >= 0.995, f"{mode}: {rate:.1%} of {len(tested)} ops pass (bar: 99.5%)"
 
 
 # ------------------------------------------------------------------------------------------

@@ -380,6 +380,11 @@ def test_zz_grad_summary(capsys):
     with capsys.disabled():
         print(f"\n{text}; {skipped} skipped; {samples} samples; "
               f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
+    tested = [r for r in RESULTS.values() if r.skipped is None]
+    if len(tested) >= 100:  # a whole-file run: the bar, in each mode
+        for mode in fwd.MODES:
+            rate = sum(r.passed(mode) for r in tested) / len(tested)
+            assert rate >= 0.995, f"{mode}: {rate:.1%} of {len(tested)} ops pass (bar: 99.5%)"
 
 
 # ------------------------------------------------------------------------------------------
