@@ -223,7 +223,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         raise LaunchError(e) from None
     if ins.f64:
         for orig, low in writeback:
-            orig.copy_(low)
+            _unique(orig, low)
     if not ins.any_out:
         return
     for o, r in zip(ins.outs, (out,) if type(out) is torch.Tensor else tree_leaves(out)):
@@ -240,6 +240,16 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         st[s] = r.untyped_storage()
         if vid is not None:
             views[vid] = r
+
+
+def _unique(orig, low) -> None:
+    """orig.copy_(low) where orig may be broadcast (stride-0 dims, e.g. an expanded tensor
+    updated in place): those dims are narrowed to one element on both sides, so each memory
+    location is written once (copy_ refuses overlapping targets)."""
+    for d in range(orig.dim()):
+        if orig.stride(d) == 0 and orig.shape[d] > 1:
+            orig, low = orig.narrow(d, 0, 1), low.narrow(d, 0, 1)
+    orig.copy_(low)
 
 
 def _as_f32(ins, args, kwargs):

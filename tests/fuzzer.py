@@ -505,7 +505,12 @@ def _read(t):
         out["value"] = t.detach().cpu().clone()
     except Exception as e:
         out["read_error"] = type(e).__name__
-    if t.requires_grad and t.is_leaf:
+    try:  # is_leaf builds the view's grad_fn: it raises like requires_grad above
+        leaf = t.requires_grad and t.is_leaf
+    except Exception as e:
+        out["read_error"] = type(e).__name__
+        return out
+    if leaf:
         try:
             g = t.grad
             out["grad"] = None if g is None else g.detach().cpu().clone()
@@ -752,7 +757,8 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
             fails.append(("missing", f"{var} exists on neuron only"))
             continue
         if "read_error" in n:
-            if not (deferred and n["read_error"] == "NeuronRuntimeError"):
+            same = n["read_error"] == c.get("read_error")  # CPU refuses to read it too
+            if not same and not (deferred and n["read_error"] == "NeuronRuntimeError"):
                 fails.append(("read", f"reading {var} raised {n['read_error']}"))
             continue
         fails += compare_reading(var, n, c, t)
@@ -776,6 +782,11 @@ def compare_to_eager(eager, run, taint) -> list[tuple[str, str]]:
                 fails.append(("vs-eager-" + key, f"{var}: adaptive {a[key]} vs eager {e[key]}"))
         if "value" in a and "value" in e and not _bits_equal(a["value"], e["value"]):
             fails.append(("vs-eager-value", f"{var}: not bit-equal to eager"))
+        if "read_error" in a or "read_error" in e:
+            if a.get("read_error") != e.get("read_error"):
+                fails.append(("vs-eager-read", f"{var}: eager read raised "
+                              f"{e.get('read_error')}, adaptive {a.get('read_error')}"))
+            continue
         if "value" in a and "read_error" in e:
             fails.append(("vs-eager-read", f"{var}: eager read raised {e['read_error']}"))
         ga, ge = a.get("grad"), e.get("grad")

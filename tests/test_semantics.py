@@ -241,3 +241,14 @@ def test_printing_matches_cpu():
     for dt in (torch.int64, torch.bool, torch.float16):
         assert repr(torch.tensor([], dtype=dt, device=N)) == \
             repr(torch.tensor([], dtype=dt)).replace("tensor([]", "tensor([], device='neuron:0'")
+
+
+def test_in_place_on_an_expanded_float64_tensor(mode):
+    """float64 runs as float32 and is written back: into a broadcast (stride-0) tensor too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        v0 = torch.randn(1).double()
+        d0 = v0.to(N)
+        v0.expand(2, 1).zero_()
+        d0.expand(2, 1).zero_()
+        assert d0.cpu().tolist() == v0.tolist() == [0.0]
