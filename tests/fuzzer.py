@@ -685,7 +685,10 @@ def compare_reading(var, n, c, taint) -> list[tuple[str, str]]:
             return [(key, f"{var}: neuron {n[key]} vs cpu {c[key]}")]
     if "rng64" in taint:
         return out
-    if n.get("requires_grad") != c.get("requires_grad"):
+    # requires_grad of an integer or bool tensor is compared only for floats: `t[...] = v` with
+    # a 0-d v is fill_ on CPU but copy_ on any device (PyTorch's indexing, CUDA alike), and
+    # only CPU's fill_ marks an integer tensor as requiring grad.
+    if n.get("requires_grad") != c.get("requires_grad") and _floaty(c["dtype"]):
         out.append(("requires_grad", f"{var}: neuron {n['requires_grad']} vs cpu {c['requires_grad']}"))
     if "value" in c and "value" in n and c["value"].numel() > 0:
         if (_significant(n["shape"], n["stride"]) != _significant(c["shape"], c["stride"])
