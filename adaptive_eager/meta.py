@@ -84,9 +84,10 @@ def _global_state() -> tuple:
 # On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
 # the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
 # (big buffers; contractions of one dtype, whose layouts meta gets right); a random op's probe
-# draws from a copy of the generator, so the real draws are untouched. A probe error counts only if CPU raises it for two
-# different fillings (zeros and ones), so value checks (a zero divisor, index 1 of a size-1
-# dim) are not mistaken for user errors; those are found at run time as on the device.
+# draws from a copy of the generator, so the real draws are untouched. A probe error counts
+# only if CPU raises it, word for word, for two different fillings (zeros and ones), so value
+# checks (a zero divisor, index 1 of a size-1 dim) and data-dependent shapes (a boolean mask's
+# count) are not mistaken for user errors; those are found at run time as on the device.
 
 _PROBE_MAX_BYTES = 16 * 2**20
 
@@ -140,10 +141,10 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
                 c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
                 return func(*c_args, **c_kwargs)
             except Exception as e:
-                if first is not None and type(e) is type(first):
+                if first is not None and type(e) is type(first) and str(e) == str(first):
                     return first.with_traceback(None)
-                if first is not None:
-                    return None  # a value check, not a user error: let the device find it
+                if first is not None:  # a value check or a data-dependent shape (a mask's
+                    return None  # count), not a user error: let the device find it
                 first = e
     return None
 

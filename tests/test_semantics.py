@@ -252,3 +252,14 @@ def test_in_place_on_an_expanded_float64_tensor(mode):
         v0.expand(2, 1).zero_()
         d0.expand(2, 1).zero_()
         assert d0.cpu().tolist() == v0.tolist() == [0.0]
+
+
+def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
+    """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
+    user error (the real mask decides)."""
+    x = torch.tensor([[1., -1.], [-1., 1.]])
+    d = x.to(N).requires_grad_()
+    d[d > 0].sum().backward()
+    c = x.clone().requires_grad_()
+    c[c > 0].sum().backward()
+    assert d.grad.tolist() == c.grad.tolist()
