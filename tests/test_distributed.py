@@ -240,7 +240,7 @@ def test_storage_resize_keeps_the_prefix(mode):
 
 # -- torchrun ------------------------------------------------------------------------------
 def test_torchrun_ddp_example(tmp_path):
-    """`torchrun --nproc-per-node 2 examples/train_ddp.py`: the losses of one CPU process."""
+    """`torchrun --nproc-per-node 2 benchmarks/train_ddp.py`: the losses of one CPU process."""
     import json
     import os
     import subprocess
@@ -249,7 +249,7 @@ def test_torchrun_ddp_example(tmp_path):
     out = tmp_path / "losses.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         os.path.join(root, "examples", "train_ddp.py"), "--adaptive", "--out", str(out)],
+         os.path.join(root, "benchmarks", "train_ddp.py"), "--adaptive", "--out", str(out)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
             root, os.environ.get("PYTHONPATH")]))})

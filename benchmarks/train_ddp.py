@@ -1,6 +1,6 @@
 """Data-parallel training on neuron with torch.distributed (DDP over gloo).
 
-    torchrun --nproc-per-node 2 examples/train_ddp.py [--adaptive] [--out losses.json]
+    torchrun --nproc-per-node 2 benchmarks/train_ddp.py [--adaptive] [--out losses.json]
 
 Each rank trains a small MLP on its shard of a fixed global batch; the printed loss is the
 mean over ranks, which equals a single-process run of the whole batch. Each process runs on
