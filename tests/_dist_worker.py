@@ -46,9 +46,8 @@ def cpu_losses():
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def ddp_losses(rank, world):
-    """DDP on neuron: each rank trains on its shard; the global loss is the ranks' mean."""
-    model = torch.nn.parallel.DistributedDataParallel(make_model().to("neuron"))
+def _train_sharded(model, rank, world):
+    """Data-parallel SGD: each rank trains on its shard; the global loss is the ranks' mean."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shard = GLOBAL_BATCH // world
     losses = []
@@ -61,6 +60,13 @@ def ddp_losses(rank, world):
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+    return losses
+
+
+def ddp_losses(rank, world):
+    """DDP on neuron: each rank trains on its shard; the global loss is the ranks' mean."""
+    model = torch.nn.parallel.DistributedDataParallel(make_model().to("neuron"))
+    losses = _train_sharded(model, rank, world)
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
@@ -75,18 +81,7 @@ def fsdp2_losses(rank, world, mesh):
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = GLOBAL_BATCH // world
-    losses = []
-    for x, y in make_data():
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = _train_sharded(model, rank, world)
     return losses, [_full(p) for p in model.parameters()]
 
 
