@@ -117,20 +117,10 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
     first = None
     for fill in (0, 1):
         bufs = [torch.zeros(h.nbytes, dtype=torch.uint8) for h in handles]
+        cpu = torch.device("cpu")
 
         def twin(v, t):
-            if type(t) is tuple and t and t[0] == "T":
-                _, li, size, stride, off, dt = t
-                x = torch.empty(0, dtype=getattr(torch, dt)).set_(
-                    bufs[li].untyped_storage(), off, size, stride)
-                if fill:
-                    x.fill_(fill)
-                return x
-            if type(t) is tuple and t and t[0] == "L":
-                return [twin(x, tt) for x, tt in zip(v, t[1:])]
-            if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
-                return torch.device("cpu")
-            return v
+            return _twin(v, t, bufs, cpu, fill)
 
         # fork_rng: a random op's probe draws from a throwaway copy of the generator
         with torch._C._DisableTorchDispatch(), warnings.catch_warnings(), \
@@ -160,14 +150,24 @@ def _meta_buffers(handles) -> list:
 
 def _to_meta(v, t, metas):
     """The meta twin of argument v (template t): same sizes, strides, offsets, aliasing."""
+    return _twin(v, t, metas, torch.device("meta"))
+
+
+def _twin(v, t, bufs, device, fill=None):
+    """Argument v (template t) over `bufs`, one byte buffer per device buffer (meta twins for
+    shape inference, host twins for the CPU probe): same sizes, strides, offsets, aliasing.
+    A device= argument becomes `device`, so nothing is allocated (or drawn) for real."""
     if type(t) is tuple and t and t[0] == "T":
         _, li, size, stride, off, dt = t
-        return torch.empty(0, dtype=getattr(torch, dt), device="meta").set_(
-            metas[li].untyped_storage(), off, size, stride)
+        x = torch.empty(0, dtype=getattr(torch, dt), device=device).set_(
+            bufs[li].untyped_storage(), off, size, stride)
+        if fill:
+            x.fill_(fill)
+        return x
     if type(t) is tuple and t and t[0] == "L":
-        return [_to_meta(x, tt, metas) for x, tt in zip(v, t[1:])]
+        return [_twin(x, tt, bufs, device, fill) for x, tt in zip(v, t[1:])]
     if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
-        return torch.device("meta")  # a device= argument must not allocate (or draw) for real
+        return device
     return v
 
 
