@@ -106,6 +106,12 @@ class adaptive(TorchDispatchMode):
             if was_strategy != eng.strategy.name:
                 eng.set_strategy(was_strategy)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles under this mode (it only passes ops through): Dynamo turns
+        the mode off while it captures and on again while the compiled graphs run."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _dispatch_mode_stack() and types == (_engine.NeuronTensor,):

@@ -87,7 +87,7 @@ def _gpt_step(device, compiled):
 
 def test_launches_per_step_no_more_than_adaptive_graph():
     per_step = {}
-    ae.set_adaptive(True)  # the process-wide mode: Dynamo skips frames under dispatch modes
+    ae.set_adaptive(True)
     for compiled in (False, True):
         step = _gpt_step("neuron", compiled)
         step(), step()
@@ -129,13 +129,25 @@ def test_graph_break_runs_between_graphs_in_current_mode(adaptive):
     assert ae.metrics().flushes.get("item", 0) == adaptive  # eager: nothing left to flush
 
 
-def test_under_a_dispatch_mode_scope_dynamo_runs_the_code_unchanged():
-    """Dynamo skips frames while a TorchDispatchMode (`with ae.adaptive():`) is active."""
-    x = torch.randn(16)
+def test_compiles_inside_an_adaptive_scope():
+    """`with ae.adaptive():` is a TorchDispatchMode; it tells Dynamo to ignore it while it
+    captures (`ignore_compile_internals`), so the code is compiled, not skipped, and the
+    compiled graphs' ops join the adaptive queue."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    net(x).pow(2).sum().backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    net = net.to("neuron")
     with ae.adaptive():
-        out = torch.compile(lambda a: (a * 2).sin(), backend="neuron")(x.to("neuron"))
-        torch.testing.assert_close(out.cpu(), (x * 2).sin())
-    assert not aec.STATS.graphs
+        out = torch.compile(net, backend="neuron")(x.to("neuron"))
+        out.pow(2).sum().backward()
+        assert ae.metrics().launches == 0  # nothing ran yet: the graphs were queued
+        grads = [p.grad.cpu() for p in net.parameters()]
+    assert aec.STATS.graphs["forward"] == 1 and aec.STATS.graphs["backward"] == 1
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
 def test_default_backend_raises_a_clear_error():
