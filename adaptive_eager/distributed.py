@@ -100,6 +100,7 @@ def collective(eng, func, args, kwargs):
         # The group's neuron backend (gloo) runs it: the op's PrivateUse1 kernel asks the
         # group for the backend of the neuron device, and gloo reads host tensors.
         out = func.redispatch(_NEURON_KEYS, *h_args, **h_kwargs)
+    _keep_until_done(out)
     nbytes = _size(func, args, kwargs, size_arg)
     cost = collective_us(eng.spec, pattern, nbytes, _world(args, kwargs))
     eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
@@ -108,6 +109,28 @@ def collective(eng, func, args, kwargs):
     eng.metrics.collective_bytes += nbytes
     # c10d ops return the tensors they were given (in place): the caller's neuron tensors.
     return tree_map(lambda v: views.get(id(v), v) if isinstance(v, torch.Tensor) else v, out)
+
+
+# Note [Gloo's thread and the GIL]: gloo holds the host views of a collective (tensors made
+# in Python) in its Work, and drops them on its own worker thread, which takes the GIL to
+# release their Python objects. If that drop is the last reference, and the main thread is
+# at that moment destroying the process group (a DDP model's Reducer freed, holding the GIL
+# while it joins gloo's threads), the two wait for each other forever. So we hold each Work
+# until it was seen completed at an earlier collective: gloo's thread has let go of it by
+# then, and the last reference is always ours, dropped on a Python thread.
+_WORKS: list[list] = []  # [work, completed when last looked at]
+
+
+def _keep_until_done(out) -> None:
+    global _WORKS
+    kept = []
+    for entry in _WORKS:
+        if not entry[1]:  # completed at an earlier look: ours to drop now
+            entry[1] = entry[0].is_completed()
+            kept.append(entry)
+    kept += [[dist.Work.unbox(w), False] for w in tree_flatten(out)[0]
+             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
+    _WORKS = kept
 
 
 def _size(func, args, kwargs, name) -> int:
