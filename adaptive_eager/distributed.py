@@ -22,6 +22,7 @@ from device import Launch
 from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
 
 from . import _engine
+from .errors import _raise_launch_error
 
 DEVICE_TYPE = "neuron"
 
@@ -86,7 +87,7 @@ def collective(eng, func, args, kwargs):
     for t in tensors:
         if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
             eng.synchronize()  # the earliest deferred error first, then this value's
-            raise _engine._runtime_error(t._handle.poison) from t._handle.poison.error
+            _raise_launch_error(t._handle.poison)
     views = {}
 
     def view(t):

@@ -170,6 +170,8 @@ def test_collective_on_poisoned_input_raises_device_error(world_of_one):
     with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
         dist.all_reduce(y)
     ae.synchronize()  # the error was raised once, at the collective
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        dist.all_reduce(y)  # y stays unreadable, as a read of it would say
     z = torch.ones(2, device="neuron")
     dist.all_reduce(z)  # and the device keeps working
     assert z.cpu().tolist() == [1.0, 1.0]
