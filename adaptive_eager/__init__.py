@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from . import _registration
 from .errors import NeuronFallbackError, NeuronRuntimeError
 from . import _engine
+from . import neuron as _neuron
+from ._tensor import NeuronTensor, engine_of
 from .config import config
 from ._engine import override
 from .explain import Explanation
@@ -23,7 +25,7 @@ from device import DeviceSpec, NeuronOutOfMemoryError
 __all__ = [
     "DeviceSpec", "Explanation", "NeuronFallbackError", "NeuronOutOfMemoryError",
     "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
-    "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
+    "core_metrics", "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
     "wait_for_compiles",
 ]
@@ -34,13 +36,25 @@ _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 
 def metrics() -> Snapshot:
-    """Counters since the last reset_metrics() (see Snapshot for the fields)."""
+    """Counters since the last reset_metrics(), totals over every core (see Snapshot for the
+    fields; memory is core 0's, `core_metrics(k)` has each core's)."""
     return snapshot(_engine.ENGINE.device.hbm)
+
+
+def core_metrics(device=None) -> dict:
+    """One core's share of the device figures since the last reset_metrics(): launches, DMAs
+    and simulated device time (they add up to metrics()'s), and its HBM now and at peak."""
+    dev = _engine.core(_neuron._check(device)).device
+    return {"launches": dev.stats["launches"], "dmas": dev.stats["dmas"],
+            "device_time_us": dev.stats["device_time_us"], "memory_bytes": dev.hbm.used,
+            "peak_memory_bytes": dev.hbm.peak}
 
 
 def reset_metrics() -> None:
     """Zero every counter (in place: the counters object is never replaced)."""
     COUNTERS.reset()
+    for eng in _engine.ENGINES:
+        eng.device.stats.clear()
 
 
 def metrics_report() -> str:
@@ -49,8 +63,10 @@ def metrics_report() -> str:
 
 
 def set_adaptive(on: bool) -> None:
-    """Turn adaptive eager on or off for the process (flushes)."""
-    _engine.ENGINE.set_adaptive(on)
+    """Turn adaptive eager on or off for the process, on every core (flushes)."""
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.set_adaptive(on)
 
 
 def is_adaptive() -> bool:
@@ -59,7 +75,9 @@ def is_adaptive() -> bool:
 
 def set_strategy(name: str) -> None:
     """Fusion strategy for adaptive mode: 'graph' (default), 'matmul' or 'none'."""
-    _engine.ENGINE.set_strategy(name)
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.set_strategy(name)
 
 
 def strategy() -> str:
@@ -67,12 +85,17 @@ def strategy() -> str:
 
 
 def set_device_spec(spec: DeviceSpec) -> None:
-    """Replace the simulated device's figures (flushes and synchronizes first)."""
-    _engine.ENGINE.reconfigure(spec)
+    """Replace the simulated device's figures, on every core (flushes and synchronizes
+    first)."""
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.reconfigure(spec)
 
 
 def synchronize() -> None:
-    _engine.ENGINE.sync("synchronize")
+    """Wait for every core; raise the earliest deferred error (core by core)."""
+    for eng in list(_engine.ENGINES):
+        eng.sync("synchronize")
 
 
 class adaptive(TorchDispatchMode):
@@ -91,8 +114,8 @@ class adaptive(TorchDispatchMode):
         eng = _engine.ENGINE
         saved = (eng.adaptive, eng.strategy.name)
         if self.strategy is not None and self.strategy != saved[1]:
-            eng.set_strategy(self.strategy)  # validates first: a bad name changes nothing
-        eng.set_adaptive(self.on)
+            set_strategy(self.strategy)  # validates first: a bad name changes nothing
+        set_adaptive(self.on)
         self._saved.append(saved)
         return super().__enter__()
 
@@ -100,11 +123,10 @@ class adaptive(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
-            eng = _engine.ENGINE
             was_on, was_strategy = self._saved.pop()
-            eng.set_adaptive(was_on)
-            if was_strategy != eng.strategy.name:
-                eng.set_strategy(was_strategy)
+            set_adaptive(was_on)
+            if was_strategy != _engine.ENGINE.strategy.name:
+                set_strategy(was_strategy)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -114,10 +136,10 @@ class adaptive(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _dispatch_mode_stack() and types == (_engine.NeuronTensor,):
+        if not _dispatch_mode_stack() and types == (NeuronTensor,):
             # The only mode: go straight to the engine (what func() would reach anyway).
             # Under other modes, redispatch so that they see the op too.
-            return _engine.ENGINE.dispatch(func, args, kwargs)
+            return engine_of(args, kwargs).dispatch(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -129,9 +151,10 @@ def wait_for_compiles() -> None:
         ex.wait()
 
 
-def explain() -> Explanation:
-    """What the last flush did: groups, boundary reasons, launches and bytes saved."""
-    r = _engine.ENGINE.last_report
+def explain(device=None) -> Explanation:
+    """What the last flush on a core (the current one by default) did: groups, boundary
+    reasons, launches and bytes saved."""
+    r = _engine.core(_neuron._check(device)).last_report
     if r is None:
         raise RuntimeError("nothing has been flushed yet: run some ops on a neuron tensor")
     return Explanation(r)
@@ -139,15 +162,20 @@ def explain() -> Explanation:
 
 def save_trace(path: str) -> None:
     """Write the device timeline as a Chrome / Perfetto trace (JSON)."""
-    _engine.ENGINE.sync("trace")
+    events = []
+    for eng in list(_engine.ENGINES):
+        eng.sync("trace")
+    for eng in _engine.ENGINES:  # one process row per core (pid = core index)
+        events += eng.device.chrome_trace(pid=eng.index)["traceEvents"]
     with open(path, "w") as f:
-        json.dump(_engine.ENGINE.device.chrome_trace(), f)
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
 @atexit.register
 def _flush_at_exit():  # nothing queued is lost at process exit
     try:
-        _engine.ENGINE.sync("exit")
+        for eng in list(_engine.ENGINES):
+            eng.sync("exit")
     except Exception as e:  # report, never crash the interpreter's shutdown
         import sys
         print(f"adaptive_eager: error at exit: {e}", file=sys.stderr)

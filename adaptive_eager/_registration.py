@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _engine, _tensor, compile, distributed, errors, neuron, pinned, profiler  # noqa: F401,E501  (_tensor sets the class)
+from ._tensor import NeuronTensor
+from . import _engine, compile, cores, distributed, errors, neuron, pinned, profiler, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -23,9 +24,7 @@ def register() -> None:
             f"backends from loading on `import torch`.")
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
-    _engine.DEVICE = torch.device("neuron", 0)
-    neuron._default_stream = neuron.Stream(_id=0)
-    neuron._current.append(neuron._default_stream)
+    neuron._start_streams()
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("empty.memory_format", _empty, "PrivateUse1")
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
@@ -55,7 +54,11 @@ def _wrap_backward() -> None:
 
     def _engine_run_backward(*args, **kwargs):
         try:
-            result = run(*args, **kwargs)
+            if len(_engine.ENGINES) > 1:  # Note [Cores] in cores.py: one thread for all
+                with torch.autograd.set_multithreading_enabled(False):
+                    result = run(*args, **kwargs)
+            else:
+                result = run(*args, **kwargs)
         except RuntimeError:
             err = errors.take_handoff()
             if err is None:
@@ -143,38 +146,30 @@ def _autocast_kernel(op):
     return kernel
 
 
-def _check_device(device) -> None:
-    if device is not None:
-        neuron._check(torch.device(device))
-
-
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
            memory_format=None):
-    _check_device(device)
     size = tuple(int(s) for s in size)
     stride = torch.empty(size, device="meta",
                          memory_format=memory_format or torch.contiguous_format).stride()
-    return _engine.ENGINE.empty(size, stride, dtype)
+    return cores.engine(device).empty(size, stride, dtype)
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    _check_device(device)
-    return _engine.ENGINE.empty(tuple(int(s) for s in size), tuple(int(s) for s in stride),
-                                dtype)
+    return cores.engine(device).empty(tuple(int(s) for s in size),
+                                      tuple(int(s) for s in stride), dtype)
 
 
 def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
     kind without memory; the device has no such kind, so it gets materialized zeros."""
-    _check_device(device)
-    return _empty(size, dtype=dtype).zero_()
+    return _empty(size, dtype=dtype, device=device).zero_()
 
 
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
     device="neuron")` builds on the host, then copies)."""
-    from ._engine import _copy_
-    return _copy_(_engine.ENGINE, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+    eng = dst._engine if isinstance(dst, NeuronTensor) else src._engine
+    return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
 # Factories whose default kernels write through a resizing `out=`: computed on the host and
@@ -192,8 +187,8 @@ def _host_factory(name):
     def impl(*args, **kwargs):
         if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
             raise errors._generator_error(kwargs["generator"])
+        eng = cores.engine(kwargs.get("device"))
         kwargs = dict(kwargs, device=torch.device("cpu"))
-        eng = _engine.ENGINE
         with eng.lock, torch._C._DisableTorchDispatch():
             if random:
                 eng.flush("rng")

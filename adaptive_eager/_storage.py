@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from . import _engine
+from .source import DEVICE_TYPE
 
 _BASE = 0x7E00_0000_0000  # nonzero: 0 means "no storage" to safetensors
 _ALIGN = 512  # as CUDA's caching allocator: every allocation starts 512-byte aligned
@@ -44,14 +44,15 @@ class NeuronStorage:
     """`untyped_storage()` of a neuron tensor: the identity (`data_ptr`) and size (`nbytes`)
     of its device buffer. It holds no host bytes; copy the tensor to the CPU for those."""
 
-    __slots__ = ("_handle", "__weakref__")
+    __slots__ = ("_handle", "_engine", "__weakref__")
 
-    def __init__(self, handle):
+    def __init__(self, handle, engine):
         self._handle = handle
+        self._engine = engine
 
     @property
     def device(self) -> torch.device:
-        return _engine.DEVICE
+        return torch.device(DEVICE_TYPE, self._engine.index)
 
     def data_ptr(self) -> int:
         return device_address(self._handle)
@@ -68,7 +69,7 @@ class NeuronStorage:
         nbytes = int(nbytes)
         if nbytes < 0:
             raise RuntimeError(f"Storage size calculation overflowed with nbytes={nbytes}")
-        eng = _engine.ENGINE
+        eng = self._engine
         with eng.lock:
             h = self._handle
             if nbytes == h.nbytes:

@@ -7,25 +7,32 @@ from __future__ import annotations
 import collections
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-from . import _engine
 from ._storage import NeuronStorage, device_address
+from .meta import _extent_bytes
+from .source import DEVICE_TYPE
 
 
 _UNBOUNDED = 1 << 62
 
 
 class NeuronTensor(torch.Tensor):
+    """A view (sizes, strides, offset, dtype) of a device buffer (`_handle`), owned by the
+    engine that made it (`_engine`): its ops and host reads go to that engine."""
     __slots__ = ()  # the handle lives in __dict__ (wrapper subclasses need one)
 
     @staticmethod
-    def __new__(cls, handle, size, stride, offset, dtype, requires_grad=False, info=None):
+    def __new__(cls, engine, handle, size, stride, offset, dtype, requires_grad=False,
+                info=None):
         # The wrapper's own (data-less) storage is made as large as can be, so that in-place
         # resizes (resize_, out= of another shape) can restride it; the engine checks every
         # view against the real buffer (`_handle.nbytes`) instead.
         t = torch.Tensor._make_wrapper_subclass(
             cls, size, strides=stride, storage_offset=offset, dtype=dtype,
-            device=_engine.DEVICE, requires_grad=requires_grad, storage_size=_UNBOUNDED)
+            device=engine.tdev or _device(engine), requires_grad=requires_grad,
+            storage_size=_UNBOUNDED)
+        t._engine = engine
         t._handle = handle
         if info is None:
             t._set_layout()
@@ -39,8 +46,8 @@ class NeuronTensor(torch.Tensor):
                         str(self.dtype)[6:])
         self._vbytes = self.numel() * self.element_size()
         # bytes of the buffer this view reaches (its end): checked against the buffer
-        self._extent = _engine._extent_bytes(self._layout[0], self._layout[1],
-                                             self._layout[2], self.element_size())
+        self._extent = _extent_bytes(self._layout[0], self._layout[1], self._layout[2],
+                                     self.element_size())
 
     @property
     def data(self):
@@ -60,13 +67,14 @@ class NeuronTensor(torch.Tensor):
     # identity and ties survive `.to("cuda")`. A neuron tensor holds no inner tensors: its
     # buffer handle and view are the context.
     def __tensor_flatten__(self):
-        return [], (self._handle, self.storage_offset(), self.dtype, self.requires_grad)
+        return [], (self._engine, self._handle, self.storage_offset(), self.dtype,
+                    self.requires_grad)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        handle, offset, dtype, requires_grad = ctx
-        return NeuronTensor(handle, tuple(outer_size), tuple(outer_stride), offset, dtype,
-                            requires_grad)
+        engine, handle, offset, dtype, requires_grad = ctx
+        return NeuronTensor(engine, handle, tuple(outer_size), tuple(outer_stride), offset,
+                            dtype, requires_grad)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -79,12 +87,14 @@ class NeuronTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if len(types) > 1:  # another subclass among the args (DTensor's AsyncCollectiveTensor
             return NotImplemented  # wrapping a neuron tensor): it unwraps first, then calls us
-        return _engine.ENGINE.dispatch(func, args, kwargs or {})
+        a = args[0] if args else None
+        engine = a._engine if type(a) is NeuronTensor else engine_of(args, kwargs)
+        return engine.dispatch(func, args, kwargs or {})
 
     # -- sync points with their own reason ----------------------------------------------
     def _host(self, reason: str) -> torch.Tensor:
         with torch.no_grad():
-            return _engine.ENGINE.read(self, reason)
+            return self._engine.read(self, reason)
 
     def __repr__(self, *, tensor_contents=None):
         text = tensor_repr(self, self._host("repr"))
@@ -123,7 +133,7 @@ class NeuronTensor(torch.Tensor):
 
     # -- storage identity (Note [Device addresses] in _storage.py) ------------------------
     def untyped_storage(self):
-        return NeuronStorage(self._handle)
+        return NeuronStorage(self._handle, self._engine)
 
     def data_ptr(self) -> int:
         return device_address(self._handle) + self.storage_offset() * self.element_size()
@@ -151,7 +161,19 @@ class NeuronTensor(torch.Tensor):
         return new
 
 
-_engine.NeuronTensor = NeuronTensor
+def _device(engine) -> torch.device:
+    """neuron:k for core k's engine (made on first use: the device type is named only once
+    registration has run)."""
+    engine.tdev = torch.device(DEVICE_TYPE, engine.index)
+    return engine.tdev
+
+
+def engine_of(args, kwargs):
+    """The engine of the first neuron tensor among an op's arguments."""
+    for v in tree_flatten((args, kwargs))[0]:
+        if type(v) is NeuronTensor:
+            return v._engine
+    raise AssertionError("an op reached the neuron tensor's dispatch without one")
 
 
 def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:

@@ -30,6 +30,7 @@ import time
 import torch
 
 from . import _engine
+from ._tensor import NeuronTensor
 from .config import config
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
@@ -213,13 +214,13 @@ def register() -> None:
         register_backend(name="neuron")(neuron_backend)
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
-        table[_engine.NeuronTensor] = _wrap_neuron_tensor
+        table[NeuronTensor] = _wrap_neuron_tensor
     for module in _NEVER_TRACED:
         trace_rules.add(module)
     for name in ("__tensor_flatten__", "__tensor_unflatten__"):
-        attr = _engine.NeuronTensor.__dict__.get(name)
+        attr = NeuronTensor.__dict__.get(name)
         if attr is not None and not isinstance(attr, _HiddenWhileTracing):
-            setattr(_engine.NeuronTensor, name, _HiddenWhileTracing(name, attr))
+            setattr(NeuronTensor, name, _HiddenWhileTracing(name, attr))
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,

@@ -1,15 +1,20 @@
-"""Which NeuronCores a process sees, and which of them it can use.
+"""Which NeuronCores a process sees, and the current one.
 
-Note [One core per process]: the simulated chip has `DeviceSpec.chip_cores` logical cores;
+Note [Cores]: the simulated chip has `DeviceSpec.chip_cores` logical cores (4 by default);
 NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES restrict what a process sees, numbered
-neuron:0..n-1 as the Neuron runtime does, and `device_count()` reports that. The engine
-still simulates one core per process (one queue, one HBM, one clock), always `neuron:0`:
-a tensor on `neuron:1` cannot work from pure Python, because PyTorch's Python PrivateUse1
-device guard (torch/csrc/acc/Module.cpp, PythonDeviceGuard) fixes `deviceCount()` at 1 and
-`getDevice()` at 0, and autograd sizes its per-device ready queues from it (a backward on
-neuron:1 fails an internal assert in autograd's engine). So `neuron:k` for k > 0 is refused
-with that reason; a process that should run on core k is given it the runtime's way,
-NEURON_RT_VISIBLE_CORES=k, and sees it as neuron:0.
+neuron:0..n-1 as the Neuron runtime does, and `device_count()` reports that. Each core has
+its own engine (`_engine.core(k)`: queue, meta and executable caches) and its own simulated
+device (hardware queue, clock, HBM share, RNG), made on first use; one lock serializes them
+all (Note [Threads]). A tensor's ops go to its core's engine; an op mixing cores raises
+CUDA's error; a copy between cores is a costed DMA on each side (transfer.py).
+
+PyTorch's Python device guard for PrivateUse1 (torch/csrc/acc/Module.cpp) reports one device,
+and autograd sizes its per-device worker threads from it: a backward on neuron:1 would fail an
+internal assert there. So once a process has used a core other than neuron:0, backward runs
+with autograd's multithreading off (`torch.autograd.set_multithreading_enabled(False)`, public
+API): the whole backward runs on the calling thread, every core included (_registration.py).
+The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per process, not per
+thread as CUDA's is.
 """
 from __future__ import annotations
 
@@ -36,23 +41,32 @@ def count() -> int:
     return chip
 
 
+def current() -> int:
+    return _engine._CURRENT[0]
+
+
+def set_current(device) -> None:
+    _engine.set_current(check(device))
+
+
 def check(device) -> int:
-    """The core index `device` names (None: the current one), if this process can use it."""
+    """The core index `device` names (None, or "neuron" with no index: the current one), if
+    this process sees that core."""
     if device is None:
-        return 0
+        return current()
     if isinstance(device, (str, torch.device)) and torch.device(device).type != "neuron":
         raise ValueError(f"expected a neuron device, got {device!r}")
     idx = device if isinstance(device, int) else torch.device(device).index
-    if not idx:
-        return 0
+    if idx is None:
+        return current()
     n = count()
     if not 0 <= idx < n:
         raise RuntimeError(f"neuron:{idx} does not exist: this process sees {n} NeuronCore"
                            f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
                            f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
-    raise RuntimeError(
-        f"neuron:{idx} cannot be used: this simulation runs one NeuronCore per process, "
-        f"neuron:0 (PyTorch's Python device guard for PrivateUse1 reports a single device, "
-        f"so autograd cannot run on neuron:{idx}). Give each process its core the Neuron "
-        f"runtime's way, NEURON_RT_VISIBLE_CORES={idx} (it then sees it as neuron:0), and use "
-        f"neuron:0 in every rank.")
+    return idx
+
+
+def engine(device=None):
+    """The engine of the core `device` names (checked)."""
+    return _engine.core(check(device))

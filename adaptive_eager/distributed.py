@@ -22,7 +22,9 @@ from device import Launch
 from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
 
 from . import _engine
+from ._tensor import NeuronTensor
 from .errors import _raise_launch_error
+from .transfer import buffer_view, on_host
 
 DEVICE_TYPE = "neuron"
 
@@ -80,10 +82,10 @@ def collective(eng, func, args, kwargs):
     """One c10d op on neuron tensors: a boundary, then gloo over the device buffers, then a
     costed collective launch (Note [Collectives]). Runs under the engine lock."""
     eng.metrics.ops += 1
-    eng.device.host_us += eng.spec.host_op_overhead_us
+    eng.device.advance_host(eng.spec.host_op_overhead_us)
     eng.flush("collective")
     pattern, size_arg = _COLLECTIVES[func._schema.name.split("::")[1]]
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, _engine.NeuronTensor)]
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, NeuronTensor)]
     for t in tensors:
         if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
             eng.synchronize()  # the earliest deferred error first, then this value's
@@ -91,13 +93,13 @@ def collective(eng, func, args, kwargs):
     views = {}
 
     def view(t):
-        v = _engine._buffer_view(t)
+        v = buffer_view(t)
         views[id(v)] = t
         return v
 
     with torch._C._DisableTorchDispatch():
-        h_args = [_engine._on_host(a, view) for a in args]
-        h_kwargs = {k: _engine._on_host(v, view) for k, v in kwargs.items()}
+        h_args = [on_host(a, view) for a in args]
+        h_kwargs = {k: on_host(v, view) for k, v in kwargs.items()}
         # The group's neuron backend (gloo) runs it: the op's PrivateUse1 kernel asks the
         # group for the backend of the neuron device, and gloo reads host tensors.
         out = func.redispatch(_NEURON_KEYS, *h_args, **h_kwargs)

@@ -24,6 +24,7 @@ class Snapshot:
     cpu_fallbacks: dict
     h2d_bytes: int
     d2h_bytes: int
+    d2d_bytes: int
     device_time_us: float
     compile_time_us: float
     peak_memory_bytes: int
@@ -72,7 +73,8 @@ def snapshot(hbm) -> Snapshot:
         cache_misses=c.cache_misses, plan_hits=c.plan_hits, plan_misses=c.plan_misses,
         cache_evictions=c.cache_evictions,
         bad_executables=dict(c.bad_executables), cpu_fallbacks=dict(c.cpu_fallbacks),
-        h2d_bytes=c.h2d_bytes, d2h_bytes=c.d2h_bytes, device_time_us=c.device_time_us,
+        h2d_bytes=c.h2d_bytes, d2h_bytes=c.d2h_bytes, d2d_bytes=c.d2d_bytes,
+        device_time_us=c.device_time_us,
         compile_time_us=c.compile_time_us, peak_memory_bytes=hbm.peak,
         memory_bytes=hbm.used, bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
@@ -108,6 +110,7 @@ def report(s: Snapshot) -> str:
          or "-"),
         ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),
         ("host->device bytes", s.h2d_bytes), ("device->host bytes", s.d2h_bytes),
+        ("core->core bytes", s.d2d_bytes),
         ("HBM bytes moved by launches", s.hbm_bytes),
         ("bytes not written back", s.bytes_saved),
         ("device memory (now / peak)", f"{s.memory_bytes} / {s.peak_memory_bytes} B"),

@@ -6,9 +6,11 @@ import itertools
 
 import torch
 
-from . import _engine, cores
+from . import cores
 
-_E = lambda: _engine.ENGINE  # noqa: E731  (the engine may be rebuilt by tests)
+def _E(device=None):
+    """The engine of core `device` (the current core by default)."""
+    return cores.engine(device)
 
 
 def is_available() -> bool:
@@ -28,15 +30,15 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    return 0  # Note [One core per process] in cores.py
+    return cores.current()  # Note [Cores] in cores.py
 
 
 def _check(device) -> int:
-    return cores.check(device)  # Note [One core per process] in cores.py
+    return cores.check(device)
 
 
 def set_device(device) -> None:
-    _check(device)
+    cores.set_current(device)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -50,25 +52,31 @@ def get_device_name(device=None) -> str:
 
 
 def synchronize(device=None) -> None:
-    """Wait for all queued work; raise the earliest deferred device error."""
-    _check(device)
-    _E().sync("synchronize")
+    """Wait for all work queued on a core; raise its earliest deferred device error."""
+    _E(device).sync("synchronize")
 
 
 # -- random ----------------------------------------------------------------------------
 def manual_seed(seed: int) -> None:
+    """Seed the current core's generator."""
     _E().flush("rng")  # queued random ops keep the state they were issued under
     _E().device.rng.manual_seed(int(seed))
 
 
-manual_seed_all = manual_seed
+def manual_seed_all(seed: int) -> None:
+    """Seed every core's generator (`torch.manual_seed` calls this); cores first used later
+    start from it too (`_engine.core`)."""
+    for k in range(cores.count()):
+        _E(k).flush("rng")
+        _E(k).device.rng.manual_seed(int(seed))
 
 
 def seed() -> None:
     manual_seed(torch.seed())
 
 
-seed_all = seed
+def seed_all() -> None:
+    manual_seed_all(torch.seed())
 
 
 def initial_seed() -> int:
@@ -76,30 +84,31 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device=None) -> torch.Tensor:
-    _check(device)
-    _E().flush("rng")
-    return _E().device.rng.state.clone()
+    _E(device).flush("rng")
+    return _E(device).device.rng.state.clone()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
-    _check(device)
-    _E().flush("rng")
-    _E().device.rng.state = state.clone()
+    _E(device).flush("rng")
+    _E(device).device.rng.state = state.clone()
 
 
-get_rng_state_all = lambda: [get_rng_state()]  # noqa: E731
-set_rng_state_all = lambda states: set_rng_state(states[0])  # noqa: E731
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(k) for k in range(cores.count())]
+
+
+def set_rng_state_all(states) -> None:
+    for k, state in enumerate(states):
+        set_rng_state(state, k)
 
 
 # -- memory ----------------------------------------------------------------------------
 def memory_allocated(device=None) -> int:
-    _check(device)
-    return _E().device.hbm.used
+    return _E(device).device.hbm.used
 
 
 def max_memory_allocated(device=None) -> int:
-    _check(device)
-    return _E().device.hbm.peak
+    return _E(device).device.hbm.peak
 
 
 memory_reserved = memory_allocated
@@ -107,19 +116,16 @@ max_memory_reserved = max_memory_allocated
 
 
 def reset_peak_memory_stats(device=None) -> None:
-    _check(device)
-    hbm = _E().device.hbm
+    hbm = _E(device).device.hbm
     hbm.peak = hbm.used
 
 
 def memory_stats(device=None) -> dict:
-    _check(device)
-    return _E().device.hbm.stats()
+    return _E(device).device.hbm.stats()
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
-    _check(device)
-    hbm = _E().device.hbm
+    hbm = _E(device).device.hbm
     return hbm.capacity - hbm.used, hbm.capacity
 
 
@@ -137,8 +143,7 @@ class Stream:
     they keep order and event semantics; a change of stream is a fusion boundary."""
 
     def __init__(self, device=None, priority: int = 0, _id: int | None = None):
-        _check(device)
-        self.device = _engine.DEVICE
+        self.device = torch.device("neuron", _check(device))
         self.priority = priority
         self.stream_id = next(_ids) if _id is None else _id
 
@@ -171,8 +176,15 @@ class Stream:
         return f"<torch.neuron.Stream device=neuron:0 stream_id={self.stream_id}>"
 
 
-_default_stream = None  # made by _registration once `neuron` is a device type
+_default_stream = None  # made by _start_streams once `neuron` is a device type
 _current: list = []
+
+
+def _start_streams() -> None:
+    """The default stream, current until another is set (registration calls this)."""
+    global _default_stream
+    _default_stream = Stream(_id=0)
+    _current.append(_default_stream)
 
 
 def default_stream(device=None) -> Stream:
@@ -240,5 +252,11 @@ class Event:
 
 @contextlib.contextmanager
 def device(d):
-    _check(d)
-    yield
+    """`with torch.neuron.device(k):` core k is the current one inside (None: unchanged)."""
+    old = cores.current()
+    if d is not None:
+        cores.set_current(d)
+    try:
+        yield
+    finally:
+        cores.set_current(old)

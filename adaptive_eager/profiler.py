@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 
-import torch
 from torch.autograd import DeviceType
 from torch.autograd import profiler as _p
 from torch.autograd.profiler_util import FunctionEvent

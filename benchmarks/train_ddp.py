@@ -3,21 +3,17 @@
     torchrun --nproc-per-node 2 benchmarks/train_ddp.py [--adaptive] [--out losses.json]
 
 Each rank trains a small MLP on its shard of a fixed global batch; the printed loss is the
-mean over ranks, which equals a single-process run of the whole batch. Each process runs on
-one NeuronCore, seen as neuron:0 (Note [One core per process] in adaptive_eager/cores.py):
-it is told which chip core is its own the Neuron runtime's way, NEURON_RT_VISIBLE_CORES.
+mean over ranks, which equals a single-process run of the whole batch. Rank r runs on
+neuron:LOCAL_RANK, one NeuronCore of the chip each (Note [Cores] in adaptive_eager/cores.py).
 """
 import argparse
 import json
 import os
 
-# Before torch is imported: this rank sees only its own core (as the Neuron runtime does).
-os.environ.setdefault("NEURON_RT_VISIBLE_CORES", os.environ.get("LOCAL_RANK", "0"))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import adaptive_eager as ae  # noqa: E402
+import adaptive_eager as ae
 
 STEPS, GLOBAL_BATCH = 3, 8
 
@@ -29,7 +25,8 @@ def main() -> None:
     a = p.parse_args()
     dist.init_process_group()  # no backend: gloo, neuron's default
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("neuron", 0)  # this process's core
+    device = torch.device("neuron", int(os.environ.get("LOCAL_RANK", 0)))  # this rank's core
+    torch.neuron.set_device(device)
     ae.set_adaptive(a.adaptive)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -52,11 +49,13 @@ def main() -> None:
         losses.append(total.item() / world)
         if rank == 0:
             print(f"loss {losses[-1]:.6f}", flush=True)
+    assert all(p.device == device for p in model.parameters())  # each rank on its own core
     m = ae.metrics()
     if rank == 0 and a.out:
         with open(a.out, "w") as f:
             json.dump({"losses": losses, "world": world,
                        "device_count": torch.neuron.device_count(),
+                       "devices": sorted({str(p.device) for p in model.parameters()}),
                        "collectives": m.collectives, "cpu_fallbacks": m.cpu_fallbacks}, f)
     dist.destroy_process_group()
 

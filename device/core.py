@@ -69,7 +69,7 @@ class Device:
     """One simulated logical NeuronCore."""
 
     def __init__(self, spec: DeviceSpec | None = None, *, blocking: bool = False,
-                 realtime: bool = False, trace_limit: int = 100_000):
+                 realtime: bool = False, trace_limit: int = 100_000, rng=None):
         self.spec = spec or DeviceSpec()
         self.hbm = HBM(self.spec.hbm_bytes)
         self.blocking = blocking
@@ -80,7 +80,12 @@ class Device:
         self._errors: list[Launch] = []
         # (name, kind, start, duration, bytes, flops) per launch: the newest trace_limit
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
-        self.rng = DeviceRNG()
+        self.rng = rng or DeviceRNG()  # a new spec keeps the generator's state
+        self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
+
+    def configure(self, *, blocking: bool, realtime: bool) -> None:
+        """Launch blocking (NEURON_LAUNCH_BLOCKING) and real-time pacing, changeable live."""
+        self.blocking, self.realtime = blocking, realtime
 
     # -- host side -------------------------------------------------------------------
     def advance_host(self, us: float) -> None:
@@ -98,12 +103,14 @@ class Device:
         if launch.kind == "dma":
             cost = spec.dma_us(launch.dma_bytes)
             COUNTERS.dmas += 1
+            self.stats["dmas"] += 1
         elif launch.kind == "collective":  # costed by its caller (device/interconnect.py)
             cost = launch.cost_us
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
             COUNTERS.launches += 1
             COUNTERS.hbm_bytes += launch.nbytes
+            self.stats["launches"] += 1
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
         if self.in_flight() >= spec.max_in_flight:
             self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])
@@ -111,6 +118,7 @@ class Device:
         launch.end_us = launch.start_us + cost
         self.free_at_us = launch.end_us
         COUNTERS.device_time_us += cost
+        self.stats["device_time_us"] += cost
         self._ends.append(launch.end_us)
         if launch.run is not None:
             try:
@@ -126,6 +134,10 @@ class Device:
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
+
+    def wait_idle(self) -> None:
+        """The host waits until everything queued has finished (errors stay for the sync)."""
+        self.host_us = max(self.host_us, self.free_at_us)
 
     def mark(self, name: str, kind: str, duration_us: float, start_us=None) -> None:
         """A host-side event on the timeline (a compile, a sync); starts now by default."""
@@ -146,13 +158,15 @@ class Device:
         buf.allocate(self.hbm, storage)
         return buf
 
-    def chrome_trace(self) -> dict:
-        """The device timeline in Chrome/Perfetto trace-event format."""
-        events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": 0,
+    def chrome_trace(self, pid: int = 0) -> dict:
+        """The device timeline in Chrome/Perfetto trace-event format (process row `pid`)."""
+        events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": pid,
                    "tid": TRACKS.get(kind, 0), "args": {"bytes": b, "flops": f}}
                   for name, kind, ts, dur, b, f in self.trace]
-        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                for t, n in enumerate(TRACK_NAMES)]
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                 "args": {"name": f"NeuronCore {pid}"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
+                 for t, n in enumerate(TRACK_NAMES)]
         return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 

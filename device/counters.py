@@ -20,6 +20,7 @@ class Counters:
     hbm_bytes: int = 0  # HBM bytes read and written by launches
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    d2d_bytes: int = 0  # core to core
     flushes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     group_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     cpu_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)

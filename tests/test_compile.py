@@ -173,8 +173,8 @@ def test_private_dynamo_hooks_are_in_place():
     assert callable(VariableBuilder.wrap_tensor)
     for trace_numpy in (False, True):
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
-        assert table[ae._engine.NeuronTensor] is aec._wrap_neuron_tensor
-    assert hasattr(ae._engine.NeuronTensor, "__coerce_same_metadata_as_tangent__")
+        assert table[ae._tensor.NeuronTensor] is aec._wrap_neuron_tensor
+    assert hasattr(ae._tensor.NeuronTensor, "__coerce_same_metadata_as_tangent__")
 
 
 def test_import_does_not_load_dynamo_and_backend_appears_later():

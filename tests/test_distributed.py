@@ -258,5 +258,6 @@ def test_torchrun_ddp_example(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(W.cpu_losses()[0]))
-    assert got["world"] == 2 and got["device_count"] == 1  # NEURON_RT_VISIBLE_CORES=LOCAL_RANK
+    assert got["world"] == 2 and got["device_count"] == 4  # rank r on neuron:r of the chip
+    assert got["devices"] == ["neuron:0"]  # rank 0's (rank 1 checks its own neuron:1)
     assert got["cpu_fallbacks"] == {} and got["collectives"] > 0

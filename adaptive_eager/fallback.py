@@ -1,0 +1,109 @@
+"""Ops that need data now: CPU fallback (ops the device does not implement: sync, copy in,
+run on the host, copy back, counted and warned once per op) and ops whose output shapes only
+execution can tell (a device launch the host waits for)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from device import Launch, LaunchError
+from fusion.ir import Handle
+
+from . import config as _config
+from .errors import NeuronFallbackError, _sparse_error
+from .meta import _extent_bytes
+from .source import _source, _user_stacklevel
+from .transfer import buffer_view, on_host
+
+
+def run_now(eng, func, args, kwargs, fallback: bool):
+    """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or output
+    shapes only execution can tell (a device launch the host waits for)."""
+    name = func._schema.name
+    cfg = _config.config
+    if fallback:
+        if not cfg.fallback_enabled:
+            raise NeuronFallbackError(
+                f"Operator '{name}' has no Neuron implementation and CPU fallback is off "
+                f"(NEURON_FALLBACK_ENABLED=0); unset it to run the op on CPU.")
+        if name not in eng._warned:
+            eng._warned.add(name)
+            warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning,
+                          stacklevel=_user_stacklevel())
+        eng.metrics.cpu_fallbacks[name] += 1
+    eng.sync(("fallback:" if fallback else "data-dependent:") + name)
+    views = {}
+
+    def view(v):
+        views[id(v)] = v
+        return buffer_view(v)
+
+    with torch._C._DisableTorchDispatch():
+        c_args = [on_host(a, view) for a in args]
+        c_kwargs = {k: on_host(v, view) for k, v in kwargs.items()}
+        nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
+        result = {}
+
+        def work():
+            try:
+                result["out"] = func(*c_args, **c_kwargs)
+            except Exception as e:
+                if not fallback:  # a device launch: the op's error, found at the sync
+                    raise LaunchError(e) from None
+                raise
+
+        if fallback:
+            eng.device.submit(Launch("d2h", None, nbytes_in, 0, kind="dma",
+                                      dma_bytes=nbytes_in))
+            eng.metrics.d2h_bytes += nbytes_in
+            work()
+            eng.device.advance_host(eng.spec.host_op_overhead_us)
+        else:
+            eng.device.submit(Launch(name, work, nbytes_in, 0.0,
+                                      context=[_FakeNode(func)]))
+            eng.synchronize()
+        out = result["out"]
+    # Outputs: tensors sharing an argument's storage stay views of its buffer.
+    by_storage = {}
+    for v in views.values():
+        if v._handle.buffer is not None:
+            by_storage[v._handle.buffer.storage.data_ptr()] = v
+    leaves, spec = tree_flatten(out)
+    new_leaves = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            new_leaves.append(leaf)
+            continue
+        if leaf.layout != torch.strided:
+            raise _sparse_error(name, leaf.layout)
+        owner = by_storage.get(leaf.untyped_storage().data_ptr()) if leaf.numel() else None
+        if owner is not None:
+            same = next((v for v in views.values() if v._handle is owner._handle
+                         and v.shape == leaf.shape and v.stride() == leaf.stride()
+                         and v.storage_offset() == leaf.storage_offset()), None)
+            new_leaves.append(same if same is not None else eng.wrap(
+                owner._handle, tuple(leaf.shape), leaf.stride(), leaf.storage_offset(),
+                leaf.dtype))
+            continue
+        # CPU's layout is kept (nonzero's (1, N) strides decide view-vs-copy later).
+        n = _extent_bytes(leaf.shape, leaf.stride(), 0, leaf.element_size())
+        eng._make_room(n)
+        with torch._C._DisableTorchDispatch():
+            st = leaf.untyped_storage()
+            if leaf.storage_offset() or st.nbytes() != n:
+                st = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype)
+                st = st.copy_(leaf).untyped_storage()
+        h = Handle(n, eng.device.alloc(n, st))
+        if fallback:
+            eng.device.submit(Launch("h2d", None, n, 0, kind="dma", dma_bytes=n))
+            eng.metrics.h2d_bytes += n
+        new_leaves.append(eng.wrap(h, tuple(leaf.shape), leaf.stride(), 0, leaf.dtype))
+    return tree_unflatten(new_leaves, spec)
+
+
+class _FakeNode:
+    def __init__(self, func):
+        self.func = func
+        self.source = _source()

@@ -1,0 +1,51 @@
+"""The lazy queue's policy: each recorded op becomes a Node; in adaptive mode the online
+grouper says where a fused group would end, and the queue is flushed (with the reason, passed
+as an argument) when the device runs idle at such a cut, the buffer is full, pending memory
+is too large, or, in eager mode, at once."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from fusion.ir import Handle, Node
+
+from . import config as _config
+from .source import _source
+
+
+def record(eng, meta, handles, inputs, vbytes):
+    op = meta.op
+    new_bytes = sum(op.new_bytes)
+    hbm = eng.device.hbm
+    if hbm.used + eng.pending_bytes + new_bytes > hbm.capacity:
+        eng._make_room(new_bytes)
+    new = [Handle(b, pending=True) for b in op.new_bytes]
+    if meta.f64:
+        eng._check_dtype(torch.float64)
+    uids = tuple([h.uid for h in handles] + [h.uid for h in new])
+    node = Node(op, uids, inputs, tuple(vbytes) + op.new_bytes, _source())
+    cfg = _config.config
+    lazy = eng.is_lazy()
+    if lazy:  # eager flushes every op: no open group to track
+        cut = eng.online.cut(eng.strategy, node) if eng.queue else "start"
+        low = cfg.queue_low_threshold  # 0: purely lazy, never flush for idling
+        if cut is not None and eng.queue and low > 0 and eng.device.in_flight() <= low:
+            eng.flush("device idle")
+        eng.online.add(node, cut)
+    # Only now (a flush above may have written pending inputs back): hold values in HBM
+    # strongly, pending ones weakly (Handle's docstring).
+    node.refs = [weakref.ref(h) if h.pending else h for h in handles]
+    if cfg.skip_intermediate:
+        node.refs += [weakref.ref(h) for h in new]
+    else:  # every value is written back: the queue keeps it alive until the flush
+        node.refs += new
+    eng.queue.append(node)
+    eng.pending_bytes += new_bytes
+    if not lazy:
+        eng.flush("eager")
+    elif len(eng.queue) >= cfg.buffer_size_limit:
+        eng.flush("buffer full")
+    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
+        eng.flush("pending memory")
+    return new

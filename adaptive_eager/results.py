@@ -1,0 +1,126 @@
+"""Results and views: the tensors an op returns (new buffers, views of its inputs' buffers,
+its arguments back), in-place view ops that restride a tensor, and out= tensors resized as
+CPU resizes them. Every view is checked against its real buffer (CPU's out-of-bounds error)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from device import Launch
+
+from ._tensor import NeuronTensor
+from .errors import _out_of_bounds
+from .meta import _extent_bytes, _meta_buffers, _to_meta
+from .source import _user_stacklevel
+from .templates import template
+
+aten = torch.ops.aten
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+
+
+def results(eng, func, args, kwargs, handles, meta, new):
+    if meta.single:  # one output (most ops): no list, no pytree
+        leaf = meta.leaves[0]
+        if leaf[0] == "new":
+            _, k, size, stride, dtype, info = leaf
+            return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
+        if leaf[0] == "view":
+            _, li, size, stride, off, dtype, info = leaf
+            if info[2] > handles[li].nbytes:
+                _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
+            return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+    out = []
+    for leaf in meta.leaves:
+        kind = leaf[0]
+        if kind == "new":
+            _, k, size, stride, dtype, info = leaf
+            out.append(NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info))
+        elif kind == "view":
+            _, li, size, stride, off, dtype, info = leaf
+            if info[2] > handles[li].nbytes:
+                _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
+            out.append(NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info))
+        elif kind == "arg":
+            _, j, k = leaf
+            a = func._schema.arguments[j]
+            v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+            out.append(v[k] if isinstance(v, (list, tuple)) else v)
+        else:
+            out.append(leaf[1])
+    return out[0] if meta.single else tree_unflatten(out, meta.spec)
+
+
+def inplace_view(eng, func, args, kwargs):
+    """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
+    over the same buffer; resize_ past the buffer moves the tensor to a larger one."""
+    t = args[0]
+    args_t, kwargs_t, handles, _, _ = template(eng, func, args, kwargs)
+    metas = _meta_buffers(handles)
+    m = _to_meta(t, args_t[0], metas)
+    func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
+         **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
+    need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
+    if need > t._handle.nbytes:
+        if func.overloadpacket is not aten.resize_:
+            _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype,
+                           t._handle.nbytes)
+        grow(eng, t, need)
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
+    t._set_layout()
+    return t
+
+
+def resize_out(eng, t, size, stride) -> None:
+    """An out= tensor of the wrong shape is resized, as CPU's resize_output does (the
+    meta kernel already gave CPU's deprecation warning)."""
+    off = t.storage_offset()
+    need = _extent_bytes(size, stride, off, t.element_size())
+    if need > t._handle.nbytes:
+        grow(eng, t, need)
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        aten.as_strided_.default(t, size, stride, off)
+    t._set_layout()
+
+
+def grow(eng, t, need: int) -> None:
+    """A tensor resized past its buffer: the buffer itself grows (a new, larger
+    allocation that starts with the old bytes), so every view of it sees the new storage,
+    as CPU's resize_ reallocates the storage its views share."""
+    h = t._handle
+    eng.flush("resize")
+    eng._make_room(need)
+    buf = eng.device.alloc(need)
+    if h.buffer is not None and h.nbytes:
+        src, dst, n = h.buffer.storage, buf.storage, h.nbytes
+
+        def copy():
+            u8 = torch.uint8
+            torch.empty(0, dtype=u8).set_(dst, 0, (n,), (1,)).copy_(
+                torch.empty(0, dtype=u8).set_(src, 0, (n,), (1,)))
+
+        with torch._C._DisableTorchDispatch():
+            eng.device.submit(Launch("resize_", copy, 2 * n, 0.0))
+    h.buffer, h.nbytes = buf, need  # the old allocation is released with its last user
+
+
+def resize_outs(eng, func, args, kwargs, resize) -> None:
+    """out= tensors of the wrong shape (meta's `resize`: argument, list index, CPU's size and
+    strides) are resized as CPU resizes them, with CPU's warning word for word."""
+    for j, k, size, stride in resize:
+        a = func._schema.arguments[j]
+        v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+        v = v[k] if isinstance(v, (list, tuple)) else v
+        if v.numel():
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(v.shape)}, which does not match the required output shape "
+                f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
+                f"release outputs will not be resized unless they have zero elements. "
+                f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
+                f"zero elements with t.resize_(0).", UserWarning,
+                stacklevel=_user_stacklevel())
+        resize_out(eng, v, size, stride)

@@ -1,0 +1,131 @@
+"""Host <-> device: reads (device-to-host, a sync point), writes (host-to-device), and the
+ops that move data across (`copy_`, `_to_copy` to the CPU, `.item()`)."""
+from __future__ import annotations
+
+import torch
+
+from device import Launch
+
+from ._tensor import NeuronTensor
+from .errors import _generator_error, _raise_launch_error
+from .source import DEVICE_TYPE, _source
+
+aten = torch.ops.aten
+
+
+def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
+    """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
+    if eng.queue:  # a host read that cuts queued work: where (run's advice)
+        src = _source()
+        eng.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
+    eng.sync(reason)
+    h = t._handle
+    if h.poison is not None:  # Note [Poison] in fusion/program.py
+        _raise_launch_error(h.poison)
+    n = t.numel() * t.element_size()
+    eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
+    eng.device.wait_idle()
+    if dma == "d2h":
+        eng.metrics.d2h_bytes += n
+    if n == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    with torch._C._DisableTorchDispatch():
+        return torch.empty(0, dtype=t.dtype).set_(
+            h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
+
+
+def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
+    """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
+    h = dst._handle
+    if any(h.uid in n.uids for n in eng.queue):
+        eng.flush("h2d")  # the copy must land after queued readers/writers of dst
+    src = src.detach()
+    if src.dtype == torch.float64:
+        eng._check_dtype(torch.float64)
+        src = src.to(torch.float32)  # Note [float64 policy] in fusion/program.py
+    n = src.numel() * src.element_size()
+    eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
+    if dma == "h2d":
+        eng.metrics.h2d_bytes += n
+    with torch._C._DisableTorchDispatch():
+        torch.empty(0, dtype=dst.dtype).set_(
+            h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
+
+
+def on_host(v, tensor):
+    """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
+    by the CPU (recursing into lists and tuples)."""
+    if isinstance(v, NeuronTensor):
+        return tensor(v)
+    if isinstance(v, torch.Generator):
+        raise _generator_error(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(on_host(x, tensor) for x in v)
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
+        return torch.device("cpu")
+    return v
+
+
+def buffer_view(v):
+    """A host tensor viewing neuron tensor v's device buffer (the same bytes)."""
+    h = v._handle
+    if v.numel() == 0 or h.buffer is None:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+    return torch.empty(0, dtype=v.dtype).set_(
+        h.buffer.storage, v.storage_offset(), v.shape, v.stride())
+
+
+def copy_(eng, func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor):
+        if dst._engine is not src._engine:
+            eng.metrics.ops += 1
+            core_to_core(src, dst)
+            return dst
+        return eng._dispatch(func, args, kwargs)
+    eng.metrics.ops += 1
+    if isinstance(dst, NeuronTensor):  # host -> device
+        if src.dim() == 0:
+            return eng._dispatch(func, args, kwargs)
+        eng.write(dst, src)
+        return dst
+    with torch._C._DisableTorchDispatch():  # device -> host
+        dst.copy_(eng.read(src, "d2h"))
+    return dst
+
+
+def core_to_core(src, dst) -> None:
+    """`dst.copy_(src)` across cores: src's core finishes what it has queued, then a DMA out
+    of it and a DMA into dst's core (each costed on its own core; Note [Cores])."""
+    host = src._engine.read(src, "d2d", dma="d2d")
+    dst._engine.write(dst, host, dma="d2d")
+    dst._engine.metrics.d2d_bytes += host.numel() * host.element_size()
+
+
+def to_copy(eng, func, args, kwargs):
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == DEVICE_TYPE:
+        target = eng.peer(torch.device(dev).index)
+        if target is not eng:  # .to("neuron:k") of another core's tensor
+            eng.metrics.ops += 1
+            x = args[0]
+            kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+            meta = aten._to_copy.default(torch.empty_strided(
+                x.shape, x.stride(), dtype=x.dtype, device="meta"), **kw)  # CPU's layout
+            out = target.empty(tuple(meta.shape), meta.stride(), meta.dtype)
+            core_to_core(x, out)
+            return out
+    if dev is not None and torch.device(dev).type == "cpu":
+        eng.metrics.ops += 1
+        cpu = eng.read(args[0], "cpu")
+        kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+        with torch._C._DisableTorchDispatch():
+            return aten._to_copy.default(cpu, **kw)
+    return eng._dispatch(func, args, kwargs)
+
+
+def local_scalar_dense(eng, func, args, kwargs):
+    eng.metrics.ops += 1
+    v = eng.read(args[0], "item")
+    with torch._C._DisableTorchDispatch():
+        return v.item()

@@ -1,0 +1,98 @@
+"""What each stage of the engine costs per op, on the tiny chain of test_host_overhead.py:
+
+    python benchmarks/stage_costs.py [--strategy graph] [--steps 20]
+
+The chain runs process-wide adaptive (as TORCH_NEURONX_ENABLE_CONCATENATION=1 sets it), with
+the default policy. A plain timed run gives the engine's host time per op (best of the steps)
+beside plain CPU torch and the do-nothing `__torch_dispatch__` floor; a profiled run splits
+it by stage: each stage's share of the profiled time, applied to the plain run's per-op time
+(cProfile inflates every call, so only the shares are taken from it).
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import adaptive_eager as ae  # noqa: E402
+from test_host_overhead import CHAIN, Floor, chain  # noqa: E402
+
+# stage -> the function whose cumulative time is the stage (file suffix, function name)
+STAGES = [
+    ("templates (arguments -> cache key)", "adaptive_eager/templates.py", "template"),
+    ("meta lookup / inference", "adaptive_eager/meta.py", "infer"),
+    ("queue: record + online grouping", "adaptive_eager/queue.py", "record"),  # less flushes
+    ("results (wrapper tensors)", "adaptive_eager/results.py", "results"),
+    ("flush: plan + run executables", "adaptive_eager/_engine.py", "flush"),
+    ("sync", "adaptive_eager/_engine.py", "synchronize"),
+]
+
+
+def per_op_us(step, steps: int) -> float:
+    step()
+    best = float("inf")
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best / CHAIN * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", default="graph")
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    x = torch.randn(16)
+    cpu = per_op_us(lambda: chain(x), a.steps)
+    floor = per_op_us(lambda: chain(Floor(x)), a.steps)
+    xn = x.to("neuron")
+    ae.set_adaptive(True)
+    ae.set_strategy(a.strategy)
+
+    def step():
+        chain(xn)
+        torch.neuron.synchronize()
+
+    engine = per_op_us(step, a.steps)
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [step() for _ in range(a.steps)])
+    stats = pstats.Stats(prof).stats
+    total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items())
+    print(f"host time per op, adaptive {a.strategy}, default policy ({CHAIN}-op chain):")
+    print(f"  plain CPU torch      {cpu:7.2f} us")
+    print(f"  dispatch floor       {floor:7.2f} us  ({floor / cpu:.1f}x CPU)")
+    print(f"  engine               {engine:7.2f} us  ({engine / cpu:.1f}x CPU, "
+          f"{engine / floor:.1f}x the floor)")
+    print("  by stage (share of the profiled time, as us of the engine's per-op time):")
+
+    def cum(path, func, exclude=None):
+        """Cumulative time of `func`, less what it spent in `exclude` (a stage of its own)."""
+        out = 0.0
+        for (f, _, fn), (_, _, _, ct, _) in stats.items():
+            if f.endswith(path) and fn == func:
+                out += ct
+        if exclude is not None:
+            for (f, _, fn), (_, _, _, _, callers) in stats.items():
+                if f.endswith(exclude[0]) and fn == exclude[1]:
+                    out -= sum(c[3] for (cf, _, cfn), c in callers.items()
+                               if cf.endswith(path) and cfn == func)
+        return out
+
+    flush = ("adaptive_eager/_engine.py", "locked")  # Engine.flush, through its lock wrapper
+    shown = 0.0
+    for name, path, func in STAGES:
+        t = cum(path, func, flush if func == "record" else None)
+        shown += t
+        print(f"    {name:38s} {t / total * engine:6.2f} us  ({t / total:5.1%})")
+    rest = total - shown
+    print(f"    {'the rest (dispatch, Python glue)':38s} {rest / total * engine:6.2f} us  "
+          f"({rest / total:5.1%})")
+
+if __name__ == "__main__":
+    main()
