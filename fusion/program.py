@@ -252,12 +252,25 @@ def _unique(orig, low) -> None:
     orig.copy_(low)
 
 
+def _aliased_f32(a: torch.Tensor) -> torch.Tensor:
+    """A float32 twin of float64 `a` that an in-place op may write through: over a copy of
+    the memory `a` spans, with `a`'s own strides, so elements that share memory in `a` (an
+    expanded tensor's stride-0 dims) share it in the twin too, and a write to one is seen at
+    all of them, as on CPU."""
+    if a.numel() == 0:
+        return a.to(torch.float32)
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
+    flat = torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset(),
+                                              (span,), (1,))
+    return flat.to(torch.float32).as_strided(a.shape, a.stride(), 0)
+
+
 def _as_f32(ins, args, kwargs):
     writeback = []
 
     def low(a, mutated):
         if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
-            b = a.to(torch.float32)
+            b = _aliased_f32(a) if mutated else a.to(torch.float32)
             if mutated:
                 writeback.append((a, b))
             return b

@@ -252,6 +252,12 @@ def test_in_place_on_an_expanded_float64_tensor(mode):
         v0.expand(2, 1).zero_()
         d0.expand(2, 1).zero_()
         assert d0.cpu().tolist() == v0.tolist() == [0.0]
+        # a write to one broadcast element is a write to all that share its memory
+        x = torch.tensor([[1.5]], dtype=torch.float64)
+        dx = x.to(N)
+        x.view(-1).expand(2, 1)[torch.tensor([-1])] = -2.0
+        dx.view(-1).expand(2, 1)[torch.tensor([-1], device=N)] = -2.0
+        assert dx.cpu().tolist() == x.tolist() == [[-2.0]]
 
 
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
