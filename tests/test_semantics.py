@@ -269,3 +269,14 @@ def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     c = x.clone().requires_grad_()
     c[c > 0].sum().backward()
     assert d.grad.tolist() == c.grad.tolist()
+
+
+def test_the_same_tensor_twice_gets_cpus_overlap_error(mode):
+    """`v.index_copy_(0, i, v)`: CPU refuses a source that is the destination itself before
+    it checks sizes; the CPU probe passes one twin for the one tensor, so neuron does too."""
+    def go(dev):
+        v = torch.zeros(2, 1, 0, dtype=torch.bool, device=dev)
+        with pytest.raises(Exception) as info:
+            v.index_copy_(0, torch.tensor([-4], device=dev), v)
+        return type(info.value), str(info.value)
+    assert go(N) == go("cpu")
