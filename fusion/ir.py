@@ -28,9 +28,10 @@ def scalar_positions(func) -> tuple[frozenset, frozenset]:
     arguments, and `Tensor` ones (`x * 0.5` reaches `mul.Tensor` with a plain float)."""
     pos, names = set(), set()
     for i, a in enumerate(func._schema.arguments):
+        t = str(a.type)  # an optional one prints as "Optional[number]" (clamp's min and max)
+        t = t[9:-1] if t.startswith("Optional[") else t.rstrip("?")
         # Scalar[]: the foreach optimizers' per-step values (bias corrections, step sizes)
-        if str(a.type).rstrip("?") in ("Scalar", "number", "Tensor", "List[number]",
-                                       "Scalar[]"):
+        if t in ("Scalar", "number", "Tensor", "List[number]", "Scalar[]"):
             names.add(a.name)
             if not a.kwarg_only:
                 pos.add(i)

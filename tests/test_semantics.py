@@ -280,3 +280,22 @@ def test_the_same_tensor_twice_gets_cpus_overlap_error(mode):
             v.index_copy_(0, torch.tensor([-4], device=dev), v)
         return type(info.value), str(info.value)
     assert go(N) == go("cpu")
+
+
+def test_optional_scalars_are_keyed_by_type(mode):
+    """clamp's `min`/`max` are `Scalar?`: runtime scalars keyed by their type, never by value
+    (0 == False == -0.0 made one cache entry, and the first call's dtype won; fuzzer seed
+    2011793)."""
+    calls = ["min=0, max=1", "min=0.0, max=1", "min=False, max=True", "max=1", "max=1.0",
+             "max=True", "min=-0.0", "min=0", "min=False, max=-0.0", "min=0, max=0"]
+    for dt in (torch.int64, torch.int32, torch.float32):
+        for args in calls:
+            want = eval(f"torch.full((2,), 3).to(dt).clamp({args})")
+            got = eval(f"torch.full((2,), 3, device=N).to(dt).clamp({args})")
+            assert (got.dtype, got.cpu().tolist()) == (want.dtype, want.tolist()), (dt, args)
+
+
+def test_every_optional_scalar_argument_is_a_runtime_input():
+    from fusion.ir import scalar_positions
+    pos, names = scalar_positions(torch.ops.aten.clamp.default)
+    assert {1, 2} <= pos and {"min", "max"} <= names
