@@ -19,18 +19,21 @@ def template(eng, func, args, kwargs):
     """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...). Every
     neuron tensor must be on `eng`'s core."""
     spos, snames = scalar_positions(func)
-    if not kwargs:  # the common case, inlined (this runs per op): tensors and plain values
-        handles, where, vbytes, out = [], {}, [], []
+    if not kwargs:  # the common case, inlined (this runs per op): tensors, numbers, statics
+        handles, where, vbytes, out, inputs = [], {}, [], [], []
         for i, a in enumerate(args):
             t = type(a)
             if t is NeuronTensor:
                 out.append(_enc_tensor(a, eng, func, handles, where, vbytes))
+            elif i in spos and t in _NUMBERS:  # as _Encoder.enc: a runtime scalar
+                inputs.append(a)
+                out.append(("S", len(inputs) - 1, t.__name__))
             elif t in _PLAIN and i not in spos:
                 out.append(a)
             else:
                 break
         else:
-            return tuple(out), (), handles, [], vbytes
+            return tuple(out), (), handles, inputs, vbytes
     e = _Encoder(eng, func)
     args_t = tuple([e.enc(a, i in spos) for i, a in enumerate(args)])
     kwargs_t = tuple([(k, e.enc(v, k in snames)) for k, v in kwargs.items()])
@@ -38,6 +41,7 @@ def template(eng, func, args, kwargs):
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # static as they are
+_NUMBERS = frozenset({int, float, bool, complex})
 
 
 def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple:
