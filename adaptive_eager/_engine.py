@@ -186,6 +186,8 @@ class Engine:
         nbytes = _extent_bytes(size, stride, 0, dtype.itemsize)
         self._make_room(nbytes)
         h = Handle(nbytes, self.device.alloc(nbytes))
+        if self.index:  # every tensor of a core starts from an allocation there
+            _OTHER_CORES_USED[0] = True
         return self.wrap(h, size, stride, 0, dtype)
 
     def _make_room(self, nbytes: int) -> None:
@@ -343,6 +345,13 @@ for _op in aten.set_.overloads():
 ENGINE = Engine()  # neuron:0
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
 _CURRENT = [0]  # the current core's index (cores.set_current checks it first)
+_OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
+
+
+def other_cores_used() -> bool:
+    """Whether a core other than neuron:0 ever held a tensor (Note [Cores]: backward then
+    runs on one thread)."""
+    return _OTHER_CORES_USED[0]
 
 
 def current() -> Engine:

@@ -54,7 +54,7 @@ def _wrap_backward() -> None:
 
     def _engine_run_backward(*args, **kwargs):
         try:
-            if len(_engine.ENGINES) > 1:  # Note [Cores] in cores.py: one thread for all
+            if _engine.other_cores_used():  # Note [Cores] in cores.py: one thread for all
                 with torch.autograd.set_multithreading_enabled(False):
                     result = run(*args, **kwargs)
             else:

@@ -10,7 +10,7 @@ CUDA's error; a copy between cores is a costed DMA on each side (transfer.py).
 
 PyTorch's Python device guard for PrivateUse1 (torch/csrc/acc/Module.cpp) reports one device,
 and autograd sizes its per-device worker threads from it: a backward on neuron:1 would fail an
-internal assert there. So once a process has used a core other than neuron:0, backward runs
+internal assert there. So once a process has allocated on a core other than neuron:0, backward runs
 with autograd's multithreading off (`torch.autograd.set_multithreading_enabled(False)`, public
 API): the whole backward runs on the calling thread, every core included (_registration.py).
 The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per process, not per
@@ -65,6 +65,11 @@ def check(device) -> int:
                            f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
                            f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
     return idx
+
+
+def engines() -> list:
+    """The engines made so far (core 0 and every core used since)."""
+    return list(_engine.ENGINES)
 
 
 def engine(device=None):

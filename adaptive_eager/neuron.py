@@ -65,10 +65,10 @@ def manual_seed(seed: int) -> None:
 
 def manual_seed_all(seed: int) -> None:
     """Seed every core's generator (`torch.manual_seed` calls this); cores first used later
-    start from it too (`_engine.core`)."""
-    for k in range(cores.count()):
-        _E(k).flush("rng")
-        _E(k).device.rng.manual_seed(int(seed))
+    start from core 0's seed (`_engine.core`)."""
+    for eng in cores.engines():
+        eng.flush("rng")
+        eng.device.rng.manual_seed(int(seed))
 
 
 def seed() -> None:

@@ -25,11 +25,10 @@ from test_host_overhead import CHAIN, Floor, chain  # noqa: E402
 # stage -> the function whose cumulative time is the stage (file suffix, function name)
 STAGES = [
     ("templates (arguments -> cache key)", "adaptive_eager/templates.py", "template"),
-    ("meta lookup / inference", "adaptive_eager/meta.py", "infer"),
+    ("meta inference (new signatures only)", "adaptive_eager/meta.py", "infer"),
     ("queue: record + online grouping", "adaptive_eager/queue.py", "record"),  # less flushes
     ("results (wrapper tensors)", "adaptive_eager/results.py", "results"),
-    ("flush: plan + run executables", "adaptive_eager/_engine.py", "flush"),
-    ("sync", "adaptive_eager/_engine.py", "synchronize"),
+    ("flush: plan + run executables", "adaptive_eager/_engine.py", "flush"),  # syncs: rest
 ]
 
 

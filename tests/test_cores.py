@@ -21,6 +21,7 @@ def _back_to_one_core():
     ae.synchronize()
     del ae._engine.ENGINES[1:]
     ae._engine.set_current(0)
+    ae._engine._OTHER_CORES_USED[0] = False
 
 
 def test_core_list_forms():
@@ -180,3 +181,12 @@ def test_explain_and_trace_are_per_core(tmp_path):
     assert {0, 1} <= pids
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names[1] == "NeuronCore 1"
+
+
+def test_seeding_reaches_cores_used_later_and_keeps_one_core_processes_threaded():
+    torch.manual_seed(7)
+    assert not ae._engine.other_cores_used()  # seeding alone touches no other core
+    x = torch.randn(4, device="neuron:3")  # a core first used after the seed
+    torch.manual_seed(7)
+    assert torch.equal(x.cpu(), torch.randn(4))  # the device streams equal CPU's
+    assert ae._engine.other_cores_used()
