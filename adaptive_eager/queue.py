@@ -15,6 +15,8 @@ from .source import _source
 
 
 def record(eng, meta, handles, inputs, vbytes):
+    """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
+    as a Node, and flush as the policy says. Returns the handles of its new buffers."""
     op = meta.op
     new_bytes = sum(op.new_bytes)
     hbm = eng.device.hbm

@@ -22,6 +22,9 @@ _PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 
 
 def results(eng, func, args, kwargs, handles, meta, new):
+    """What op `func` returns, from its cached meta result: tensors over the new buffers it
+    makes (`new`), views of its arguments' buffers (`handles`), or arguments handed back
+    (in place, out=), in the op's own output structure."""
     if meta.single:  # one output (most ops): no list, no pytree
         leaf = meta.leaves[0]
         if leaf[0] == "new":
