@@ -16,6 +16,8 @@ def load(path: str) -> dict:
     out: dict = collections.defaultdict(dict)
     for b in data["benchmarks"]:
         e = dict(b["extra_info"])
+        if "workload" not in e:  # the tiny chain (host_table)
+            continue
         e["wall_us"] = b["stats"]["mean"] * 1e6
         out[e["workload"]][e["mode"]] = e
     return out
@@ -47,6 +49,25 @@ def markdown(res: dict) -> str:
                 f"{e['host_us_per_op'] / cpu['host_us_per_op']:.1f}x | "
                 f"{e['hbm_bytes_per_step'] / 1024:.1f} | {e['bytes_saved_per_step'] / 1024:.1f}"
                 f" | {e['wall_us']:.0f} | {_first(e)} |")
+    return "\n".join(rows)
+
+
+def host_table(path: str) -> str:
+    """The tiny chain of benchmarks/test_host_overhead.py, if the run has it: host time per op
+    against plain CPU torch and against the do-nothing dispatch floor (medians)."""
+    with open(path) as f:
+        data = json.load(f)
+    med = {b["extra_info"]["mode"]: (b["stats"]["median"], b["extra_info"]["ops_per_step"])
+           for b in data["benchmarks"] if b.get("group") == "tiny_chain"}
+    if "cpu" not in med or "floor" not in med:
+        return ""
+    cpu, floor = med["cpu"][0], med["floor"][0]
+    rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |", "|---|---|---|---|---|"]
+    for mode in ("cpu", "floor", "graph", "eager"):
+        if mode in med:
+            t, n = med[mode]
+            rows.append(f"| {mode} | {t * 1e3:.2f} | {t / n * 1e6:.2f} | {t / cpu:.1f}x | "
+                        f"{t / floor:.1f}x |")
     return "\n".join(rows)
 
 
@@ -86,6 +107,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     res = load(args.json)
     table = markdown(res)
+    host = host_table(args.json)
+    if host:
+        table += "\n\nHost time per op on an 800-op chain of tiny pointwise ops (floor: a " \
+                 "do-nothing `__torch_dispatch__` subclass):\n\n" + host
     with open(args.md, "w") as f:
         f.write(table + "\n")
     print(table)

@@ -132,3 +132,20 @@ def test_advice_is_drawn_from_the_numbers():
     assert sum("aten::foo fell back to CPU 300 times" in t for t in tips) == 1
     assert any("graph launches 10 executables against eager's 100 (10%)" in t for t in tips)
     assert "item=42" in table(results)
+
+
+def test_report_tables_the_tiny_chain_against_cpu_and_the_floor(tmp_path):
+    """`report` on a run with benchmarks/test_host_overhead.py: a host-time table."""
+    import json
+    from adaptive_eager import report
+
+    def bench(group, info, median):
+        return {"group": group, "extra_info": info, "stats": {"median": median, "mean": median}}
+    data = {"benchmarks": [bench("tiny_chain", {"mode": m, "ops_per_step": 800}, t)
+                           for m, t in (("cpu", 0.002), ("floor", 0.01), ("graph", 0.025),
+                                        ("eager", 0.05))]}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(data))
+    table = report.host_table(str(path))
+    assert "| graph | 25.00 | 31.25 | 12.5x | 2.5x |" in table
+    assert report.load(str(path)) == {}  # the chain is no workload of the main table
