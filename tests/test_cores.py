@@ -190,3 +190,21 @@ def test_seeding_reaches_cores_used_later_and_keeps_one_core_processes_threaded(
     torch.manual_seed(7)
     assert torch.equal(x.cpu(), torch.randn(4))  # the device streams equal CPU's
     assert ae._engine.other_cores_used()
+
+
+def test_every_way_to_make_a_tensor_lands_on_the_named_core():
+    import io
+    import warnings
+    x = torch.arange(4.).to("neuron:1")
+    made = [torch.arange(3, device="neuron:2"), torch.eye(2, device="neuron:3"),
+            torch.tensor([1, 2], device="neuron:2"), x.new_zeros(3), torch.zeros_like(x),
+            x.clone(), x[1:], x.nonzero()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # det falls back to CPU, with its warning
+        made.append(torch.linalg.det(torch.eye(3, device="neuron:1")))
+    assert [t.device.index for t in made] == [2, 3, 2, 1, 1, 1, 1, 1, 1]
+    buf = io.BytesIO()
+    torch.save({"x": x}, buf)
+    buf.seek(0)
+    y = torch.load(buf)["x"]  # a checkpoint comes back on the core it was saved from
+    assert y.device == torch.device(N, 1) and torch.equal(y.cpu(), torch.arange(4.))
