@@ -279,9 +279,9 @@ class Gen:
         # reads half-written memory): such a target is replaced by a fresh tensor. So is an
         # empty view of an input's storage: resized for the result, it overlaps the input
         # (CPU checks overlap before it resizes, so it computes through the overlap).
-        st = lambda k: self.ns[k].untyped_storage().data_ptr()  # noqa: E731
+        st = lambda k: self.ns[k].untyped_storage()._cdata  # noqa: E731  (the storage itself)
         inputs = [x for x in (a, b) if x in self.ns and isinstance(self.ns[x], self.torch.Tensor)]
-        if any(x == o or (st(x) and st(x) == st(o)) for x in inputs):
+        if any(x == o or st(x) == st(o) for x in inputs):
             o = None
         target = o if o is not None and r.random() < 0.7 else \
             f"torch.empty({r.choice(['0', '(2, 2)', '1'])}, device=dev)"
