@@ -213,8 +213,12 @@ class Engine:
                     return special(self, func, args, kwargs)
                 return self._dispatch(func, args, kwargs)
         except BaseException as e:
-            if type(threading.current_thread()) is threading._DummyThread:
-                return _hand_off(e)  # Note [Device-thread errors] in errors.py
+            # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
+            # device thread, or the caller's own thread once backward runs single-threaded,
+            # Note [Cores]) an exception must not unwind through PyTorch's device guard.
+            if (type(threading.current_thread()) is threading._DummyThread
+                    or torch._C._current_autograd_node() is not None):
+                return _hand_off(e)
             if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
                 raise e.with_traceback(None) from None
             raise

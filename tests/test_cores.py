@@ -208,3 +208,26 @@ def test_every_way_to_make_a_tensor_lands_on_the_named_core():
     buf.seek(0)
     y = torch.load(buf)["x"]  # a checkpoint comes back on the core it was saved from
     assert y.device == torch.device(N, 1) and torch.equal(y.cpu(), torch.arange(4.))
+
+
+def test_deferred_error_in_a_single_threaded_backward_is_raised_not_an_abort():
+    """Once a second core is used, backward runs on the caller's thread (Note [Cores]): a
+    deferred error surfacing inside a backward node is handed over there too (Note
+    [Device-thread errors]); raising through the device guard aborted the process."""
+    code = """if True:
+        import warnings, torch, torch.nn.functional as F, adaptive_eager as ae
+        warnings.simplefilter("ignore")
+        torch.zeros(1, device="neuron:1")  # a second core: backward runs single-threaded
+        v3 = torch.arange(4, device="neuron").float().requires_grad_()
+        v7 = F.hardtanh(v3.clamp(min=1e-3, max=0.5))
+        torch.arange(4, device="neuron").gather(0, torch.tensor([-3], device="neuron"))
+        try:
+            v7.mean().backward()  # hardtanh_backward falls back: a sync inside backward
+        except ae.NeuronRuntimeError as e:
+            print("raised", "gather" in str(e))
+        print("alive", (v3 * 2).sum().item())
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["raised", "True", "alive", "12.0"]
