@@ -559,6 +559,15 @@ def _settle():
         pass
 
 
+def _grad_leaf(t) -> bool:
+    """A leaf that requires grad; False for a view whose grad_fn PyTorch refuses to build (a
+    multi-output view whose base was modified in place raises on `requires_grad`)."""
+    try:
+        return t.requires_grad and t.is_leaf
+    except RuntimeError:
+        return False
+
+
 def run_reference(stmts, upto=None, fail_at=None):
     """CPU, skipping statements that raise; returns (first error, readings, taint flags).
 
@@ -590,7 +599,7 @@ def run_reference(stmts, upto=None, fail_at=None):
             info = stmt_info(code)
             if info["backward"]:  # writes the .grad of every leaf it reaches
                 info["muts"] |= {k for k, u in ns.items() if _VAR.fullmatch(k)
-                                 and isinstance(u, torch.Tensor) and u.requires_grad and u.is_leaf}
+                                 and isinstance(u, torch.Tensor) and _grad_leaf(u)}
             inherited = set().union(*(taint.get(x, set()) for x in info["reads"] if x in ns)) \
                 if info["reads"] else set()
             missing = any(x not in ns for x in info["reads"])
