@@ -1,6 +1,8 @@
 """Registers `neuron` into PyTorch from pure Python (PrivateUse1, renamed)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._tensor import NeuronTensor
@@ -53,11 +55,11 @@ def _wrap_backward() -> None:
         return
 
     def _engine_run_backward(*args, **kwargs):
+        # Note [Cores] in cores.py: once another core is used, one thread for all
+        threads = (torch.autograd.set_multithreading_enabled(False)
+                   if _engine.other_cores_used() else contextlib.nullcontext())
         try:
-            if _engine.other_cores_used():  # Note [Cores] in cores.py: one thread for all
-                with torch.autograd.set_multithreading_enabled(False):
-                    result = run(*args, **kwargs)
-            else:
+            with threads:
                 result = run(*args, **kwargs)
         except RuntimeError:
             err = errors.take_handoff()

@@ -84,13 +84,15 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device=None) -> torch.Tensor:
-    _E(device).flush("rng")
-    return _E(device).device.rng.state.clone()
+    eng = _E(device)
+    eng.flush("rng")
+    return eng.device.rng.state.clone()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
-    _E(device).flush("rng")
-    _E(device).device.rng.state = state.clone()
+    eng = _E(device)
+    eng.flush("rng")
+    eng.device.rng.state = state.clone()
 
 
 def get_rng_state_all() -> list[torch.Tensor]:

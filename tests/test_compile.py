@@ -33,14 +33,19 @@ def test_training_3_steps_matches_cpu(kind):
     assert aec.STATS.graphs["forward"] >= 1 and aec.STATS.graphs["backward"] >= 1
 
 
-def test_gradients_match_cpu_and_eager():
+def _mlp_and_cpu_grads():
+    """A small MLP moved to neuron, its input, and the gradients CPU gives for it."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     x = torch.randn(5, 8)
     net(x).pow(2).sum().backward()
     ref = [p.grad.clone() for p in net.parameters()]
     net.zero_grad()
-    net = net.to("neuron")
+    return net.to("neuron"), x, ref
+
+
+def test_gradients_match_cpu_and_eager():
+    net, x, ref = _mlp_and_cpu_grads()
     out = torch.compile(net, backend="neuron")(x.to("neuron"))
     out.pow(2).sum().backward()
     for p, g in zip(net.parameters(), ref):
@@ -133,13 +138,7 @@ def test_compiles_inside_an_adaptive_scope():
     """`with ae.adaptive():` is a TorchDispatchMode; it tells Dynamo to ignore it while it
     captures (`ignore_compile_internals`), so the code is compiled, not skipped, and the
     compiled graphs' ops join the adaptive queue."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-    x = torch.randn(5, 8)
-    net(x).pow(2).sum().backward()
-    ref = [p.grad.clone() for p in net.parameters()]
-    net.zero_grad()
-    net = net.to("neuron")
+    net, x, ref = _mlp_and_cpu_grads()
     with ae.adaptive():
         out = torch.compile(net, backend="neuron")(x.to("neuron"))
         out.pow(2).sum().backward()

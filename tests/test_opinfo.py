@@ -297,19 +297,24 @@ def _samples(op):
         return "float32 not supported on CPU (complex-/integer-only op)"
     if _SKIP_NAME.search(op.name):
         return "sparse/nested/quantized/CUDA-specific OpInfo"
+    return usable_samples(op, False, SAMPLES_PER_OP, _numel_ok)
+
+
+def usable_samples(op, requires_grad: bool, limit: int, numel_ok):
+    """The op's first `limit` strided samples that `numel_ok` accepts (of at most 20 looked
+    at), or a skip reason (str). Shared with the backward test."""
     torch.manual_seed(0)
     try:
-        it = iter(op.sample_inputs("cpu", DTYPE, requires_grad=False))
         out, seen, reasons = [], 0, set()
-        for s in it:
+        for s in op.sample_inputs("cpu", DTYPE, requires_grad=requires_grad):
             seen += 1
             if not _strided((s.input, s.args, s.kwargs)):
                 reasons.add("non-strided layout")
-            elif not _numel_ok(s):
+            elif not numel_ok(s):
                 reasons.add("sample too big")
             else:
                 out.append(s)
-            if len(out) >= SAMPLES_PER_OP or seen >= 20:
+            if len(out) >= limit or seen >= 20:
                 break
     except Exception as exc:  # noqa: BLE001
         return f"sample inputs cannot be constructed: {_short(exc)}"
@@ -318,14 +323,16 @@ def _samples(op):
     return out
 
 
-def run_op(op, modes=MODES) -> OpResult:
+def run_op(op, modes=MODES, run=None, timeout_s: float = OP_TIMEOUT_S) -> OpResult:
+    """One op in every mode, within `timeout_s`; `run(op, res, modes)` fills the result (this
+    file's `_run_op` by default; the backward test passes its own)."""
     res = OpResult(op_id(op))
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with _time_limit(OP_TIMEOUT_S):
-                _run_op(op, res, modes)
+            with _time_limit(timeout_s):
+                (run or _run_op)(op, res, modes)
         except _Timeout as exc:
             for m in modes:
                 res.errors.setdefault(m, f"{exc}")

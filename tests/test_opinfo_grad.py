@@ -41,7 +41,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -53,7 +52,7 @@ import adaptive_eager as ae
 pytest.importorskip("expecttest")  # op_db needs it
 import test_opinfo as fwd  # noqa: E402  the forward test's machinery (tests/ is on sys.path)
 from test_opinfo import (DEVICE, DTYPE, MODES, Mismatch, OpResult, _is_tensor,  # noqa: E402
-                         _short, _strided, _time_limit, _Timeout, compare, engine_healthy,
+                         _short, _Timeout, compare, engine_healthy,
                          is_random, op_id)
 
 XFAIL_FILE = Path(__file__).with_name("opinfo_grad_xfail.txt")
@@ -79,24 +78,7 @@ def _samples(op):
         return "float32 backward not supported on CPU"
     if fwd._SKIP_NAME.search(op.name):
         return "sparse/nested/quantized/CUDA-specific OpInfo"
-    torch.manual_seed(0)
-    try:
-        out, seen, reasons = [], 0, set()
-        for s in op.sample_inputs("cpu", DTYPE, requires_grad=True):
-            seen += 1
-            if not _strided((s.input, s.args, s.kwargs)):
-                reasons.add("non-strided layout")
-            elif not _numel_ok(s):
-                reasons.add("sample too big")
-            else:
-                out.append(s)
-            if len(out) >= SAMPLES_PER_OP or seen >= 20:
-                break
-    except Exception as exc:  # noqa: BLE001
-        return f"sample inputs cannot be constructed: {_short(exc)}"
-    if not out:
-        return "no usable sample (" + (", ".join(sorted(reasons)) or "none") + ")"
-    return out
+    return fwd.usable_samples(op, True, SAMPLES_PER_OP, _numel_ok)
 
 
 def _leaves(sample, device: str, misaligned: bool = False, input_only: bool = False):
@@ -266,18 +248,7 @@ def _run_op(op, res: OpResult, modes) -> None:
 
 
 def run_op(op, modes=MODES) -> OpResult:
-    res = OpResult(op_id(op))
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            with _time_limit(OP_TIMEOUT_S):
-                _run_op(op, res, modes)
-        except _Timeout as exc:
-            for m in modes:
-                res.errors.setdefault(m, f"{exc}")
-    res.seconds = time.perf_counter() - t0
-    return res
+    return fwd.run_op(op, modes, _run_op, OP_TIMEOUT_S)
 
 
 # A mode of an op that kills the process (an abort on autograd's device thread) is listed
