@@ -18,7 +18,7 @@ def record(eng, meta, handles, inputs, vbytes):
     """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
     op = meta.op
-    new_bytes = sum(op.new_bytes)
+    new_bytes = op.new_total
     hbm = eng.device.hbm
     if hbm.used + eng.pending_bytes + new_bytes > hbm.capacity:
         eng._make_room(new_bytes)

@@ -29,10 +29,23 @@ def _user_stacklevel() -> int:
 
 
 
+def _ours(code) -> bool:
+    """Is `code` in our packages (or torch's)? Cached per code object: this runs per op."""
+    skip = _OURS.get(code)
+    if skip is None:
+        if len(_OURS) >= 10_000:  # code made at run time (exec, lambdas in loops): bounded
+            _OURS.clear()
+        skip = _OURS[code] = code.co_filename.startswith(_SKIP_FILES)
+    return skip
+
+
+_OURS: dict = {}
+
+
 def _source():
     """(file, line, stack) of the user's code that issued the op."""
     f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
+    while f is not None and _ours(f.f_code):
         f = f.f_back
     if f is None:
         return None

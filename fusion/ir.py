@@ -14,6 +14,7 @@ signature) never depends on which buffers it touched.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -84,8 +85,8 @@ def op_name(func) -> str:
 class OpSig:
     """What every call of one op signature shares (computed once, cached by the engine)."""
 
-    __slots__ = ("func", "name", "cls", "sig", "outs", "reads", "writes", "new", "inplace",
-                 "flops", "new_bytes")
+    __slots__ = ("func", "name", "cls", "sig", "outs", "reads", "writes", "arg_writes", "new",
+                 "inplace", "flops", "new_bytes", "new_total")
 
     def __init__(self, func, cls, args, kwargs, outs, n_args, writes, flops, new_bytes):
         self.func = func
@@ -99,9 +100,11 @@ class OpSig:
         self.new = frozenset(o[1] for o in outs if o is not None)
         self.reads = tuple(range(n_args))  # every argument buffer is read
         self.writes = tuple(writes) + tuple(sorted(self.new))  # in place, then new
+        self.arg_writes = tuple(writes)  # the argument buffers it writes (in place, out=)
         self.inplace = bool(writes)  # writes a buffer it did not create (in-place / out=)
         self.flops = flops
         self.new_bytes = new_bytes  # bytes of each new output, in order
+        self.new_total = sum(new_bytes)
 
 
 class Node:
@@ -142,11 +145,10 @@ class Handle:
     """
 
     __slots__ = ("uid", "nbytes", "buffer", "pending", "poison", "__weakref__")
-    _next = 0
+    _uids = itertools.count(1)
 
     def __init__(self, nbytes: int, buffer=None, pending: bool = False):
-        Handle._next += 1
-        self.uid = Handle._next
+        self.uid = next(Handle._uids)
         self.nbytes = nbytes
         self.buffer = buffer  # device.Buffer once the value is in HBM
         self.pending = pending

@@ -182,16 +182,24 @@ class OnlineGroup:
         if not self.state.size:
             return None
         # New buffers are fresh: only argument buffers can meet the group's (reads are all
-        # arguments; in-place writes are among them).
-        uids, gw = n.uids, self.writes
-        dependent = any(uids[li] in gw for li in n.op.reads) or any(
-            uids[li] in self.reads for li in n.op.writes if li < len(n.op.reads))
+        # arguments; in-place writes are among them). Plain loops: this runs per op.
+        uids, op = n.uids, n.op
+        dependent = False
+        for li in op.reads:
+            if uids[li] in self.writes:
+                dependent = True
+                break
+        else:
+            for li in op.arg_writes:
+                if uids[li] in self.reads:
+                    dependent = True
+                    break
         return strategy.cut(self.state, n, dependent)
 
     def add(self, n: Node, reason: str | None) -> None:
         if reason is not None:
             self.reset()
         self.state.add(n)
-        uids = n.uids
-        self.reads.update(uids[li] for li in n.op.reads)
-        self.writes.update(uids[li] for li in n.op.writes)
+        uids, op = n.uids, n.op
+        self.reads.update([uids[li] for li in op.reads])
+        self.writes.update([uids[li] for li in op.writes])
