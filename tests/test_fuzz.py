@@ -175,6 +175,35 @@ def test_a_later_cpu_error_inside_the_deferred_window_is_accepted():
     assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
 
 
+def test_an_error_at_a_shape_the_float64_policy_leaves_free_is_accepted():
+    # fuzzer seed 5108656: how many float64 draws `where` keeps is free (the device draws
+    # them from the float32 stream), so is whether indexing the result raises
+    def prog(dtype):
+        return ["torch.manual_seed(2)",
+                f"v0 = torch.rand((5,), device=dev, dtype={dtype})",
+                "v1 = torch.where(torch.bernoulli(v0) > 0)[0]",
+                "v2 = torch.arange(3., device=dev) * 2",  # compared as any value
+                "v3 = v1.select(0, -9)",
+                "torch.neuron.synchronize()"]
+    raised = {"at": 4, "type": "IndexError", "msg": "", "deferred": False}
+    for dtype in ("torch.float64", "torch.float32"):
+        p = prog(dtype)
+        ref = fuzzer.run_reference(p)
+        assert ref[0]["at"] == 4  # CPU raises too: no draw keeps 9 of 5
+        quiet = (None, fuzzer.run_program(p[:4] + p[5:], "neuron")[1])
+        fails = fuzzer.compare(p, ref, quiet)
+        # float64: CPU's error is policy-free, values before it are compared and match;
+        # float32: the same stream as CPU, so neuron must raise too
+        assert (fails == []) == (dtype == "torch.float64"), fails
+        assert fuzzer.compare(p, ref, (raised, quiet[1])) == []
+    # values before the parting statement are still compared
+    p = prog("torch.float64")
+    ref, reads = fuzzer.run_reference(p), fuzzer.run_program(p[:4] + p[5:], "neuron")[1]
+    assert fuzzer.compare(p, ref, (raised, reads)) == []
+    wrong = dict(reads, v2=dict(reads["v2"], value=reads["v2"]["value"] + 1))
+    assert [k for k, _ in fuzzer.compare(p, ref, (raised, wrong))] == ["value"]
+
+
 def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
     pool = fuzzer.Pool(timeout=20)
     try:
