@@ -204,6 +204,18 @@ def test_an_error_at_a_shape_the_float64_policy_leaves_free_is_accepted():
     assert [k for k, _ in fuzzer.compare(p, ref, (raised, wrong))] == ["value"]
 
 
+def test_an_infinite_gradient_through_min_is_nan_beside_it_as_on_cuda():
+    # fuzzer seed 5124568: PyTorch's min() backward for devices and subclasses multiplies by
+    # the mask (0 * -inf = NaN); CPU's fills it. Accepted for such reductions only.
+    prog = ["v3 = torch.tensor([3., 7., 0.], device=dev).requires_grad_()",
+            "v6 = v3.min()", "v6.reciprocal().backward()", "torch.neuron.synchronize()"]
+    ref, run = fuzzer.run_reference(prog), fuzzer.run_program(prog, "neuron")
+    assert run[1]["v3"]["grad"][:2].isnan().all() and (ref[1]["v3"]["grad"][:2] == 0).all()
+    assert fuzzer.compare(prog, ref, run) == []
+    assert [k for k, _ in fuzzer.compare_reading(
+        "v3", run[1]["v3"], ref[1]["v3"], [])] == ["grad"]  # without the rule
+
+
 def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
     pool = fuzzer.Pool(timeout=20)
     try:
