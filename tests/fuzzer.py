@@ -29,10 +29,12 @@ Note [Comparison rules]
 - Float64 policy (README "CPU fallback and dtypes"): the device stores float64 but computes it
   as float32, random streams included. A value is *f64-tainted* when it, or anything it was
   computed from, is float64: floating values are compared against CPU's float64 result cast to
-  float32 (float32 saturation included) with rtol = atol = 1e-3; integer and bool values derived
-  from float64 (comparisons, argmax, casts) get dtype/shape/stride checks only; values from a
-  float64 input through an op where rounding can flip a discrete outcome (a mask's selection,
-  nonzero, %, floor, round, sign, ...) get a dtype check only. Values that
+  float32 (float32 saturation included, and NaN allowed where that is infinite: float32
+  kernels and inf arithmetic give NaN, as CPU's own float32 gelu(inf) does) with rtol = atol
+  = 1e-3; integer and bool values derived from float64 (comparisons, argmax, casts) get
+  dtype/shape/stride checks only; values from a float64 input through an op where rounding
+  can flip a discrete outcome (a mask's selection, nonzero, %, floor, round, sign, ...) get a
+  dtype check only. Values that
   depend on a float64 random op get dtype/shape/stride checks only (the device draws them from
   the float32 stream), and so do later random draws until the next `manual_seed` (the streams
   have moved apart). float32 random ops use CPU's stream and are compared as any value.
@@ -684,8 +686,10 @@ def _close(n, c, f64: bool) -> str | None:
     import torch
     try:
         if f64:
-            torch.testing.assert_close(n.to(torch.float32), c.to(torch.float32), rtol=1e-3,
-                                       atol=1e-3, equal_nan=True)
+            n, c = n.to(torch.float32), c.to(torch.float32)
+            if n.is_floating_point():  # past float32's range, inf arithmetic may give NaN
+                n = torch.where(n.isnan() & c.isinf(), c, n)  # (gelu(inf) is NaN in float32)
+            torch.testing.assert_close(n, c, rtol=1e-3, atol=1e-3, equal_nan=True)
         elif n.is_floating_point():
             torch.testing.assert_close(n, c, equal_nan=True)
         elif not torch.equal(n, c):
