@@ -6,7 +6,10 @@ The chain runs process-wide adaptive (as TORCH_NEURONX_ENABLE_CONCATENATION=1 se
 the default policy. A plain timed run gives the engine's host time per op (best of the steps)
 beside plain CPU torch and the do-nothing `__torch_dispatch__` floor; a profiled run splits
 it by stage: each stage's share of the profiled time, applied to the plain run's per-op time
-(cProfile inflates every call, so only the shares are taken from it).
+(cProfile inflates every call, so only the shares are taken from it). Two lower bounds
+show what any lazy Python engine pays before doing anything: the dispatch entry alone (a
+`__torch_dispatch__` that hands back its argument) and the entry plus the output's wrapper
+tensor; the op itself runs later, at the flush, at about CPU's cost.
 """
 import argparse
 import cProfile
@@ -32,6 +35,31 @@ STAGES = [
 ]
 
 
+class _Entry(torch.Tensor):
+    """The dispatch entry alone: returns its first argument, makes nothing."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return args[0]
+
+
+class _Wrapped(_Entry):
+    """The entry plus one wrapper tensor made as NeuronTensor makes its own."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        a = args[0]
+        return torch.Tensor._make_wrapper_subclass(
+            cls, a.shape, strides=a.stride(), storage_offset=0, dtype=a.dtype,
+            device=a.device, storage_size=1 << 62)
+
+
 def per_op_us(step, steps: int) -> float:
     step()
     best = float("inf")
@@ -50,6 +78,8 @@ def main() -> None:
     x = torch.randn(16)
     cpu = per_op_us(lambda: chain(x), a.steps)
     floor = per_op_us(lambda: chain(Floor(x)), a.steps)
+    entry = per_op_us(lambda: chain(_Entry(x.shape)), a.steps)
+    wrapped = per_op_us(lambda: chain(_Wrapped(x.shape)), a.steps)
     xn = x.to("neuron")
     ae.set_adaptive(True)
     ae.set_strategy(a.strategy)
@@ -66,6 +96,8 @@ def main() -> None:
     print(f"host time per op, adaptive {a.strategy}, default policy ({CHAIN}-op chain):")
     print(f"  plain CPU torch      {cpu:7.2f} us")
     print(f"  dispatch floor       {floor:7.2f} us  ({floor / cpu:.1f}x CPU)")
+    print(f"  dispatch entry only  {entry:7.2f} us   + a wrapper tensor {wrapped:.2f} us   "
+          f"+ the op at the flush (CPU's) {wrapped + cpu:.2f} us ({(wrapped + cpu) / cpu:.1f}x CPU)")
     print(f"  engine               {engine:7.2f} us  ({engine / cpu:.1f}x CPU, "
           f"{engine / floor:.1f}x the floor)")
     print("  by stage (share of the profiled time, as us of the engine's per-op time):")
