@@ -99,10 +99,30 @@ def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     return hy, torch.cat([r, z, n, hx, hn], 1)  # workspace of the fused kernel's shape
 
 
+# one_hot takes a functional path for any tensor with the Python key (ours): `eq` against an
+# arange, which lays the result out like the input and gives an all-zero row for a class out
+# of range. CPU and CUDA fill a fresh contiguous tensor with scatter_, which raises on a bad
+# class: so does neuron, as CUDA does it (a bad class is the scatter's deferred error).
+def _one_hot(self, num_classes=-1):
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return self.new_empty((*self.shape, num_classes))
+    if num_classes == -1:
+        num_classes = int(self.max().item()) + 1
+    elif num_classes < 1:
+        raise RuntimeError("num_classes should be positive")
+    out = self.new_zeros((*self.shape, num_classes))
+    return out.scatter_(-1, self.unsqueeze(-1), 1)
+
+
 def _register_fused_rnn_cells():
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
+    lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     _autocast_libs.append(lib)
 
 

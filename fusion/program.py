@@ -252,25 +252,36 @@ def _unique(orig, low) -> None:
     orig.copy_(low)
 
 
-def _aliased_f32(a: torch.Tensor) -> torch.Tensor:
-    """A float32 twin of float64 `a` that an in-place op may write through: over a copy of
-    the memory `a` spans, with `a`'s own strides, so elements that share memory in `a` (an
-    expanded tensor's stride-0 dims) share it in the twin too, and a write to one is seen at
-    all of them, as on CPU."""
-    if a.numel() == 0:
-        return a.to(torch.float32)
-    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
-    flat = torch.empty(0, dtype=a.dtype).set_(a.untyped_storage(), a.storage_offset(),
-                                              (span,), (1,))
-    return flat.to(torch.float32).as_strided(a.shape, a.stride(), 0)
+def _span(a: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) of the storage elements `a` covers."""
+    lo = a.storage_offset()
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
 
 
 def _as_f32(ins, args, kwargs):
+    """Note [float64 policy]: the op runs on float32 twins of its float64 tensors. Twins share
+    memory as the tensors do: one float32 copy of the span each storage's tensors cover, each
+    tensor a view of it with its own strides. So an op sees its own writes wherever CPU would:
+    through an expanded tensor's stride-0 dims, or in another argument over the same memory
+    (`torch._foreach_add_([x, x], [x, x])` updates x twice)."""
+    leaves = [t for t in tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel()]
+    spans: dict[int, list] = {}  # storage -> [lo, hi, storage]
+    for t in leaves:
+        st = t.untyped_storage()
+        lo, hi = _span(t)
+        cur = spans.setdefault(st._cdata, [lo, hi, st])
+        cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
+    twins = {k: (lo, torch.empty(0, dtype=torch.float64).set_(st, lo, (hi - lo,), (1,))
+                 .to(torch.float32)) for k, (lo, hi, st) in spans.items()}
     writeback = []
 
     def low(a, mutated):
         if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
-            b = _aliased_f32(a) if mutated else a.to(torch.float32)
+            if not a.numel():
+                return a.to(torch.float32)
+            lo, flat = twins[a.untyped_storage()._cdata]
+            b = flat.as_strided(a.shape, a.stride(), a.storage_offset() - lo)
             if mutated:
                 writeback.append((a, b))
             return b

@@ -74,6 +74,8 @@ _DEF = re.compile(r"^(v\d+)\s*=[^=]")
 _INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
 _SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
 _OUT = re.compile(r"\bout=(v\d+)")
+# torch._foreach_add_([v1, v2], ...) and torch.optim.SGD([v1], ...).step() write their list
+_LIST_WRITE = re.compile(r"torch\.(?:_foreach_\w+_|optim\.\w+)\(\[([^\]]*)\]")
 
 
 def _receiver(code: str, end: int) -> str | None:
@@ -104,6 +106,8 @@ def stmt_info(code: str) -> dict:
     defs = d.group(1) if d else None
     muts = {v for v in (_receiver(code, m.start()) for m in _INPLACE.finditer(code)) if v}
     muts.update(m.group(1) for m in _OUT.finditer(code))
+    for m in _LIST_WRITE.finditer(code):
+        muts.update(_VAR.findall(m.group(1)))
     if not d and (m := _SETITEM.match(code)):
         muts.add(m.group(1))
     rhs = code[d.end() - 1:] if d else code
@@ -121,7 +125,7 @@ def stmt_info(code: str) -> dict:
 # --------------------------------------------------------------------------- generator
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
-            "scatter", "random", "shape", "nn", "autograd", "sync", "del",
+            "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
             "errors"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
@@ -255,6 +259,12 @@ class Gen:
             r.shuffle(p)
             opts += [f"{a}.mT", f"{a}.transpose(0, 1)", f"{a}.permute{tuple(p)}",
                      f"{a}[:, ::2]", f"{a}.diagonal()", f"{a}.mT[0]", f"{a}.unflatten(0, (1, -1))"]
+        if nd >= 1:
+            opts += [f"{a}.unfold(-1, {r.randint(1, 2)}, 1)", f"{a}.expand_as(torch.stack([{a}, {a}]))",
+                     f"{a}.as_strided(({r.randint(0, 2)},), (2,))",
+                     f"{a}.index_fill(0, {self.idx(t.shape[0])}, {self.lit()})",
+                     f"{a}.masked_scatter({a} > 0, {a}.flip(0))", f"{a}.unbind(0)[0]",
+                     f"{a}.view({a}.dtype)", f"{a}.split([1, {a}.shape[0] - 1])[1]"]
         return f"{v} = {r.choice(opts)}"
 
     def f_inplace(self):
@@ -422,7 +432,15 @@ class Gen:
         opts = [f"F.gelu({a})", f"F.logsigmoid({a})", f"F.mse_loss({a}, {b})", f"F.silu({a})",
                 f"F.layer_norm({a}, {a}.shape[-1:])", f"F.leaky_relu({a})", f"F.softplus({a})",
                 f"F.normalize({a}, dim=-1)", f"F.relu6({a})", f"F.hardtanh({a})",
-                f"F.cross_entropy({a}, {b})", f"F.embedding({b}, {a})"]
+                f"F.cross_entropy({a}, {b})", f"F.embedding({b}, {a})",
+                f"F.cross_entropy({a}, {b}, label_smoothing=0.1)", f"F.pad({a}, (1, 2))",
+                f"F.scaled_dot_product_attention({a}, {a}, {b})",
+                f"F.scaled_dot_product_attention({a}, {b}, {b}, is_causal=True)",
+                f"F.group_norm({a}, 1)", f"F.batch_norm({a}, None, None, training=True)",
+                f"F.conv1d({a}, torch.ones(2, {a}.shape[1], 2, device=dev))",
+                f"F.avg_pool1d({a}, 2)", f"F.interpolate({a}, scale_factor=2)",
+                f"F.one_hot({a}.long().abs(), 6)", f"F.glu({a}, -1)",
+                f"F.softmax({a}, -1, dtype=torch.float32)", f"F.dropout({a}, 0.0)"]
         return f"{v} = {r.choice(opts)}"
 
     def f_autograd(self):
@@ -440,6 +458,55 @@ class Gen:
             return None
         v = self.fresh()
         return f"{v} = {a}.detach().{r.choice(['float', 'double'])}().requires_grad_()"
+
+    def f_optim(self):
+        """What optimizers run: fused multiply-adds, foreach ops over lists, and real steps
+        (on CPU a for-loop over tensors, on a device the foreach kernels)."""
+        r = self.r
+        fl = lambda t: t.is_floating_point()  # noqa: E731
+        a = self.pick(fl)
+        if a is None:
+            return None
+        t = self.ns[a]
+        same = lambda u: u.is_floating_point() and u.shape == t.shape  # noqa: E731
+        b, c = self.pick(same) or a, self.pick(same) or a
+        leaves = self.vars(lambda u: u.is_leaf and u.requires_grad and u.grad is not None)
+        if leaves and r.random() < 0.3:
+            ps = ", ".join(r.sample(leaves, r.randint(1, min(2, len(leaves)))))
+            opt = r.choice(["SGD([{}], lr=0.1)", "SGD([{}], lr=0.1, momentum=0.9, nesterov=True)",
+                            "Adam([{}], lr=0.01)", "AdamW([{}], lr=0.01, weight_decay=0.1)",
+                            "AdamW([{}], lr=0.01, amsgrad=True)", "RMSprop([{}], lr=0.01)",
+                            "Adagrad([{}], lr=0.1)"])
+            return f"torch.optim.{opt.format(ps)}.step()"
+        v = self.fresh()
+        opts = [f"{a}.addcmul_({b}, {c}, value={self.lit()})",
+                f"{a}.addcdiv_({b}, {c}.abs() + 1, value=0.1)", f"{a}.lerp_({b}, 0.1)",
+                f"torch._foreach_add_([{a}, {b}], [{c}, {c}], alpha=0.5)",
+                f"torch._foreach_mul_([{a}, {b}], {self.lit()})",
+                f"torch._foreach_lerp_([{a}], [{b}], 0.1)",
+                f"torch._foreach_addcdiv_([{a}], [{b}], [{c}.abs() + 1], 0.1)",
+                f"torch._foreach_sqrt_([{a}])", f"{v} = torch._foreach_sqrt([{a}, {b}])[0]",
+                f"{v} = torch._foreach_norm([{a}, {b}])[{r.randint(0, 1)}]",
+                f"{v} = torch._foreach_maximum([{a}], [{b}])[0]",
+                f"{v} = torch.stack(torch._foreach_abs([{a}, {b}]))"]
+        return r.choice(opts)
+
+    def f_lowp(self):
+        """bfloat16 and float16: models run in them (`.to(torch.bfloat16)`, autocast)."""
+        r, v = self.r, self.fresh()
+        a = self.pick()
+        if a is None:
+            return None
+        dt = r.choice(["bfloat16", "float16"])
+        b = self.pick() or a
+        return f"{v} = " + r.choice([f"{a}.to(torch.{dt})", f"{a}.to(torch.{dt})",
+                                     f"torch.randn({self.shape()}, dtype=torch.{dt}, device=dev)",
+                                     f"{a}.to(torch.{dt}) + {b}",
+                                     f"{a}.to(torch.{dt}).sum()",
+                                     f"{a}.to(torch.{dt}).softmax(-1)" if self.ns[a].dim() else
+                                     f"{a}.to(torch.{dt}).exp()",
+                                     f"F.linear({a}.to(torch.{dt}), {a}.to(torch.{dt}))"
+                                     if self.ns[a].dim() >= 1 else f"{a}.to(torch.{dt}).neg()"])
 
     def f_sync(self):
         a = self.pick()

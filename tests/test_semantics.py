@@ -260,6 +260,34 @@ def test_in_place_on_an_expanded_float64_tensor(mode):
         assert dx.cpu().tolist() == x.tolist() == [[-2.0]]
 
 
+def test_float64_arguments_over_one_memory_see_each_others_writes(mode):
+    """fuzzer (optim family): the float32 twins of float64 arguments that share memory share
+    it too, so a foreach op given one tensor twice updates it twice, as on CPU."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.tensor([1.5, -2.0, 4.0], dtype=torch.float64)
+        dx = x.to(N)
+        torch._foreach_add_([x, x], [x, x], alpha=0.5)
+        torch._foreach_add_([dx, dx], [dx, dx], alpha=0.5)
+        torch._foreach_mul_([x, x[:1]], 2.0)  # x[0] is doubled twice
+        torch._foreach_mul_([dx, dx[:1]], 2.0)
+        assert dx.cpu().tolist() == x.tolist() == [13.5, -9.0, 18.0]
+
+
+def test_one_hot_is_laid_out_as_on_cpu_and_refuses_a_bad_class(mode):
+    """fuzzer (nn family): PyTorch's one_hot for Python-key tensors is `eq` against an
+    arange, laid out like a transposed input and all zeros for a class out of range."""
+    x = torch.tensor([[0, 2], [1, 5]]).mT
+    d = x.to(N)
+    for k in (6, -1):
+        out = F.one_hot(d, k)
+        assert out.stride() == F.one_hot(x, k).stride()
+        assert torch.equal(out.cpu(), F.one_hot(x, k))
+    with pytest.raises(ae.NeuronRuntimeError, match="out of bounds"):
+        F.one_hot(d, 3).cpu()
+    assert F.one_hot(torch.zeros(0, 2, dtype=torch.long, device=N), 3).shape == (0, 2, 3)
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
