@@ -335,6 +335,18 @@ def _set_(eng, func, args, kwargs):
                        f"use copy_ or a new tensor.")
 
 
+def _bumps_versions(eng, func, args, kwargs):
+    """In-place foreach ops have no ADInplaceOrView kernel to bump the version of what they
+    write: CUDA's kernels bump it themselves (CPU's per-tensor fallback gets it from each op),
+    and so does neuron. Without it autograd misses the write: a view of a written tensor keeps
+    a stale grad_fn (its backward dropped the gradient), and a tensor saved for backward can
+    be overwritten (optimizer.step() before backward()) with no error."""
+    out = eng._dispatch(func, args, kwargs)
+    written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
+    torch.autograd.graph.increment_version(written)
+    return out
+
+
 _SPECIAL = {
     aten.copy_.default: transfer.copy_,
     aten._to_copy.default: transfer.to_copy,
@@ -345,6 +357,13 @@ _SPECIAL = {
 }
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
+for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
+    if _name.startswith("aten::_foreach_") and _name.endswith("_"):  # writes its first list
+        _packet = getattr(aten, _name[6:])
+        for _op in _packet.overloads():
+            _op = getattr(_packet, _op)
+            assert _op._schema.arguments[0].alias_info.is_write, _op
+            _SPECIAL[_op] = _bumps_versions
 
 ENGINE = Engine()  # neuron:0
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use

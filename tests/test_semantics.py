@@ -288,6 +288,24 @@ def test_one_hot_is_laid_out_as_on_cpu_and_refuses_a_bad_class(mode):
     assert F.one_hot(torch.zeros(0, 2, dtype=torch.long, device=N), 3).shape == (0, 2, 3)
 
 
+def test_in_place_foreach_ops_bump_versions_as_cuda_kernels_do(mode):
+    """fuzzer (optim family): `_foreach_add_` has no ADInplaceOrView kernel, so autograd saw
+    no write: a view of the written tensor kept no grad_fn (its backward dropped the gradient)
+    and an overwritten saved tensor (optimizer.step() before backward()) raised nothing."""
+    b = torch.zeros(1, 1, device=N)
+    view = b.expand(2, 1, 1)
+    w = torch.ones(1, 1, device=N, requires_grad=True)
+    torch._foreach_add_([b], [w])
+    view.sum().backward()
+    assert w.grad.cpu().tolist() == [[2.0]]
+    p = torch.ones(3, device=N, requires_grad=True)
+    loss = (p * p).sum()
+    with torch.no_grad():
+        torch._foreach_mul_([p], 0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
