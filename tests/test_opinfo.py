@@ -135,8 +135,19 @@ def _kwargs_to_neuron(kwargs: dict) -> dict:
 
 
 def _to_cpu(x):
-    """Move tensors back; non-tensors pass through. Also records devices of outputs."""
-    return tree_map(lambda v: v.cpu() if _is_tensor(v) else v, x)
+    """Move tensors back; non-tensors pass through. Each keeps the layout it had
+    (`_layout`: sizes, strides, offset), which `.cpu()` may not."""
+    def move(v):
+        c = v.cpu()
+        c._layout = (tuple(v.shape), v.stride(), v.storage_offset())
+        return c
+    return tree_map(lambda v: move(v) if _is_tensor(v) else v, x)
+
+
+def _significant_strides(t) -> tuple:
+    """Strides of the dims of size > 1 (others are free), or None for an empty tensor."""
+    shape, stride, _ = getattr(t, "_layout", (tuple(t.shape), t.stride(), 0))
+    return None if 0 in shape else tuple(st for n, st in zip(shape, stride) if n > 1)
 
 
 def _devices(x) -> list:
@@ -178,6 +189,11 @@ def compare(actual, expected, *, exact: bool = False, meta_only: bool = False,
             # DESIGN.md: float64 runs as float32 on neuron (the reference's policy).
             if a.dtype != e.dtype and not (e.dtype == torch.float64 and a.dtype == torch.float32):
                 raise Mismatch(f"{where}: dtype {a.dtype} != {e.dtype}")
+            # CPU's strides (issue 8: view-versus-copy semantics follow them); a clone may
+            # lay a non-dense output out anew
+            if what != "clone of output" and \
+                    _significant_strides(a) != _significant_strides(e):
+                raise Mismatch(f"{where}: strides {a._layout[1]} != {e._layout[1]}")
             if meta_only:
                 continue
             if a.dtype != e.dtype:
