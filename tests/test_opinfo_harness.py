@@ -36,6 +36,13 @@ def test_compare_type_mismatch_fails():
         fwd.compare([2.0], [2])
 
 
+def test_compare_strides_differing_fails():
+    x = torch.arange(6.).view(2, 3)
+    with pytest.raises(Mismatch, match="strides"):
+        fwd.compare(fwd._to_cpu([x.mT.contiguous()]), fwd._to_cpu([x.mT]))
+    fwd.compare(fwd._to_cpu([x[:1]]), fwd._to_cpu([x[:1].contiguous()]))  # size-1 dims free
+
+
 def test_compare_equal_plain_leaves_pass():
     fwd.compare([1, 2.0, None, torch.float32, "x"], [1, 2.0, None, torch.float32, "x"])
 
