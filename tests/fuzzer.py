@@ -470,7 +470,7 @@ class Gen:
         t = self.ns[a]
         same = lambda u: u.is_floating_point() and u.shape == t.shape  # noqa: E731
         b, c = self.pick(same) or a, self.pick(same) or a
-        leaves = self.vars(lambda u: u.is_leaf and u.requires_grad and u.grad is not None)
+        leaves = self.vars(lambda u: _grad_leaf(u) and u.grad is not None)
         if leaves and r.random() < 0.3:
             ps = ", ".join(r.sample(leaves, r.randint(1, min(2, len(leaves)))))
             opt = r.choice(["SGD([{}], lr=0.1)", "SGD([{}], lr=0.1, momentum=0.9, nesterov=True)",
@@ -855,6 +855,21 @@ def _reads_shapeless(code, ref) -> bool:
     return any({"rng64", "f64cut"} & set(taint.get(x, ())) for x in stmt_info(code)["reads"])
 
 
+_CONTRACTION = re.compile(r"@|matmul|bmm|einsum|\bmm\(|linear|\bmv\(|\bdot\(")
+
+
+def _empty_mixed_contraction(stmts, nerr, ref) -> bool:
+    """Neuron raised CPU's own dtype error on an empty contraction of two dtypes: plain CPU's
+    matmul reaches bmm, which returns an empty result before checking dtypes; under Python
+    dispatch (our tensors; any TorchDispatchMode on CPU too) PyTorch's decomposition reaches mm,
+    which checks first. The statement it stopped at is not compared past that."""
+    code, readings = stmts[nerr["at"]], ref[1]
+    return (nerr["type"] == "RuntimeError" and "same dtype" in nerr["msg"]
+            and bool(_CONTRACTION.search(code))
+            and any(0 in readings[x]["shape"] for x in stmt_info(code)["reads"]
+                    if x in readings))
+
+
 def compare(stmts, ref, run) -> list[tuple[str, str]]:
     """Failures of one neuron run against the CPU reference (Note [Comparison rules])."""
     cerr, _, _ = ref
@@ -866,6 +881,8 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
     if first is not None and not same and _reads_shapeless(stmts[first], ref) and not (
             cerr and nerr and nerr["at"] > cerr["at"]):
         deferred = True  # the runs part where the policy leaves a shape free: compare before
+    elif cerr is None and nerr is not None and _empty_mixed_contraction(stmts, nerr, ref):
+        pass  # PyTorch's decomposition under Python dispatch (_empty_mixed_contraction)
     elif cerr is None and nerr is not None:
         return [("raised", f"neuron raised {nerr['type']} at statement {nerr['at']} where "
                            f"CPU does not: {nerr['msg']}")]

@@ -227,6 +227,19 @@ def test_an_infinite_gradient_through_min_is_nan_beside_it_as_on_cuda():
         "v3", run[1]["v3"], ref[1]["v3"], [])] == ["grad"]  # without the rule
 
 
+def test_an_empty_contraction_of_two_dtypes_may_raise_cpus_own_error():
+    # bar run seed 5204411: PyTorch's matmul under Python dispatch reaches mm, which checks
+    # dtypes before seeing the batch is empty; plain CPU's reaches bmm, which does not
+    prog = ["v0 = torch.randn((1, 1, 4), device=dev)",
+            "v3 = torch.rand((2, 0, 4), device=dev) > 0.5",
+            "v5 = torch.matmul(v3, v0.mT)", "v6 = v0 * 2", "torch.neuron.synchronize()"]
+    run = fuzzer.run_program(prog, "neuron")
+    assert run[0]["at"] == 2 and "same dtype" in run[0]["msg"]
+    assert fuzzer.compare(prog, fuzzer.run_reference(prog), run) == []
+    full = [s.replace("(2, 0, 4)", "(2, 1, 4)") for s in prog]  # not empty: a failure
+    assert fuzzer.compare(full, fuzzer.run_reference(full), run)[0][0] == "raised"
+
+
 def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
     pool = fuzzer.Pool(timeout=20)
     try:
