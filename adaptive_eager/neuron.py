@@ -21,6 +21,12 @@ def is_initialized() -> bool:
     return True
 
 
+# torch.utils.checkpoint (and so Transformers' gradient checkpointing) saves a device's RNG
+# state for the recomputation only if its module says `_initialized`, as torch.cuda does;
+# without it a recomputed dropout draws a new mask and the gradient is silently wrong.
+_initialized = True
+
+
 def _is_in_bad_fork() -> bool:
     return False
 

@@ -235,6 +235,28 @@ def test_sparse_layouts_raise_a_clear_not_implemented_error(make):
 
 # -- found while testing: an error inside a native backward op ------------------------------
 # (Note [Device-thread errors] in adaptive_eager/_engine.py: it used to abort the process)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_dropout(mode, reentrant):
+    """torch.utils.checkpoint saves the device's RNG state only for a device module that says
+    `_initialized`; without it the recomputed dropout drew a new mask (wrong gradients)."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8).to("neuron")
+    x = torch.randn(4, 8, device="neuron")
+
+    def f(x):
+        return torch.nn.functional.dropout(lin(x), 0.5, training=True).relu()
+
+    grads = []
+    for ckpt in (True, False):
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_()
+        y = checkpoint(f, xi, use_reentrant=reentrant) if ckpt else f(xi)
+        y.sum().backward()
+        grads.append(xi.grad.cpu())
+    assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
+
+
 def test_error_in_backward_reaches_the_caller():
     code = ("import torch, adaptive_eager as ae\n"
             "x = torch.randn(4, 3).to('neuron').requires_grad_()\n"

@@ -109,3 +109,24 @@ def test_save_pretrained_from_pretrained_round_trip(kind, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch).loss.cpu(), model(**batch).loss.cpu(),
                                    rtol=0, atol=0)
+
+
+def test_gradient_checkpointing_with_dropout_gives_the_same_gradients():
+    """model.gradient_checkpointing_enable(), dropout on: the recomputed forward draws the
+    forward's masks again (the device RNG state is saved), so the gradients equal those of
+    the same step without checkpointing, bit for bit."""
+    t = transformers
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = t.GPT2LMHeadModel(t.GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)).to("neuron")
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        batch = {k: v.to("neuron") for k, v in _batch("gpt2").items()}
+        torch.manual_seed(1)
+        model(**batch).loss.backward()
+        grads.append([p.grad.cpu() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
