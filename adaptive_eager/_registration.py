@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from ._tensor import NeuronTensor
+from .source import DEVICE_TYPE
 from . import _engine, compile, cores, distributed, errors, neuron, pinned, profiler, transfer  # noqa: F401,E501
 
 _done = False
@@ -37,6 +39,7 @@ def register() -> None:
     _register_autocast()
     _register_fused_rnn_cells()
     _wrap_backward()
+    _route_accelerator_api()
     pinned.register()
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
@@ -73,6 +76,36 @@ def _wrap_backward() -> None:
 
     _engine_run_backward._neuron = True
     graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
+
+
+# torch.accelerator, the device-generic API, syncs and reads memory through the C++ device
+# guard and allocator, which a Python backend cannot provide (PyTorch raises "Backend doesn't
+# support synchronizing" and an internal assert): for neuron, these go to torch.neuron's own.
+def _route_accelerator_api():
+    import torch.accelerator.memory as memory
+    from torch.accelerator._utils import _get_device_index
+
+    def route(module, name, ours, takes_device=True):
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            acc = torch.accelerator.current_accelerator()
+            if acc is None or acc.type != DEVICE_TYPE:
+                return original(*args, **kwargs)
+            if not takes_device:
+                return ours()
+            device = args[0] if args else next(iter(kwargs.values()), None)
+            return ours(_get_device_index(device, optional=True))
+        for mod in (module, torch.accelerator):  # the name is re-exported there too
+            if getattr(mod, name, None) is original:
+                setattr(mod, name, call)
+
+    route(torch.accelerator, "synchronize", neuron.synchronize)
+    route(memory, "memory_stats", neuron.memory_stats)  # memory_allocated & co. read it
+    route(memory, "reset_peak_memory_stats", neuron.reset_peak_memory_stats)
+    route(memory, "get_memory_info", neuron.mem_get_info)
+    route(memory, "empty_cache", neuron.empty_cache, takes_device=False)
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

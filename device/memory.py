@@ -60,6 +60,7 @@ class HBM:
             "allocated_bytes.all.current": self.used,
             "allocated_bytes.all.peak": self.peak,
             "reserved_bytes.all.current": self.used,
+            "reserved_bytes.all.peak": self.peak,
             "num_alloc_retries": 0,
             "num_ooms": self.num_ooms,
             "allocation.all.allocated": self.num_allocs,

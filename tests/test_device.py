@@ -228,3 +228,27 @@ def test_autocast_runs_matmuls_in_bf16(mode):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = torch.nn.functional.linear(a.cpu(), w.detach().cpu())
     assert torch.equal(y.cpu(), ref)
+
+
+def test_device_generic_accelerator_api():
+    """torch.accelerator (device-generic code: examples, Accelerate) syncs and reads memory
+    through C++ hooks a Python backend cannot give: it is routed to torch.neuron's own."""
+    import adaptive_eager as ae
+    assert torch.accelerator.current_accelerator().type == "neuron"
+    torch.neuron.synchronize()
+    base = torch.accelerator.memory_allocated()
+    x = torch.ones(1000, device="neuron")
+    assert torch.accelerator.memory_allocated(0) == base + 4000
+    assert torch.accelerator.max_memory_allocated() >= base + 4000
+    free, total = torch.accelerator.get_memory_info()
+    assert total == torch.neuron.mem_get_info()[1] and free <= total - 4000
+    with ae.adaptive():
+        bad = x.index_select(0, torch.tensor([5000], device="neuron"))  # a deferred error
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+            torch.accelerator.synchronize()  # a sync point, as torch.neuron.synchronize()
+    del bad, x
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated()
+    with pytest.raises(ValueError, match="doesn't match the current accelerator"):
+        torch.accelerator.synchronize("cuda:0")
