@@ -38,6 +38,7 @@ def register() -> None:
     _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
     _register_autocast()
     _register_fused_rnn_cells()
+    _register_undecomposed()
     _wrap_backward()
     _route_accelerator_api()
     pinned.register()
@@ -149,6 +150,23 @@ def _one_hot(self, num_classes=-1):
         raise RuntimeError("num_classes should be positive")
     out = self.new_zeros((*self.shape, num_classes))
     return out.scatter_(-1, self.unsqueeze(-1), 1)
+
+
+# Ops with a CPU (and CUDA) kernel that PyTorch decomposes for any other backend
+# (CompositeImplicitAutograd): silu's backward in bfloat16 then rounds every intermediate,
+# where CPU's and CUDA's kernels compute in float32 and round once. A PrivateUse1 kernel stops
+# the decomposition, so the op itself reaches the engine, which runs CPU's kernel. The kernel
+# is reached only without the Python key (never for our tensors): the decomposition then.
+_NOT_DECOMPOSED = ("silu_backward", "mish_backward", "native_channel_shuffle")
+
+
+def _register_undecomposed():
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _NOT_DECOMPOSED:
+        op = getattr(torch.ops.aten, name).default
+        lib.impl(name, lambda *args, _op=op, **kwargs: _op.decompose(*args, **kwargs),
+                 "PrivateUse1")
+    _autocast_libs.append(lib)
 
 
 def _register_fused_rnn_cells():

@@ -306,6 +306,19 @@ def test_in_place_foreach_ops_bump_versions_as_cuda_kernels_do(mode):
         loss.backward()
 
 
+@pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
+def test_low_precision_backward_uses_cpus_kernel_not_a_decomposition(mode, fn):
+    """PyTorch decomposes silu_backward for backends without a kernel: in bfloat16 every
+    intermediate rounds, where CPU's and CUDA's kernels round once (LLaMA's MLP)."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    grads = []
+    for dev in ("cpu", N):
+        xi = x.to(dev).detach().requires_grad_()
+        fn(xi).backward(torch.full_like(xi, 0.37))
+        grads.append(xi.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
