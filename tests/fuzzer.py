@@ -29,18 +29,18 @@ Note [Comparison rules]
 - Float64 policy (README "CPU fallback and dtypes"): the device stores float64 but computes it
   as float32, random streams included. A value is *f64-tainted* when it, or anything it was
   computed from, is float64: floating values are compared against CPU's float64 result cast to
-  float32 (float32 saturation included: where that is infinite or beyond 1e30, inf or NaN
-  are allowed, since float32 saturates inside an op and inf arithmetic gives NaN, as CPU's
-  own float32 mean of four 8.5e37s and gelu(inf) do) with rtol = atol = 1e-3; integer and bool values derived from float64 (comparisons, argmax, casts) get
-  dtype/shape/stride checks only; values from a float64 input through an op where rounding
+  float32 (float32 saturation included: where that is infinite or beyond 1e30, inf or NaN are
+  allowed, since float32 saturates inside an op and inf arithmetic gives NaN, as CPU's own
+  float32 mean of four 8.5e37s and gelu(inf) do) with rtol = atol = 1e-3; integer and bool
+  values derived from float64 (comparisons, argmax, casts), and everything computed from them,
+  get dtype/shape/stride checks only; values from a float64 input through an op where rounding
   can flip a discrete outcome (a mask's selection, nonzero, %, floor, round, sign, ...) get a
-  dtype check only. Values that
-  depend on a float64 random op get dtype/shape/stride checks only (the device draws them from
-  the float32 stream), and so do later random draws until the next `manual_seed` (the streams
-  have moved apart). float32 random ops use CPU's stream and are compared as any value.
-  Whether a statement reading a value whose shape is so left free raises (an index past the
-  end of `where(mask)[0]`) is free too: where the runs first part at such a statement, only
-  what ran before it is compared.
+  dtype check only. Values that depend on a float64 random op get dtype/shape/stride checks
+  only (the device draws them from the float32 stream), and so do later random draws until the
+  next `manual_seed` (the streams have moved apart). float32 random ops use CPU's stream and
+  are compared as any value. Whether a statement reading a value whose shape is so left free
+  raises (an index past the end of `where(mask)[0]`) is free too: where the runs first part at
+  such a statement, only what ran before it is compared.
 - Gradients through a full min/max/median reduction may be NaN on neuron where CPU's are 0:
   PyTorch's own formula for devices and tensor subclasses (`_EVENLY`).
 - Adaptive vs eager: the same error outcome and, where both read a value, bit for bit equal
@@ -701,6 +701,8 @@ def run_reference(stmts, upto=None, fail_at=None):
             # a float64 draw: from a float64 input or dtype (`randn(...).double()` draws float32)
             if f64_in and _F64_CUT.search(code):
                 new.add("f64cut")  # float32 rounding may flip a discrete outcome
+            elif f64_in and isinstance(res, torch.Tensor) and not res.is_floating_point():
+                new.add("f64disc")  # so may a comparison (`v1 == v2`): and all made from it
             if info["random"] and ok and (f64_in or "dtype=torch.float64" in code):
                 new.add("rng64")
                 rng_diverged = True
@@ -807,7 +809,7 @@ def compare_reading(var, n, c, taint, evenly=False) -> list[tuple[str, str]]:
     if "rng64" in taint:
         return out
     f64 = "f64" in taint
-    if f64 and not _floaty(c["dtype"]):
+    if (f64 and not _floaty(c["dtype"])) or "f64disc" in taint:
         return out
     if "value" in n and "value" in c:
         d = _close(n["value"], c["value"], f64)

@@ -240,6 +240,22 @@ def test_an_empty_contraction_of_two_dtypes_may_raise_cpus_own_error():
     assert fuzzer.compare(full, fuzzer.run_reference(full), run)[0][0] == "raised"
 
 
+def test_what_is_computed_from_a_float64_comparison_is_checked_by_metadata():
+    # bar run seed 6155176: `v1 == gelu(v1)` in float64 may flip in float32, and so does the
+    # erf of it: both are compared by dtype/shape/strides only
+    prog = ["v1 = torch.randn((3,), device=dev).double()", "v8 = F.gelu(v1)",
+            "v10 = v1 == v8", "v11 = v10.erf()", "v12 = v1.float() * 2",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert "f64disc" in ref[2]["v10"] and "f64disc" in ref[2]["v11"]
+    assert "f64disc" not in ref[2]["v12"]  # a float from float64: compared with tolerance
+    run = fuzzer.run_program(prog, "neuron")
+    flipped = dict(run[1], v11=dict(run[1]["v11"], value=1 - run[1]["v11"]["value"]))
+    assert fuzzer.compare(prog, ref, (None, flipped)) == []
+    wrong = dict(run[1], v12=dict(run[1]["v12"], value=run[1]["v12"]["value"] + 1))
+    assert [k for k, _ in fuzzer.compare(prog, ref, (None, wrong))] == ["value"]
+
+
 def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
     pool = fuzzer.Pool(timeout=20)
     try:
