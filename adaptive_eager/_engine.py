@@ -341,8 +341,13 @@ def _bumps_versions(eng, func, args, kwargs):
     and so does neuron. Without it autograd misses the write: a view of a written tensor keeps
     a stale grad_fn (its backward dropped the gradient), and a tensor saved for backward can
     be overwritten (optimizer.step() before backward()) with no error."""
-    out = eng._dispatch(func, args, kwargs)
     written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
+    if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+        raise RuntimeError(  # CPU's words (its per-tensor fallback reaches the check)
+            "Inplace update to inference tensor outside InferenceMode is not allowed.You can "
+            "make a clone to get a normal tensor before doing inplace update.See "
+            "https://github.com/pytorch/rfcs/pull/17 for more details.")
+    out = eng._dispatch(func, args, kwargs)
     torch.autograd.graph.increment_version(written)
     return out
 

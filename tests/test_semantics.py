@@ -304,6 +304,12 @@ def test_in_place_foreach_ops_bump_versions_as_cuda_kernels_do(mode):
         torch._foreach_mul_([p], 0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    with torch.inference_mode():
+        t = torch.ones(2, device=N)
+        torch._foreach_add_([t], 1.0)  # inside inference mode: allowed
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside"):
+        torch._foreach_add_([t], 1.0)
+    assert t.cpu().tolist() == [2.0, 2.0]
 
 
 @pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
