@@ -192,6 +192,7 @@ class Engine:
 
     def _make_room(self, nbytes: int) -> None:
         hbm = self.device.hbm
+        hbm.check_host(nbytes)
         if hbm.used + self.pending_bytes + nbytes > hbm.capacity and self.queue:
             self.flush("memory")
         if hbm.used + self.pending_bytes + nbytes > hbm.capacity:

@@ -8,6 +8,7 @@ import weakref
 
 import torch
 
+from device import HOST_CHECK_BYTES
 from fusion.ir import Handle, Node
 
 from . import config as _config
@@ -20,7 +21,8 @@ def record(eng, meta, handles, inputs, vbytes):
     op = meta.op
     new_bytes = op.new_total
     hbm = eng.device.hbm
-    if hbm.used + eng.pending_bytes + new_bytes > hbm.capacity:
+    if (new_bytes >= HOST_CHECK_BYTES  # a large value is checked against the host too
+            or hbm.used + eng.pending_bytes + new_bytes > hbm.capacity):
         eng._make_room(new_bytes)
     new = [Handle(b, pending=True) for b in op.new_bytes]
     if meta.f64:

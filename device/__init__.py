@@ -2,8 +2,8 @@
 dispatch or fusion: it runs launches on buffers and accounts for time and memory."""
 from .core import Device, DeviceError, DeviceRNG, Launch, LaunchError
 from .counters import COUNTERS, Counters
-from .memory import HBM, Buffer, NeuronOutOfMemoryError
+from .memory import HBM, HOST_CHECK_BYTES, Buffer, NeuronOutOfMemoryError
 from .spec import DeviceSpec
 
 __all__ = ["COUNTERS", "Buffer", "Counters", "Device", "DeviceError", "DeviceRNG", "DeviceSpec",
-           "HBM", "Launch", "LaunchError", "NeuronOutOfMemoryError"]
+           "HBM", "HOST_CHECK_BYTES", "Launch", "LaunchError", "NeuronOutOfMemoryError"]

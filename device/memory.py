@@ -18,6 +18,25 @@ def _fmt(n: int) -> str:
     raise AssertionError
 
 
+# The simulated HBM lives in this host's RAM. An allocation the host cannot give would not
+# raise: the kernel's OOM killer ends the process, and the user loses everything. Large
+# allocations are checked against the host first, and refused with the device's own error.
+HOST_CHECK_BYTES = 64 << 20  # smaller ones are not checked (reading /proc costs)
+_HOST_MARGIN = 1 << 30  # left to the host, and to queued values (max_pending_mb)
+
+
+def host_available() -> int | None:
+    """Bytes of RAM this host can still give (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class HBM:
     """Byte accounting for the simulated device memory."""
 
@@ -48,6 +67,20 @@ class HBM:
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         self.num_allocs += 1
+
+    def check_host(self, nbytes: int) -> None:
+        """Refuse (NeuronOutOfMemoryError) a large allocation this host's RAM cannot back."""
+        if nbytes < HOST_CHECK_BYTES:
+            return
+        free = host_available()
+        if free is not None and nbytes > free - _HOST_MARGIN:
+            with self._lock:
+                self.num_ooms += 1
+            raise NeuronOutOfMemoryError(
+                f"Neuron out of memory: tried to allocate {_fmt(nbytes)}, but the simulated "
+                f"device keeps its memory in this host's RAM, which has {_fmt(max(free, 0))} "
+                f"available (of the device's {_fmt(self.capacity - self.used)} free). Free "
+                f"tensors or use smaller batches; the device stays usable.")
 
     def release(self, nbytes: int) -> None:
         with self._lock:

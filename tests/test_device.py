@@ -252,3 +252,21 @@ def test_device_generic_accelerator_api():
     assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated()
     with pytest.raises(ValueError, match="doesn't match the current accelerator"):
         torch.accelerator.synchronize("cuda:0")
+
+
+def test_an_allocation_the_host_cannot_back_is_the_devices_oom_not_a_kill(monkeypatch):
+    """The simulated HBM lives in host RAM: past what the host can give, the process would be
+    killed by the OOM killer (everything lost). A large allocation is refused first."""
+    import device.memory
+    import adaptive_eager as ae
+    monkeypatch.setattr(device.memory, "host_available", lambda: (1 << 30) + (128 << 20))
+    with ae.adaptive():
+        x = torch.ones(16, 1024, 1024, device="neuron")  # 64 MiB: fits
+        with pytest.raises(torch.OutOfMemoryError, match="host's RAM"):
+            torch.ones(64, 1024, 1024, device="neuron") * 2  # 256 MiB: past the 1 GiB margin
+        with pytest.raises(ae.NeuronOutOfMemoryError, match="host's RAM"):
+            torch.empty(64, 1024, 1024, device="neuron")
+        assert (x[0, 0, :2] + 1).cpu().tolist() == [2.0, 2.0]  # still usable
+    monkeypatch.setattr(device.memory, "host_available", lambda: None)  # unknown: no check
+    del x
+    assert torch.empty(64, 1024, 1024, device="neuron").shape[0] == 64
