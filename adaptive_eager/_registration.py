@@ -166,7 +166,7 @@ def _register_undecomposed():
         op = getattr(torch.ops.aten, name).default
         lib.impl(name, lambda *args, _op=op, **kwargs: _op.decompose(*args, **kwargs),
                  "PrivateUse1")
-    _autocast_libs.append(lib)
+    _LIBS.append(lib)
 
 
 def _register_fused_rnn_cells():
@@ -174,7 +174,7 @@ def _register_fused_rnn_cells():
     lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
-    _autocast_libs.append(lib)
+    _LIBS.append(lib)
 
 
 # torch.autocast(device_type="neuron"): every op falls through, except these, which run in
@@ -182,7 +182,7 @@ def _register_fused_rnn_cells():
 _AUTOCAST_LOW = ["mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
                  "conv2d", "conv3d", "conv_transpose2d", "_convolution", "convolution",
                  "prelu", "chain_matmul", "mv", "addmv", "addr", "dot"]
-_autocast_libs = []
+_LIBS = []  # every torch.library.Library registered here, kept alive
 
 
 def _register_autocast():
@@ -196,7 +196,7 @@ def _register_autocast():
             op = getattr(packet, overload)
             lib.impl(op._schema.name.split("::")[1] + ("." + overload if overload != "default"
                                                        else ""), _autocast_kernel(op), key)
-    _autocast_libs.extend([fallthrough, lib])
+    _LIBS.extend([fallthrough, lib])
     torch.set_autocast_dtype("neuron", torch.bfloat16)  # Neuron's native low precision
 
 
