@@ -131,7 +131,7 @@ class Engine:
             self.flush("config")
             self.synchronize()
             self.spec = spec
-            self.device = Device(spec, rng=self.device.rng)
+            self.device.respec(spec)
         self.device.configure(blocking=cfg.launch_blocking, realtime=cfg.realtime)
         if self.strategy_name not in STRATEGIES:
             raise ValueError(f"unknown fusion strategy {self.strategy_name!r}; "

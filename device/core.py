@@ -69,7 +69,7 @@ class Device:
     """One simulated logical NeuronCore."""
 
     def __init__(self, spec: DeviceSpec | None = None, *, blocking: bool = False,
-                 realtime: bool = False, trace_limit: int = 100_000, rng=None):
+                 realtime: bool = False, trace_limit: int = 100_000):
         self.spec = spec or DeviceSpec()
         self.hbm = HBM(self.spec.hbm_bytes)
         self.blocking = blocking
@@ -80,8 +80,14 @@ class Device:
         self._errors: list[Launch] = []
         # (name, kind, start, duration, bytes, flops) per launch: the newest trace_limit
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
-        self.rng = rng or DeviceRNG()  # a new spec keeps the generator's state
+        self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
+
+    def respec(self, spec: DeviceSpec) -> None:
+        """New figures for this core, in place: its memory, clock, trace, generator and
+        counts go on (a new Device would start them from zero while tensors still hold HBM)."""
+        self.spec = spec
+        self.hbm.capacity = spec.hbm_bytes
 
     def configure(self, *, blocking: bool, realtime: bool) -> None:
         """Launch blocking (NEURON_LAUNCH_BLOCKING) and real-time pacing, changeable live."""

@@ -267,12 +267,15 @@ def test_counters_never_go_negative_across_settings_changes():
     with ae.override(max_group_ops=3, cache_max_entries=7):  # a new runner, strategy, cache
         run()
     from device import DeviceSpec
-    ae.set_device_spec(DeviceSpec(launch_overhead_us=25.0))  # a new device
+    core, held = ae.core_metrics(0), torch.neuron.memory_allocated()
+    ae.set_device_spec(DeviceSpec(launch_overhead_us=25.0))  # new figures
     try:
         after = ae.metrics()
         for f in ("compiles", "cache_misses", "compile_time_us", "launches", "device_time_us",
                   "ops"):
             assert getattr(after, f) >= getattr(before, f) >= 0, f
+        # the core's share and the memory its live tensors hold carry over too
+        assert ae.core_metrics(0) == core and torch.neuron.memory_allocated() == held > 0
     finally:
         ae.set_device_spec(DeviceSpec())
 
