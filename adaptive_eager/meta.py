@@ -93,10 +93,11 @@ _PROBE_MAX_BYTES = 16 * 2**20
 
 
 
-def _worth_probing(cls, handles, args_t, kwargs_t) -> bool:
+def _worth_probing(func, cls, handles, args_t, kwargs_t) -> bool:
     if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
         return False
-    if cls == CONTRACTION:
+    if cls == CONTRACTION and "conv" not in func._schema.name:  # convolutions keep their
+        # input's memory format (channels_last) on CPU, which meta does not
         return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
     return True
 
@@ -208,7 +209,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             meta_error = None
     cls = op_class(func)
     probe = None
-    if meta_error is not None or _worth_probing(cls, handles, args_t, kwargs_t):
+    if meta_error is not None or _worth_probing(func, cls, handles, args_t, kwargs_t):
         probe = _probe(func, args, kwargs, args_t, kwargs_t, handles)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             probe._ae_user_error = True

@@ -325,6 +325,21 @@ def test_low_precision_backward_uses_cpus_kernel_not_a_decomposition(mode, fn):
     assert torch.equal(grads[0], grads[1])
 
 
+def test_channels_last_convolution_keeps_cpus_memory_format(mode):
+    """A channels_last conv gives a channels_last output on CPU; meta's is contiguous, and
+    convolutions were never probed (every layer after it then differed in layout)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+    xs = []
+    for dev in ("cpu", N):
+        y = F.max_pool2d(F.relu(F.conv2d(x.to(dev), w.to(dev), padding=1)), 2)
+        xs.append(y)
+    assert xs[1].stride() == xs[0].stride() and xs[1].is_contiguous(
+        memory_format=torch.channels_last)
+    assert torch.allclose(xs[1].cpu(), xs[0], atol=1e-5)
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
