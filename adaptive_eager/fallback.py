@@ -18,6 +18,11 @@ from .source import _source, _user_stacklevel
 from .transfer import buffer_view, on_host
 
 
+# Outputs PyTorch makes on the host whatever the device (from a CPU argument's options):
+# a PackedSequence's batch_sizes and the lengths pad_packed_sequence returns, as on CUDA.
+_HOST_OUTPUTS = {"aten::_pack_padded_sequence": (1,), "aten::_pad_packed_sequence": (1,)}
+
+
 def run_now(eng, func, args, kwargs, fallback: bool):
     """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or output
     shapes only execution can tell (a device launch the host waits for)."""
@@ -72,8 +77,9 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             by_storage[v._handle.buffer.storage.data_ptr()] = v
     leaves, spec = tree_flatten(out)
     new_leaves = []
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
+    host = _HOST_OUTPUTS.get(name, ())
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or i in host:
             new_leaves.append(leaf)
             continue
         if leaf.layout != torch.strided:

@@ -257,6 +257,26 @@ def test_activation_checkpointing_recomputes_the_same_dropout(mode, reentrant):
     assert grads[0].abs().sum() > 0 and torch.equal(grads[0], grads[1])
 
 
+def test_packed_sequences_through_an_lstm_as_on_cpu(mode):
+    """pack_padded_sequence keeps batch_sizes on the host (PyTorch refuses a PackedSequence
+    whose batch_sizes are on a device), and pad_packed_sequence returns host lengths."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True, bidirectional=True)
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 3, 2])
+    results = []
+    for dev in ("cpu", "neuron"):
+        m = copy.deepcopy(lstm).to(dev)
+        out, (h, _) = m(pack_padded_sequence(x.to(dev), lengths, batch_first=True))
+        y, lens = pad_packed_sequence(out, batch_first=True)
+        (y.pow(2).sum() + h.sum()).backward()
+        results.append((y.detach().cpu(), lens, [p.grad.cpu() for p in m.parameters()]))
+    (y0, l0, g0), (y1, l1, g1) = results
+    assert l1.device.type == "cpu" and torch.equal(l0, l1)
+    assert torch.allclose(y0, y1, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g0, g1))
+
+
 def test_error_in_backward_reaches_the_caller():
     code = ("import torch, adaptive_eager as ae\n"
             "x = torch.randn(4, 3).to('neuron').requires_grad_()\n"
