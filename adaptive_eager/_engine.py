@@ -27,7 +27,7 @@ from . import results, transfer
 from ._tensor import NeuronTensor
 from .errors import _hand_off, _raise_launch_error
 from .fallback import run_now
-from .meta import _RUN_NOW, _extent_bytes, _global_state, infer
+from .meta import _RUN_NOW, _extent_bytes, _global_state, check_conversions, infer
 from .queue import record
 from .source import _user_stacklevel
 from .templates import template
@@ -248,6 +248,8 @@ class Engine:
             # index, repeat_interleave without output_size, a meta kernel that refuses what
             # CPU accepts): the op runs now on the device and the host waits for its shapes.
             return run_now(self, func, args, kwargs, fallback=False)
+        if meta.checks:  # Note [Scalar conversion] in meta.py
+            check_conversions(meta.checks, inputs)
         if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
             self.metrics.ops -= 1
             results.resize_outs(self, func, args, kwargs, meta.resize)

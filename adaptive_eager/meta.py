@@ -3,6 +3,8 @@ per op signature by meta execution checked against CPU (Note [CPU probe]), so sh
 errors raise at the call as in eager mode."""
 from __future__ import annotations
 
+import math
+
 import warnings
 
 import torch
@@ -20,10 +22,11 @@ _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op r
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize")
+    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks")
 
-    def __init__(self, leaves, spec, op, resize=()):
+    def __init__(self, leaves, spec, op, resize=(), checks=()):
         self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
+        self.checks = checks  # (runtime input index, dtype) per Note [Scalar conversion]
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
         self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
         self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
@@ -293,5 +296,57 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
         for w in meta_warnings:
             warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
-    return MetaResult(tuple(out_leaves), spec, op, tuple(resize))
+    return MetaResult(tuple(out_leaves), spec, op, tuple(resize),
+                      _conversion_checks(func, args_t, kwargs_t, leaves))
+
+
+# Note [Scalar conversion]: the fill family converts its Scalar to the tensor's dtype with no
+# type promotion, and CPU checks the conversion (c10::checked_convert): nan into an integer,
+# -1.0 into uint8, 1e10 into float16 raise "value cannot be converted to type int64_t without
+# overflow" at the call. That depends on the runtime value, so it cannot be a property of the
+# cached signature (the CPU probe sees the first call's value only): it is checked per call.
+_FILLS = {"fill_", "fill", "masked_fill_", "masked_fill", "index_fill_", "index_fill",
+          "scatter_", "scatter", "full", "full_like", "new_full"}
+_CTYPES = {torch.int64: "int64_t", torch.int32: "int", torch.int16: "int16_t",
+           torch.int8: "int8_t", torch.uint8: "uint8_t", torch.float16: "c10::Half",
+           torch.bfloat16: "c10::BFloat16", torch.float32: "float"}
+
+
+def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
+    if func.overloadpacket.__name__ not in _FILLS or not leaves:
+        return ()
+    dtype = leaves[0].dtype if isinstance(leaves[0], torch.Tensor) else None
+    if dtype not in _CTYPES:
+        return ()
+    names = [a.name for a in func._schema.arguments]
+    for name in ("value", "fill_value"):
+        if name in names:
+            j = names.index(name)
+            t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(name)
+            if type(t) is tuple and t and t[0] == "S":
+                return ((t[1], dtype),)
+    return ()
+
+
+def check_conversions(checks, inputs) -> None:
+    """Note [Scalar conversion]: CPU's error for a Scalar its tensor's dtype cannot hold."""
+    for i, dtype in checks:
+        v = inputs[i]
+        if isinstance(v, bool) or isinstance(v, complex):
+            continue
+        if dtype.is_floating_point:  # inf and nan convert; finite values past max do not
+            bad = math.isfinite(v) and abs(float(v)) > torch.finfo(dtype).max
+        else:
+            info = torch.iinfo(dtype)
+            if isinstance(v, float):  # compared as C++ compares doubles
+                bad = v != v or v < float(info.min) or v > float(info.max)
+            elif info.min == 0:  # an unsigned type: negative ints wrap, as in C++
+                bad = v > info.max or -v > info.max
+            else:
+                bad = v < info.min or v > info.max
+        if bad:
+            e = RuntimeError(f"value cannot be converted to type {_CTYPES[dtype]} without "
+                             f"overflow")
+            e._ae_user_error = True
+            raise e
 

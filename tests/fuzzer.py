@@ -648,6 +648,13 @@ def _grad_leaf(t) -> bool:
         return False
 
 
+def _as_a_copy(code: str) -> str:
+    """`.cpu()` of a CPU tensor is the tensor itself; of a device tensor, a copy made through
+    autograd (`_to_copy`), which refuses, for one, a multi-output view whose base was modified
+    in place (CUDA too; fuzzer seed 8101303). The reference copies as a device does."""
+    return code.replace(".cpu()", ".to('cpu', copy=True)")
+
+
 def run_reference(stmts, upto=None, fail_at=None):
     """CPU, skipping statements that raise; returns (first error, readings, taint flags).
 
@@ -688,7 +695,7 @@ def run_reference(stmts, upto=None, fail_at=None):
             ok = not missing and "err" not in inherited and i != fail_at
             if ok:
                 try:
-                    exec(code, ns)
+                    exec(_as_a_copy(code), ns)
                 except Exception as e:
                     ok = False
                     errors[i] = type(e).__name__

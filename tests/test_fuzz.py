@@ -256,6 +256,16 @@ def test_what_is_computed_from_a_float64_comparison_is_checked_by_metadata():
     assert [k for k, _ in fuzzer.compare(prog, ref, (None, wrong))] == ["value"]
 
 
+def test_the_reference_reads_a_value_as_a_device_copy_does():
+    # fuzzer seed 8101303: `.cpu()` of a CPU tensor is itself; of a device tensor a copy made
+    # through autograd, which refuses a multi-output view whose base changed in place
+    prog = ["v2 = torch.ones(2, device=dev).requires_grad_()", "v7 = v2 * 1",
+            "v9 = v7.split(1)[-1]", "v7.mul_(2)", "_ = v9.cpu()", "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"]) == (4, "RuntimeError")
+    assert fuzzer.compare(prog, ref, fuzzer.run_program(prog, "neuron")) == []
+
+
 def test_a_hang_is_reported_with_the_workers_stacks_and_stderr_never_blocks():
     pool = fuzzer.Pool(timeout=20)
     try:

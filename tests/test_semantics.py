@@ -340,6 +340,27 @@ def test_channels_last_convolution_keeps_cpus_memory_format(mode):
     assert torch.allclose(xs[1].cpu(), xs[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,good,bad", [(torch.int64, 1.5, float("nan")),
+                                             (torch.uint8, 1.0, -1.0),
+                                             (torch.float16, 1.0, 1e10)])
+def test_a_fill_value_the_dtype_cannot_hold_raises_at_the_call_every_time(mode, dtype, good,
+                                                                          bad):
+    """fuzzer (seed 8102060): CPU checks the conversion per call; the probe saw only a
+    signature's first value, so a later nan filled into int64 went unchecked until the sync."""
+    for dev in ("cpu", N):
+        t = torch.zeros(3, dtype=dtype, device=dev)
+        t.fill_(good)  # the signature is now cached
+        t[torch.tensor([0], device=dev)] = good
+        fills = [lambda: t.fill_(bad), lambda: t.masked_fill(t == 0, bad)]
+        if not dtype.is_floating_point:  # CPU's own setitem skips the check for floats
+            fills.append(lambda: t.__setitem__(torch.tensor([0], device=dev), bad))
+        for fill in fills:
+            with pytest.raises(RuntimeError, match="cannot be converted to type .* without "
+                                                   "overflow"):
+                fill()
+    assert torch.equal(t.cpu(), torch.full((3,), good, dtype=dtype))
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
