@@ -789,7 +789,10 @@ def _close(n, c, f64: bool) -> str | None:
 # Ops whose result can jump when float64 is computed as float32 (Note [Comparison rules]):
 # data-dependent shapes (what a mask selects) and discontinuous functions of the values.
 _F64_CUT = re.compile(r"nonzero|argwhere|masked_select|\[[^\]]*[<>]|\[[^\]]*[!=]=|%|fmod|"
-                      r"remainder|floor|ceil|round|trunc|frac|sign|unique")
+                      r"remainder|floor|ceil|round|trunc|frac|sign|unique|"
+                      # adaptive optimizers step by g / (|g| + eps): near a zero gradient
+                      # (rounding noise, 1e-17 in float64, 1e-8 in float32) a jump of lr
+                      r"optim\.(Adam|AdamW|RMSprop|Adagrad)\(")
 
 
 def compare_reading(var, n, c, taint, evenly=False) -> list[tuple[str, str]]:
@@ -885,6 +888,39 @@ def _empty_mixed_contraction(stmts, nerr, ref) -> bool:
                     if x in readings))
 
 
+def _aliased_0d_setitem(stmts, nerr, ref) -> bool:
+    """`t[...] = s` with a 0-d `s` over `t`'s memory: PyTorch fills from a CPU value (fill_)
+    but copies on any device (copy_, CUDA alike), whose overlap check refuses it."""
+    code = stmts[nerr["at"]]
+    m = _SETITEM.match(code)
+    rhs = code.split("=", 1)[1].strip() if m and not m.group(2) else ""
+    return ("refer to a single memory location" in nerr["msg"] and _VAR.fullmatch(rhs)
+            is not None and ref[1].get(rhs, {}).get("shape") == [])
+
+
+_INPLACE_VIEW = re.compile(r"^(v\d+)\.(unsqueeze_|squeeze_|t_|transpose_|swapdims_|"
+                           r"swapaxes_|as_strided_)\(")
+
+
+def _replayed_views(stmts) -> set:
+    """Autograd rebuilds a view of a base changed by an in-place view op (`b.unsqueeze_(0)`)
+    by replaying the view op for `__torch_dispatch__` tensors (CPU and CUDA use as_strided),
+    and the replayed op may refuse the new rank (PyTorch's, not fixable from outside). The
+    views taken of such a base before its in-place view op: using or reading one may raise
+    RuntimeError on neuron only."""
+    out = set()
+    for i, code in enumerate(stmts):
+        m = _INPLACE_VIEW.match(code)
+        if m:
+            out |= {stmt_info(stmts[k])["defs"] for k in range(i)
+                    if m.group(1) in stmt_info(stmts[k])["reads"]} - {None}
+    return out
+
+
+def _view_replay(stmts, nerr) -> bool:
+    return bool(_replayed_views(stmts[:nerr["at"]]) & stmt_info(stmts[nerr["at"]])["reads"])
+
+
 def compare(stmts, ref, run) -> list[tuple[str, str]]:
     """Failures of one neuron run against the CPU reference (Note [Comparison rules])."""
     cerr, _, _ = ref
@@ -896,8 +932,10 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
     if first is not None and not same and _reads_shapeless(stmts[first], ref) and not (
             cerr and nerr and nerr["at"] > cerr["at"]):
         deferred = True  # the runs part where the policy leaves a shape free: compare before
-    elif cerr is None and nerr is not None and _empty_mixed_contraction(stmts, nerr, ref):
-        pass  # PyTorch's decomposition under Python dispatch (_empty_mixed_contraction)
+    elif cerr is None and nerr is not None and (_empty_mixed_contraction(stmts, nerr, ref)
+                                                or _aliased_0d_setitem(stmts, nerr, ref)
+                                                or _view_replay(stmts, nerr)):
+        pass  # PyTorch's own behaviour on devices (each function's docstring)
     elif cerr is None and nerr is not None:
         return [("raised", f"neuron raised {nerr['type']} at statement {nerr['at']} where "
                            f"CPU does not: {nerr['msg']}")]
@@ -920,6 +958,7 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
     # the reference as far as the neuron run went; the statement it stopped at counts as failed
     upto = nerr["at"] if nerr else None
     _, creads, taint = run_reference(stmts, upto, upto) if upto is not None else ref
+    replayed = _replayed_views(stmts if upto is None else stmts[:upto + 1])
     for var, n in sorted(nreads.items()):
         t = taint.get(var, [])
         if "err" in t:
@@ -930,6 +969,8 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
             continue
         if "read_error" in n:
             same = n["read_error"] == c.get("read_error")  # CPU refuses to read it too
+            if var in replayed and n["read_error"] == "RuntimeError":
+                continue  # PyTorch's view replay (_replayed_views)
             if not same and not (deferred and n["read_error"] == "NeuronRuntimeError"):
                 fails.append(("read", f"reading {var} raised {n['read_error']}"))
             continue
