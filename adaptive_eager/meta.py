@@ -319,6 +319,12 @@ def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
     if dtype not in _CTYPES:
         return ()
     names = [a.name for a in func._schema.arguments]
+    if func.overloadpacket.__name__.startswith("scatter"):  # with nothing to write, scatter
+        # returns before converting (index_fill, full and the others convert first)
+        j = names.index("index")
+        t = args_t[j] if j < len(args_t) else dict(kwargs_t).get("index")
+        if type(t) is tuple and t and t[0] == "T" and 0 in t[2]:
+            return ()
     for name in ("value", "fill_value"):
         if name in names:
             j = names.index(name)

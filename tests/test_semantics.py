@@ -359,6 +359,11 @@ def test_a_fill_value_the_dtype_cannot_hold_raises_at_the_call_every_time(mode, 
                                                    "overflow"):
                 fill()
     assert torch.equal(t.cpu(), torch.full((3,), good, dtype=dtype))
+    # scatter with nothing to write returns before converting (final bar, seed 9634635)
+    for dev in ("cpu", N):
+        e = torch.zeros(1, 0, dtype=torch.long, device=dev)
+        for _ in range(2):  # the second call hits the cached signature
+            e.scatter(0, torch.zeros(3, 0, dtype=torch.long, device=dev), float("nan"))
 
 
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
