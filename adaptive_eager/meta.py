@@ -168,7 +168,7 @@ def _twin(v, t, bufs, device, fill=None):
     shape inference, host twins for the CPU probe): same sizes, strides, offsets, aliasing.
     A device= argument becomes `device`, so nothing is allocated (or drawn) for real."""
     if type(t) is tuple and t and t[0] == "T":
-        _, li, size, stride, off, dt = t
+        li, size, stride, off, dt = t[1:6]  # (t[6:]: an instance number)
         x = torch.empty(0, dtype=getattr(torch, dt), device=device).set_(
             bufs[li].untyped_storage(), off, size, stride)
         if fill:

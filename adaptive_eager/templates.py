@@ -54,11 +54,22 @@ def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple
         if v._extent > h.nbytes:  # its storage was resized smaller (FSDP2's free)
             _out_of_bounds(v._layout[0], v._layout[1], v._layout[2], v.dtype, h.nbytes)
         li = where[h.uid] = len(handles)
+        where[-1 - li] = [(v, 0)]  # its tensor objects (keys < 0: buffer uids are > 0)
         handles.append(h)
         vbytes.append(min(h.nbytes, v._vbytes))
-    elif v._vbytes > vbytes[li]:
+        return ("T", li) + v._layout
+    if v._vbytes > vbytes[li]:
         vbytes[li] = min(h.nbytes, v._vbytes)
-    return ("T", li) + v._layout
+    # Note [Tensor identity]: CPU's overlap checks tell one tensor passed twice (the same
+    # TensorImpl: a full overlap) from two tensors over the same memory (x and x.detach():
+    # no overlap if empty, not provable if strided). Two distinct objects with one layout
+    # get distinct instance numbers, so the program hands the op distinct tensors too.
+    objs = where[-1 - li]
+    k = next((k for o, k in objs if o is v), None)
+    if k is None:
+        k = sum(1 for o, _ in objs if o._layout == v._layout)
+        objs.append((v, k))
+    return ("T", li) + v._layout + ((k,) if k else ())
 
 
 class _Encoder:

@@ -88,9 +88,9 @@ def _bind(t, smap, vids):
     distinct (slot, view) of the program), enums their object."""
     if type(t) is tuple and t and type(t[0]) is str:
         tag = t[0]
-        if tag == "T":
+        if tag == "T":  # t[6:]: an instance number (Note [Tensor identity], templates.py)
             view = (smap[t[1]], t[2], t[3], t[4], getattr(torch, t[5]))
-            return ("T", vids.setdefault(view, len(vids))) + view
+            return ("T", vids.setdefault(view + t[6:], len(vids))) + view
         if tag == "L":
             return ("L",) + tuple(_bind(x, smap, vids) for x in t[1:])
         if tag in ("S", "H"):

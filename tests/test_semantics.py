@@ -366,6 +366,24 @@ def test_a_fill_value_the_dtype_cannot_hold_raises_at_the_call_every_time(mode, 
             e.scatter(0, torch.zeros(3, 0, dtype=torch.long, device=dev), float("nan"))
 
 
+def test_two_tensors_over_one_memory_are_not_one_tensor(mode):
+    """Note [Tensor identity] (fuzzer, every bar pair): CPU's overlap check refuses one tensor
+    passed twice but cannot prove an overlap of two empty ones; the program handed the op one
+    host tensor for both, so `x.scatter_(0, i, x.detach())` raised on neuron only."""
+    outcomes = []
+    for dev in ("cpu", N):
+        x = torch.ones(2, 2, 0, device=dev)
+        i = torch.zeros(1, 2, 0, dtype=torch.long, device=dev)
+        x.scatter_(0, i, x.detach())  # distinct tensors: no overlap to refuse
+        x.scatter_(0, i, x.squeeze())  # (a view with the same layout)
+        torch.neuron.synchronize()  # nothing deferred either
+        with pytest.raises(RuntimeError, match="single memory location"):
+            x.scatter_(0, i, x)  # the same tensor: refused
+            torch.neuron.synchronize()
+        outcomes.append(x.shape)
+    assert outcomes[0] == outcomes[1]
+
+
 def test_boolean_mask_backward_is_not_refused_by_the_probe(mode):
     """index_put with a mask: the probe's blank masks select 0 or all elements, which is no
     user error (the real mask decides)."""
