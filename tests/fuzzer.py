@@ -29,7 +29,7 @@ Note [Comparison rules]
 - Float64 policy (README "CPU fallback and dtypes"): the device stores float64 but computes it
   as float32, random streams included. A value is *f64-tainted* when it, or anything it was
   computed from, is float64: floating values are compared against CPU's float64 result cast to
-  float32 (float32 saturation included: where that is infinite or beyond 1e30, inf or NaN are
+  float32 (float32 saturation included: where that is infinite or beyond 1e18, inf or NaN are
   allowed, since float32 saturates inside an op and inf arithmetic gives NaN, as CPU's own
   float32 mean of four 8.5e37s and gelu(inf) do) with rtol = atol = 1e-3; integer and bool
   values derived from float64 (comparisons, argmax, casts), and everything computed from them,
@@ -764,7 +764,8 @@ def _bits_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-_F32_EDGE = 1e30  # float64 values this large may saturate float32 inside an op
+_F32_EDGE = 1e18  # float64 values this large may saturate float32 inside an op (a norm or
+# a variance squares them: past sqrt(float32 max) = 1.8e19 the square is inf)
 
 
 def _close(n, c, f64: bool) -> str | None:
