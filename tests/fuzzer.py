@@ -838,8 +838,8 @@ def compare_reading(var, n, c, taint, evenly=False) -> list[tuple[str, str]]:
             out.append(("grad", f"{var}.grad: neuron {ng.dtype}{list(ng.shape)} vs cpu "
                                 f"{cg.dtype}{list(cg.shape)}"))
         else:
-            if evenly and ng.is_floating_point():  # 0 * inf on a device: see _EVENLY
-                ng = torch.where(ng.isnan() & (cg == 0), cg, ng)
+            if evenly and ng.is_floating_point():  # 0 * inf (or NaN) on a device: _EVENLY
+                ng = torch.where(ng.isnan(), cg, ng)  # (and added to what was there before)
             d = _close(ng, cg, f64)
             if d:
                 out.append(("grad", f"{var}.grad: {d}"))
@@ -848,8 +848,9 @@ def compare_reading(var, n, c, taint, evenly=False) -> list[tuple[str, str]]:
 
 # Full min/max/median reductions: PyTorch's backward (evenly_distribute_backward) takes
 # `mask * (grad / count)` for CUDA and tensor subclasses but `masked_fill_` on CPU, so an
-# infinite gradient gives NaN beside the selected elements on any device, 0 on CPU only
-# (checked with PyTorch's own TwoTensor subclass on CPU).
+# infinite or NaN gradient gives NaN beside the selected elements on any device, 0 on CPU
+# only (checked with PyTorch's own TwoTensor subclass on CPU), also once accumulated into a
+# .grad that held something (final-bar seed 10175339).
 _EVENLY = re.compile(r"\.(min|max|median|nanmedian)\(\)|torch\.(min|max|median|nanmedian)\(v\d+\)")
 
 
