@@ -875,7 +875,8 @@ def _reads_shapeless(code, ref) -> bool:
     return any({"rng64", "f64cut"} & set(taint.get(x, ())) for x in stmt_info(code)["reads"])
 
 
-_CONTRACTION = re.compile(r"@|matmul|bmm|einsum|\bmm\(|linear|\bmv\(|\bdot\(")
+_CONTRACTION = re.compile(r"@|matmul|bmm|einsum|\bmm\(|linear|\bmv\(|\bdot\(|"
+                          r"scaled_dot_product_attention")  # (its math path: final-bar 10254122)
 
 
 def _empty_mixed_contraction(stmts, nerr, ref) -> bool:
