@@ -1,7 +1,9 @@
 """Graph IR of recorded ops: a Node per queued ATen op, and the argument templates it carries.
 
 Note [Templates]: a node's arguments are stored as a template, a tree of tuples in which
-  ("T", i, size, stride, offset, dtype)  is a device tensor viewing the node's buffer i,
+  ("T", i, size, stride, offset, dtype)  is a device tensor viewing the node's buffer i
+                                         (+ (k,): the k-th other tensor object with that
+                                         view, Note [Tensor identity] in templates.py),
   ("S", k, type)                         is a runtime scalar (value k of node.inputs),
   ("H", k, dtype, shape)                 is a host (CPU) tensor input (value k of node.inputs),
   ("L", *items)                          is a list, ("dt"|"dev"|"lay"|"mf", name) a torch enum,
