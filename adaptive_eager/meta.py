@@ -254,7 +254,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             j, k = alias[0], leaf_alias[i][1]
             out_leaves.append(("arg", j, k))
             outs.append(None)
-            t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(schema_args[j].name)
+            t = _arg_template(j, schema_args[j].name, args_t, kwargs_t)
             t = t[1 + k] if t[0] == "L" else t
             if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
                 cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
@@ -281,7 +281,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     writes = []
     for j, a in enumerate(schema_args):
         if a.alias_info is not None and a.alias_info.is_write:
-            t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(a.name)
+            t = _arg_template(j, a.name, args_t, kwargs_t)
             if t is None:
                 continue
             for x in (t[1:] if t[0] == "L" else (t,)):
@@ -312,6 +312,11 @@ _CTYPES = {torch.int64: "int64_t", torch.int32: "int", torch.int16: "int16_t",
            torch.bfloat16: "c10::BFloat16", torch.float32: "float"}
 
 
+def _arg_template(j, name, args_t, kwargs_t):
+    """The template of schema argument j (`name`): positional or keyword, None if absent."""
+    return args_t[j] if j < len(args_t) else dict(kwargs_t).get(name)
+
+
 def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
     if func.overloadpacket.__name__ not in _FILLS or not leaves:
         return ()
@@ -322,13 +327,13 @@ def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
     if func.overloadpacket.__name__.startswith("scatter"):  # with nothing to write, scatter
         # returns before converting (index_fill, full and the others convert first)
         j = names.index("index")
-        t = args_t[j] if j < len(args_t) else dict(kwargs_t).get("index")
+        t = _arg_template(j, "index", args_t, kwargs_t)
         if type(t) is tuple and t and t[0] == "T" and 0 in t[2]:
             return ()
     for name in ("value", "fill_value"):
         if name in names:
             j = names.index(name)
-            t = args_t[j] if j < len(args_t) else dict(kwargs_t).get(name)
+            t = _arg_template(j, name, args_t, kwargs_t)
             if type(t) is tuple and t and t[0] == "S":
                 return ((t[1], dtype),)
     return ()

@@ -23,7 +23,7 @@ _SKIP_FILES += ("<frozen", os.path.join(os.path.dirname(os.__file__), "contextli
 def _user_stacklevel() -> int:
     """The `stacklevel` that points a warning at the user's line, not at our frames."""
     f, level = sys._getframe(1), 1
-    while f is not None and f.f_code.co_filename.startswith(_SKIP_FILES):
+    while f is not None and _ours(f.f_code):
         f, level = f.f_back, level + 1
     return level
 

@@ -54,7 +54,7 @@ def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple
         if v._extent > h.nbytes:  # its storage was resized smaller (FSDP2's free)
             _out_of_bounds(v._layout[0], v._layout[1], v._layout[2], v.dtype, h.nbytes)
         li = where[h.uid] = len(handles)
-        where[-1 - li] = [(v, 0)]  # its tensor objects (keys < 0: buffer uids are > 0)
+        where[-1 - li] = v  # its first tensor object (keys < 0: buffer uids are > 0)
         handles.append(h)
         vbytes.append(min(h.nbytes, v._vbytes))
         return ("T", li) + v._layout
@@ -65,6 +65,8 @@ def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple
     # no overlap if empty, not provable if strided). Two distinct objects with one layout
     # get distinct instance numbers, so the program hands the op distinct tensors too.
     objs = where[-1 - li]
+    if type(objs) is not list:  # a second use of the buffer: (object, instance) pairs now
+        objs = where[-1 - li] = [(objs, 0)]
     k = next((k for o, k in objs if o is v), None)
     if k is None:
         k = sum(1 for o, _ in objs if o._layout == v._layout)
