@@ -64,6 +64,9 @@ import warnings
 
 MODES = ["eager", "graph", "matmul", "none"]
 POLICIES = ["default", "lazy"]  # default: queue_low_threshold as configured; lazy: 0
+# threads: the default policy while another thread issues, syncs and checks its own ops on the
+# same device (Note [Threads] in adaptive_eager/_engine.py); `--policy all` adds it.
+THREADS = "threads"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
            "dev = 'neuron'   # 'cpu' for the reference\n"
@@ -604,8 +607,9 @@ def _read(t):
     return out
 
 
-def run_program(stmts, dev, mode="eager", policy="default"):
-    """Run statements in order; stop at the first error. Returns (error, {var: reading})."""
+def run_program(stmts, dev, mode="eager", policy="default", noise=None):
+    """Run statements in order; stop at the first error. Returns (error, {var: reading}).
+    Policy "threads": `_Noise` runs beside the program; what it found goes to `noise`."""
     import torch
     import adaptive_eager as ae
     import contextlib
@@ -618,6 +622,8 @@ def run_program(stmts, dev, mode="eager", policy="default"):
                 st.enter_context(ae.override(queue_low_threshold=0))
             if mode != "eager":
                 st.enter_context(ae.adaptive(strategy=mode))
+            if policy == THREADS:
+                st.enter_context(_Noise(noise))
         for i, code in enumerate(stmts):
             try:
                 exec(code, ns)
@@ -628,6 +634,54 @@ def run_program(stmts, dev, mode="eager", policy="default"):
                  if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
     _settle()
     return err, reads
+
+
+class _Noise:
+    """Another thread on the same device while a program runs (policy "threads"): it records
+    small chains on its own tensors, syncs and reads them back, and checks each value bit for
+    bit against the same ops on CPU. The GIL switches every 10 us meanwhile, so its ops land
+    between the program's: in its queue, its fused groups, its flushes and syncs. It draws no
+    random numbers and changes no global state, so the program's own results must not move.
+    What it finds (a wrong value, an error) is appended to `problems`."""
+
+    def __init__(self, problems: list):
+        import threading
+        self.problems = problems
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import torch
+        try:
+            cpu = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7
+            x = cpu.to("neuron")
+            k = 0
+            while not self.stop.is_set() or k < 4:  # at least one sync and two reads
+                k += 1
+                y, want = (x * 1.5 + k).relu().sum(0), (cpu * 1.5 + k).relu().sum(0)
+                x, cpu = x.mul(0.5).add_(y[:4, None] / 24), cpu.mul(0.5).add_(want[:4, None] / 24)
+                if k % 4 == 0:
+                    torch.neuron.synchronize()  # a sync from another thread, mid-program
+                if k % 2 == 0:
+                    got = y.cpu()
+                    if not _bits_equal(got, want):
+                        self.problems.append(f"its value at step {k}: {got} vs CPU {want}")
+                        return
+        except Exception as e:  # noqa: BLE001  any error here is the engine's
+            self.problems.append(f"it raised {type(e).__name__}: {str(e)[:300]}")
+
+    def __enter__(self):
+        self.interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=120)
+        sys.setswitchinterval(self.interval)
+        if self.thread.is_alive():
+            self.problems.append("it did not finish in 120 s")
 
 
 def _settle():
@@ -1018,8 +1072,9 @@ def compare_to_eager(eager, run, taint) -> list[tuple[str, str]]:
 def configs(modes, policies):
     out = []
     for m in modes:
-        for p in (["default"] if m == "eager" else policies):
-            out.append((m, p))
+        for p in policies:
+            if m != "eager" or p in ("default", THREADS):  # eager never queues: lazy is default
+                out.append((m, p))
     return out
 
 
@@ -1034,10 +1089,18 @@ def check(stmts, cfgs) -> list[dict]:
         if ("eager", "default") in cfgs:
             fails += [{"config": "eager", "kind": k, "detail": d} for k, d in compare(stmts, ref, eager)]
     for m, p in cfgs:
-        if m == "eager":
+        if m == "eager" and p == "default":
             continue
-        run = run_program(stmts, "neuron", m, p)
-        name = f"{m}" + ("-lazy" if p == "lazy" else "")
+        name = _config_name((m, p))
+        if p == THREADS and ref[0] is not None:
+            # A deferred error goes to whichever thread syncs first (the device's error queue
+            # is the process's, as a CUDA context's is): the other thread may take it. Only
+            # programs CPU runs without an error are run beside the noise thread.
+            continue
+        noise = []
+        run = run_program(stmts, "neuron", m, p, noise)
+        fails += [{"config": name, "kind": "thread", "detail": f"the other thread: {d}"}
+                  for d in noise]
         fails += [{"config": name, "kind": k, "detail": d} for k, d in compare(stmts, ref, run)]
         fails += [{"config": name, "kind": k, "detail": d} for k, d in compare_to_eager(eager, run, ref[2])]
     return fails
@@ -1188,14 +1251,18 @@ def shrink(stmts, still_fails, budget=300) -> list[str]:
 
 
 def snippet(stmts, config: str) -> str:
-    mode, _, lazy = config.partition("-")
+    mode, _, policy = config.partition("-")
     head = PRELUDE
     body = list(stmts)
+    ctxs = ["ae.override(queue_low_threshold=0)"] if policy == "lazy" else []
     if mode in ("graph", "matmul", "none"):
-        ctx = f"ae.adaptive(strategy={mode!r})"
-        if lazy:
-            ctx = f"ae.override(queue_low_threshold=0), " + ctx
-        head += f"with {ctx}:\n"
+        ctxs.append(f"ae.adaptive(strategy={mode!r})")
+    if policy == THREADS:
+        head = "import sys; sys.path.insert(0, 'tests'); from fuzzer import _Noise\n" + head
+        ctxs.append("_Noise(problems := [])")
+        body.append("print('the other thread:', problems)")
+    if ctxs:
+        head += f"with {', '.join(ctxs)}:\n"
         body = ["    " + s for s in body]
     return head + "\n".join(body)
 
@@ -1203,7 +1270,7 @@ def snippet(stmts, config: str) -> str:
 # --------------------------------------------------------------------------- driver
 
 def _config_name(c) -> str:
-    return c[0] + ("-lazy" if c[1] == "lazy" else "")
+    return c[0] + ("" if c[1] == "default" else "-" + c[1])
 
 
 def _triage(pool, stmts, f, cfgs, do_shrink):
@@ -1271,7 +1338,8 @@ def main(argv=None):
     ap.add_argument("--programs", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="first program seed")
     ap.add_argument("--mode", action="append", choices=MODES + ["all"])
-    ap.add_argument("--policy", choices=POLICIES + ["both"], default="both")
+    ap.add_argument("--policy", choices=POLICIES + [THREADS, "both", "all"], default="both",
+                    help="both: default and lazy; all: also threads")
     ap.add_argument("--families", default=None, help="comma-separated subset of " + ",".join(FAMILIES))
     ap.add_argument("--ci", action="store_true",
                     help="leave out CI_EXCLUDED_FAMILIES and CI_EXCLUDED_PATTERNS (known bugs)")
@@ -1282,7 +1350,7 @@ def main(argv=None):
     if a.worker:
         return worker_main()
     modes = MODES if not a.mode or "all" in a.mode else a.mode
-    policies = POLICIES if a.policy == "both" else [a.policy]
+    policies = {"both": POLICIES, "all": POLICIES + [THREADS]}.get(a.policy, [a.policy])
     fams = a.families.split(",") if a.families else list(FAMILIES)
     exclude = list(a.exclude)
     if a.ci:

@@ -23,6 +23,34 @@ def test_ci_pass():
     assert not fails, "\n".join(lines)
 
 
+def test_ci_pass_beside_another_thread():
+    """Policy "threads": the same programs while another thread records, syncs and checks
+    its own ops on the device (fuzzer._Noise)."""
+    fams = [f for f in fuzzer.FAMILIES if f not in fuzzer.CI_EXCLUDED_FAMILIES]
+    lines = []
+    n, fails = fuzzer.fuzz(CI_SEEDS[:40], ["eager", "graph"], [fuzzer.THREADS], fams,
+                           exclude=list(fuzzer.CI_EXCLUDED_PATTERNS), log=lines.append)
+    assert n == 40
+    assert not fails, "\n".join(lines)
+
+
+def test_what_the_other_thread_finds_is_a_failure(monkeypatch):
+    prog = ["v0 = torch.ones(3, device=dev)", "v1 = v0 + 1", "torch.neuron.synchronize()"]
+    assert fuzzer.check(prog, [("graph", fuzzer.THREADS)]) == []
+    monkeypatch.setattr(fuzzer, "_bits_equal", lambda a, b: False)  # a wrong value over there
+    fails = fuzzer.check(prog, [("graph", fuzzer.THREADS)])
+    thread = [f for f in fails if f["kind"] == "thread"]  # (and the program's vs eager)
+    assert [f["config"] for f in thread] == ["graph-threads"]
+    assert "its value at step" in thread[0]["detail"]
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.neuron, "synchronize", lambda: 1 / 0)  # an error over there
+    fails = fuzzer.check(prog[:2], [("eager", fuzzer.THREADS)])
+    assert [f["kind"] for f in fails] == ["thread"]
+    assert "ZeroDivisionError" in fails[0]["detail"]
+    snip = fuzzer.snippet(prog, "graph-threads")
+    assert "_Noise(problems := [])" in snip and "ae.adaptive(strategy='graph')" in snip
+
+
 def test_generator_is_deterministic_and_honours_exclusions():
     assert fuzzer.generate(5) == fuzzer.generate(5)
     assert fuzzer.generate(5) != fuzzer.generate(6)
