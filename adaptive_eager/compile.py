@@ -61,23 +61,28 @@ def one_segment(n_ops: int = 0):
     In eager mode the segment is flushed on the way out (reason "compile graph"); in
     adaptive mode it stays queued and joins what comes before and after it, so a graph
     boundary never costs a launch the adaptive mode would not pay (Note [Compiled graphs
-    in adaptive mode])."""
+    in adaptive mode]).
+
+    The engine lock is held throughout (Note [Threads] in _engine.py): the mode and settings
+    changed here are the process's, so another thread must neither record under them nor
+    save them as its own to restore (two threads' graphs left an eager process adaptive)."""
     eng = _engine.ENGINE
-    was_lazy = eng.is_lazy()
-    if not was_lazy:
-        eng.flush(BOUNDARY_REASON)
-    saved = (eng.adaptive, config.queue_low_threshold, config.buffer_size_limit)
-    eng.adaptive = True
-    config.queue_low_threshold = 0  # never cut the graph for an idle device
-    config.buffer_size_limit = max(config.buffer_size_limit, len(eng.queue) + n_ops + 1)
-    try:
-        yield
-    finally:
+    with eng.lock:
+        was_lazy = eng.is_lazy()
+        if not was_lazy:
+            eng.flush(BOUNDARY_REASON)
+        saved = (eng.adaptive, config.queue_low_threshold, config.buffer_size_limit)
+        eng.adaptive = True
+        config.queue_low_threshold = 0  # never cut the graph for an idle device
+        config.buffer_size_limit = max(config.buffer_size_limit, len(eng.queue) + n_ops + 1)
         try:
-            if not was_lazy:
-                eng.flush(GRAPH_REASON)
+            yield
         finally:
-            eng.adaptive, config.queue_low_threshold, config.buffer_size_limit = saved
+            try:
+                if not was_lazy:
+                    eng.flush(GRAPH_REASON)
+            finally:
+                eng.adaptive, config.queue_low_threshold, config.buffer_size_limit = saved
 
 
 # Note [Compiled graphs in adaptive mode]: flushing at every graph boundary would split a

@@ -90,3 +90,34 @@ def test_threads_with_backward(mode):
     _run_threads(work, 3)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_compiled_graphs_in_threads_leave_the_mode_and_settings_alone(mode):
+    """A compiled graph runs as one engine segment, which switches the engine to lazy
+    recording with its own settings for the graph (compile.one_segment) and back. Threads
+    running graphs at once once saved each other's switched state as their own: an eager
+    process was left adaptive and purely lazy for good."""
+    import sys
+
+    from adaptive_eager import _engine
+    from adaptive_eager.config import config
+
+    @torch.compile(backend="neuron")
+    def f(x):
+        return (x * 2 + 1).relu().sum(0)
+
+    x = torch.randn(8, 4)
+    xn = x.to("neuron")
+    f(xn)  # compiled once, before the threads
+    state = (_engine.ENGINE.adaptive, config.queue_low_threshold, config.buffer_size_limit)
+    got = [[] for _ in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads inside the segment's set-up and restore
+    try:
+        _run_threads(lambda i: got[i].extend(f(xn).cpu() for _ in range(100)), 3)
+    finally:
+        sys.setswitchinterval(interval)
+    assert (_engine.ENGINE.adaptive, config.queue_low_threshold,
+            config.buffer_size_limit) == state
+    want = (x * 2 + 1).relu().sum(0)
+    assert all(torch.equal(g, want) for r in got for g in r)
