@@ -355,8 +355,31 @@ def _bumps_versions(eng, func, args, kwargs):
     return out
 
 
+def _lift_fresh(eng, func, args, kwargs):
+    """`torch.tensor(data, device="neuron")` makes a device tensor, then lifts it. While
+    torch.compile traces (a FakeTensorMode is active) the modes decline a tensor subclass
+    and hand the lift to us. It is then done as PyTorch does where no device is present
+    (NOTE [torch.tensor, lift_fresh, and device movement] in fake_tensor.py): the value is
+    lifted on the host, where the modes make it a graph constant, and copied into a new
+    device tensor (a traced `empty` and `copy_`: FakeTensorMode would propagate a constant
+    through `.to`, making a real device tensor its constant). So the graph holds a CPU
+    constant and an H2D copy, never a fake tensor."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        return eng._dispatch(func, args, kwargs)
+    from torch.utils._python_dispatch import _disable_current_modes
+    t = args[0]
+    with _disable_current_modes():  # the real value, read with no mode watching
+        host = eng.read(t, "compile constant")
+    lifted = func(host)  # through the modes from here on: traced
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(lifted)
+
+
 _SPECIAL = {
+    aten.lift_fresh.default: _lift_fresh,
+    aten.lift_fresh_copy.default: _lift_fresh,
     aten.copy_.default: transfer.copy_,
+    aten.copy.default: transfer.copy,
     aten._to_copy.default: transfer.to_copy,
     aten._local_scalar_dense.default: transfer.local_scalar_dense,
     aten._unsafe_view.default: _unsafe_view,

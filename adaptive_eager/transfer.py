@@ -94,6 +94,23 @@ def copy_(eng, func, args, kwargs):
     return dst
 
 
+def copy(eng, func, args, kwargs):
+    """`aten.copy`, copy_'s functional form (in torch.compile's graphs, after
+    functionalization): a new tensor laid out as `self.clone()` is, on self's device, holding
+    `src` as copy_ writes it, across devices as copy_ goes."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor) \
+            and dst._engine is src._engine:
+        return eng._dispatch(func, args, kwargs)
+    like = torch.empty_like(torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype,
+                                                device="meta"))  # clone's layout
+    if isinstance(dst, NeuronTensor):
+        out = dst._engine.empty(tuple(like.shape), like.stride(), like.dtype)
+    else:
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+    return copy_(eng, aten.copy_.default, (out,) + tuple(args[1:]), kwargs)
+
+
 def core_to_core(src, dst) -> None:
     """`dst.copy_(src)` across cores: src's core finishes what it has queued, then a DMA out
     of it and a DMA into dst's core (each costed on its own core; Note [Cores])."""

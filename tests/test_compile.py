@@ -1,4 +1,5 @@
 """torch.compile(backend="neuron"): results match CPU and eager, graphs run as segments."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -211,3 +212,51 @@ def test_training_with_a_changing_batch_size_recompiles_once(adaptive):
                                    atol=1e-5)
     assert aec.STATS.graphs["forward"] == 2  # static, then automatic dynamic shapes
     assert aec.STATS.graphs["backward"] == 2
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_tensors_made_inside_a_compiled_function(adaptive):
+    """`torch.tensor(data, device=x.device)` inside a compiled function (a scale, a mask, a
+    position table: common in models). The modes hand the lift of a device tensor to us;
+    it is traced as a host constant copied to the device (fuzzer seed 1 raised)."""
+    def f(x, w):
+        scale = torch.tensor([0.5, 2.0, -1.0], device=x.device)
+        shift = torch.tensor(3, device=x.device, dtype=torch.int64)
+        return (x * scale + shift) @ w, torch.as_tensor([[1.0], [2.0]], device=x.device) + x
+
+    x, w = torch.randn(2, 3), torch.randn(3, 3, requires_grad=True)
+    want = f(x, w)
+    want[0].sum().backward()
+    xn, wn = x.to("neuron"), w.detach().to("neuron").requires_grad_()
+    g = torch.compile(f, backend="neuron")
+    with ae.adaptive(strategy="graph") if adaptive else contextlib.nullcontext():
+        for _ in range(2):  # the second call reuses the graph and its constants
+            wn.grad = None
+            got = g(xn, wn)
+            got[0].sum().backward()
+            for a, b in zip(got, want):
+                assert a.device.type == "neuron"
+                torch.testing.assert_close(a.cpu(), b.detach())
+            torch.testing.assert_close(wn.grad.cpu(), w.grad)
+    assert aec.STATS.graphs["forward"] == 1
+
+
+def test_functional_copy_across_devices():
+    """`aten.copy` (copy_'s functional form, as functionalized graphs hold it) with a host
+    source or a host destination: a new tensor laid out as clone() is, on self's device."""
+    t = torch.zeros(3, 4).t()  # strided: clone keeps the strides
+    src = torch.arange(12.0).reshape(4, 3)
+    for dst, s in ((t.to("neuron"), src), (t, src.to("neuron")), (t.to("neuron"), torch.tensor(7.0))):
+        out = torch.ops.aten.copy.default(dst, s)
+        want = torch.ops.aten.copy.default(t, s.cpu())
+        assert out.device == dst.device and out.stride() == want.stride()
+        torch.testing.assert_close(out.cpu(), want)
+        assert torch.equal(dst.cpu(), t)  # self is not written
+
+
+def test_lifting_a_device_tensor_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    with FakeTensorMode():
+        t = torch.tensor([[1, 2, 3]], device="neuron")
+    assert isinstance(t, FakeTensor)
+    assert (t.device, t.shape, t.dtype) == (torch.device("neuron:0"), (1, 3), torch.int64)
