@@ -93,9 +93,29 @@ def one_segment(n_ops: int = 0):
 # is flushed once, as its own segment.
 
 
+def _lower_fma(gm: torch.fx.GraphModule) -> None:
+    """Dynamo itself rewrites `addcmul_`, `addcdiv_` (with `value=`) and `add_` with a tensor
+    `alpha` into Inductor's `prims.fma`, defined as `(a * b) + c`. The device runs ATen ops
+    (other namespaces fall back to CPU), so each becomes that ATen mul and add: the prim's own
+    definition, so bit for bit what it computes on CPU."""
+    fma = getattr(torch.ops.prims, "fma", None)  # registered once Dynamo has used it
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+             and fma is not None and n.target is fma.default]
+    for n in nodes:
+        a, b, c = n.args
+        with gm.graph.inserting_before(n):
+            prod = gm.graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
+            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (prod, c))
+        n.replace_all_uses_with(out)
+        gm.graph.erase_node(n)
+    if nodes:
+        gm.recompile()
+
+
 def _graph_compiler(kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
+        _lower_fma(gm)
         n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         STATS.graphs[kind] += 1
 

@@ -65,7 +65,10 @@ _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "r
 
 @functools.lru_cache(maxsize=None)
 def op_class(func: torch._ops.OpOverload) -> str | None:
-    """The class of an ATen op on our device, or None when the device lacks it (CPU fallback)."""
+    """The class of an ATen op on our device, or None when the device lacks it (CPU fallback).
+    Ops of other namespaces (custom ops, prims) are not the device's, whatever their tags."""
+    if func.namespace != "aten":
+        return None
     name = func.overloadpacket.__name__
     base = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
     tags = func.tags

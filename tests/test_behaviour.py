@@ -40,6 +40,30 @@ def test_fallback_warns_once_per_op_and_is_counted(mode):
     assert any(k.startswith("fallback:") for k in m.flushes) or mode == "eager"
 
 
+@torch.library.custom_op("ae_test::plus_one", mutates_args=(), tags=(torch.Tag.pointwise,))
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@_plus_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_custom_ops_run_on_cpu_whatever_their_tags(mode):
+    """A user's custom op (torch.library) is not the device's: it falls back to CPU, even when
+    tagged pointwise (which once made it a fusable device op whose executable could not be
+    built: BadProgram)."""
+    _forget_warnings()
+    x = torch.randn(5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        y = _plus_one(x.to("neuron")) * 2
+        torch.testing.assert_close(y.cpu(), (x + 1) * 2)
+    assert "Operator 'ae_test::plus_one' fell back to CPU" in [str(m.message) for m in w]
+    assert ae.metrics().cpu_fallbacks == {"ae_test::plus_one": 1}
+
+
 def test_fallback_only_for_unimplemented_raises_when_cpu_recovery_is_off():
     x = torch.randn(3, 3, device="neuron")
     with ae.override(fallback_enabled=False):

@@ -260,3 +260,43 @@ def test_lifting_a_device_tensor_under_fake_tensor_mode():
         t = torch.tensor([[1, 2, 3]], device="neuron")
     assert isinstance(t, FakeTensor)
     assert (t.device, t.shape, t.dtype) == (torch.device("neuron:0"), (1, 3), torch.int64)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dynamo_fma_rewrites_run_on_the_device(adaptive):
+    """Dynamo rewrites `addcmul_`/`addcdiv_` with `value=` into Inductor's `prims.fma`: the
+    graph runs it as the ATen mul and add it is defined as, bit for bit CPU's compiled
+    result, with no fallback (raised BadProgram; fuzzer seed 6). A single-tensor Adam step
+    (foreach=False) is made of them."""
+    def f(p, g, m, v):
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.99).addcmul_(g, g, value=0.01)
+        p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+        return p
+
+    torch.manual_seed(0)
+    args = [torch.randn(5, 3), torch.randn(5, 3), torch.zeros(5, 3), torch.zeros(5, 3)]
+    want = [a.clone() for a in args]
+    torch.compile(f, backend="aot_eager")(*want)
+    got = [a.to("neuron") for a in args]
+    before = dict(ae.metrics().cpu_fallbacks)
+    with ae.adaptive(strategy="graph") if adaptive else contextlib.nullcontext():
+        torch.compile(f, backend="neuron")(*got)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
+    assert dict(ae.metrics().cpu_fallbacks) == before
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    net_n = torch.nn.Linear(4, 3).to("neuron")
+    net_n.load_state_dict(net.state_dict())
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1, foreach=False) for m in (net, net_n)]
+    x = torch.randn(6, 4)
+    for m, opt, xi in ((net, opts[0], x), (net_n, opts[1], x.to("neuron"))):
+        step = torch.compile(opt.step, backend="aot_eager" if m is net else "neuron")
+        for _ in range(2):
+            opt.zero_grad()
+            m(xi).square().sum().backward()
+            step()
+    for p, q in zip(net.parameters(), net_n.parameters()):
+        torch.testing.assert_close(q.cpu(), p)
