@@ -15,7 +15,7 @@ is wrapped like a plain tensor: Dynamo fakeifies it into a FakeTensor on `neuron
 kernels, our device) and the captured graph holds ordinary ATen ops. At run time those ops
 reach the engine through `__torch_dispatch__` as usual. `_tensor.NeuronTensor` also defines
 `__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents), the engine's
-modules are on Dynamo's skip list (`_NEVER_TRACED`), and Inductor gets a refusing code
+modules are on Dynamo's skip list (`_never_traced`), and Inductor gets a refusing code
 generator for 'neuron'. All are pinned by tests/test_compile.py and listed in the README.
 """
 from __future__ import annotations
@@ -201,6 +201,18 @@ def _wrap_neuron_tensor(builder, value):
     return VariableBuilder.wrap_tensor(builder, value)
 
 
+def _plain_tensor_type(infer):
+    """Dynamo's `infer_subclass_type` (private) for a graph input: a neuron tensor is a plain
+    tensor (Note [Dynamo and the neuron tensor]), not a `__torch_function__` subclass whose
+    ops Dynamo emulates and whose outputs it converts back by a class it keeps as a global
+    of the frame (lost when a graph break restarts the frame: NameError
+    `__subclass_Tensor_...` after a data-dependent op; fuzzer seed 19)."""
+    def infer_subclass_type(value):
+        return None if type(value) is NeuronTensor else infer(value)
+    infer_subclass_type._neuron = True
+    return infer_subclass_type
+
+
 def _is_neuron_backend(fn) -> bool:
     """Through Dynamo's and torch.compile's wrappers, is the backend ours?"""
     for _ in range(8):
@@ -214,13 +226,23 @@ def _is_neuron_backend(fn) -> bool:
 
 
 _registered = False
-# Dynamo must never trace the engine itself: a graph break (`.item()`, print) runs the
-# unsupported call with Dynamo's frame hook still set, and the flush it causes would be
-# captured as a graph of its own. `adaptive_eager.models` stays traceable (user models).
-_NEVER_TRACED = ["adaptive_eager._engine", "adaptive_eager._tensor", "adaptive_eager.neuron",
-                 "adaptive_eager._registration", "adaptive_eager.compile",
-                 "adaptive_eager.config", "adaptive_eager.metrics", "adaptive_eager.explain",
-                 "fusion", "device"]
+# Dynamo must never trace the engine itself: a graph break (`.item()`, print, a data-
+# dependent op) runs the unsupported call with Dynamo's frame hook still set, so the engine's
+# frames under it would be compiled (and the flush it causes captured as a graph of its own).
+# Every module of the package is skipped, listed from the package itself so that a new one
+# is never missed (the hand-written list missed the stages split out of the engine, and a
+# data-dependent op inside a compiled function failed in fallback.py), except `models`
+# (user models, traced as any). The package's __init__ cannot be listed alone (skipping it
+# skips its directory).
+_TRACEABLE = {"models"}
+
+
+def _never_traced() -> list[str]:
+    import pkgutil
+
+    import adaptive_eager
+    return [f"adaptive_eager.{m.name}" for m in pkgutil.iter_modules(adaptive_eager.__path__)
+            if m.name not in _TRACEABLE] + ["fusion", "device"]
 
 
 def register() -> None:
@@ -233,6 +255,7 @@ def register() -> None:
     _registered = True
     from torch._dynamo import trace_rules
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    from torch._dynamo.variables import builder
     from torch._dynamo.variables.builder import VariableBuilder
     from torch._inductor.codegen import common as inductor_codegen
     if "neuron" not in _COMPILER_FNS:
@@ -240,7 +263,9 @@ def register() -> None:
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
         table[NeuronTensor] = _wrap_neuron_tensor
-    for module in _NEVER_TRACED:
+    if not getattr(builder.infer_subclass_type, "_neuron", False):
+        builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
+    for module in _never_traced():
         trace_rules.add(module)
     for name in ("__tensor_flatten__", "__tensor_unflatten__"):
         attr = NeuronTensor.__dict__.get(name)

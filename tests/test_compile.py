@@ -1,8 +1,10 @@
 """torch.compile(backend="neuron"): results match CPU and eager, graphs run as segments."""
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -175,6 +177,43 @@ def test_private_dynamo_hooks_are_in_place():
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
         assert table[ae._tensor.NeuronTensor] is aec._wrap_neuron_tensor
     assert hasattr(ae._tensor.NeuronTensor, "__coerce_same_metadata_as_tangent__")
+    from torch._dynamo.variables import builder
+    assert builder.infer_subclass_type._neuron
+    assert builder.infer_subclass_type(torch.ones(1, device="neuron")) is None
+    _every_engine_module_is_skipped_by_dynamo()
+
+
+def _every_engine_module_is_skipped_by_dynamo():
+    import pkgutil
+
+    from torch._dynamo import trace_rules
+    import device
+    import fusion
+    for pkg in (ae, fusion, device):
+        for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            path = importlib.util.find_spec(m.name).origin
+            assert trace_rules.check_file(path).skipped != (m.name == "adaptive_eager.models"), m.name
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_data_dependent_op_breaks_the_graph_and_runs_in_the_engine(adaptive):
+    """`torch.where(mask)` (nonzero: a data-dependent shape) breaks the graph; the op runs
+    eagerly with Dynamo's frame hook still set, so the engine's own frames must be on its
+    skip list (fallback.py was not: Dynamo compiled it and failed; fuzzer seed 19)."""
+    def f(x):
+        idx = torch.where(x > 0)[0]
+        return idx.to(torch.float16) * 2, x.sum()
+
+    x = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    want = torch.compile(f, backend="aot_eager")(x)
+    with ae.adaptive(strategy="graph") if adaptive else contextlib.nullcontext(), \
+            warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = torch.compile(f, backend="neuron")(x.to("neuron"))
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b) and a.dtype == b.dtype
+    ours = os.path.dirname(ae.__file__)
+    assert not [m for m in w if ours in str(m.message)]  # Dynamo never looked inside
 
 
 def test_import_does_not_load_dynamo_and_backend_appears_later():
