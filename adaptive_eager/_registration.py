@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor
 from .source import DEVICE_TYPE
-from . import _engine, compile, cores, distributed, errors, neuron, pinned, profiler, transfer  # noqa: F401,E501
+from . import _engine, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -42,6 +42,7 @@ def register() -> None:
     _wrap_backward()
     _route_accelerator_api()
     pinned.register()
+    serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
     distributed.register()

@@ -9,6 +9,7 @@ import collections
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import serialization
 from ._storage import NeuronStorage, device_address
 from .meta import _extent_bytes
 from .source import DEVICE_TYPE
@@ -139,26 +140,17 @@ class NeuronTensor(torch.Tensor):
         return device_address(self._handle) + self.storage_offset() * self.element_size()
 
     def __reduce_ex__(self, proto):
-        # torch.save / pickle: the values on the host, rebuilt by the function torch itself
-        # uses for devices without host storage. It is on `torch.load`'s weights_only
-        # allow-list, honours map_location, and a process without this package can load the
-        # file with map_location="cpu". (Tensor.__reduce_ex__ would wrap it with our class.)
+        # torch.save / pickle as CPU's tensors go: (storage, offset, size, stride), over a
+        # host copy of the buffer shared by its views (Note [Checkpoints] in
+        # serialization.py). Honours map_location; with map_location="cpu" a process
+        # without this package loads it. (Tensor.__reduce_ex__ would wrap our class.)
         if self.__dict__.get("_is_param"):  # a Parameter (Note [Module.to keeps Parameters])
             return (torch._utils._rebuild_parameter,
                     (self.detach(), self.requires_grad, collections.OrderedDict()))
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self._host("pickle"), self.dtype, str(self.device), self.requires_grad))
+        return serialization.reduce(self)
 
     def __deepcopy__(self, memo):
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-        new.requires_grad_(self.requires_grad)
-        if self.__dict__.get("_is_param"):
-            new._is_param = True
-        memo[id(self)] = new
-        return new
+        return serialization.deepcopy(self, memo)
 
 
 def _device(engine) -> torch.device:

@@ -82,6 +82,7 @@ class Device:
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
+        self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
 
     def respec(self, spec: DeviceSpec) -> None:
         """New figures for this core, in place: its memory, clock, trace, generator and
@@ -105,6 +106,7 @@ class Device:
         return len(ends)
 
     def submit(self, launch: Launch) -> Launch:
+        self.submits += 1
         spec = self.spec
         if launch.kind == "dma":
             cost = spec.dma_us(launch.dma_bytes)

@@ -126,6 +126,65 @@ def test_torch_load_map_location_cpu_gives_plain_cpu_tensors():
     assert torch.equal(y, x.cpu())
 
 
+@pytest.mark.parametrize("where", ["neuron", "neuron:0", torch.device("neuron", 0),
+                                   {"cpu": "neuron:0"}])
+def test_a_cpu_checkpoint_loads_onto_the_device(where):
+    """`torch.load(cpu_file, map_location="neuron")`: PyTorch's own path for a PrivateUse1
+    device moves each storage with `storage.to(device)`, which needs a C++ allocator and
+    crashed the process. Views of one CPU storage load as views of one device buffer."""
+    base = torch.arange(12.0)
+    sd = {"w": base.reshape(3, 4), "row": base[4:8], "t": base.reshape(3, 4).t(),
+          "i": torch.tensor([1, 2], dtype=torch.int64)}
+    loaded = torch.load(_saved(sd), map_location=where)
+    for k, v in sd.items():
+        assert loaded[k].device == torch.device("neuron", 0), k
+        assert torch.equal(loaded[k].cpu(), v) and loaded[k].stride() == v.stride(), k
+    loaded["w"].add_(100)  # one buffer, as on CPU
+    assert torch.equal(loaded["row"].cpu(), base[4:8] + 100)
+    assert torch.equal(loaded["t"].cpu(), base.reshape(3, 4).t() + 100)
+
+
+def test_views_of_a_device_buffer_stay_views_through_save_and_load():
+    w = torch.zeros(100, device="neuron")
+    for kw in ({}, {"map_location": "cpu"}, {"weights_only": False}):
+        d = torch.load(_saved({"a": w, "b": w, "v": w[10:20], "m": w.view(10, 10).t()}), **kw)
+        d["a"].add_(1)
+        assert d["b"][0].item() == 1.0 and d["v"][0].item() == 1.0 and d["m"][0, 0].item() == 1
+        assert d["m"].stride() == (1, 10) and d["a"].device.type == kw.get("map_location",
+                                                                           "neuron")
+
+
+def test_a_save_sees_the_values_at_its_time():
+    """Views share one host copy within a save; a later save after a write reads again."""
+    t = torch.zeros(3, device="neuron")
+    first = _saved(t)
+    t.add_(5)
+    second = _saved([t, t[1:]])
+    with ae.adaptive():
+        t.mul_(2)  # queued, not flushed, when the third save starts
+        third = _saved(t[:2])
+    assert torch.load(first).tolist() == [0.0] * 3
+    assert [x.tolist() for x in torch.load(second)] == [[5.0] * 3, [5.0] * 2]
+    assert torch.load(third).tolist() == [10.0] * 2
+
+
+def test_deepcopy_copies_a_buffer_once_and_only_leaves():
+    base = torch.zeros(4, device="neuron")
+    b2, v2 = copy.deepcopy((base, base[2:]))
+    b2.add_(1)
+    assert v2.tolist() == [1.0, 1.0] and base.tolist() == [0.0] * 4
+    x = torch.ones(2, device="neuron", requires_grad=True) * 2
+    with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
+        copy.deepcopy(x)
+    with pytest.raises(RuntimeError, match="Only Tensors created explicitly by the user"):
+        copy.deepcopy(x.cpu())  # CPU's own rule, word for word
+
+
+def test_a_storage_cannot_move_to_the_device():
+    with pytest.raises(RuntimeError, match="A storage cannot be moved to neuron"):
+        torch.UntypedStorage(16).to(device="neuron")  # crashed the process before
+
+
 def test_parameter_round_trips_as_parameter():
     p = torch.nn.Parameter(torch.ones(2, device="neuron"))
     q = torch.load(_saved(p))

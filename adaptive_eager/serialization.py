@@ -1,0 +1,136 @@
+"""Checkpoints and copies: neuron tensors through torch.save, torch.load and copy.deepcopy,
+with views of one buffer still views of one buffer afterwards, as CPU's and CUDA's are.
+
+Note [Checkpoints]: torch.save writes a tensor as (storage, offset, size, stride), each
+storage once, tagged with its device ("cuda:0"); torch.load restores each storage once, where
+the tag or `map_location` says, and rebuilds every tensor as a view of it. A neuron buffer
+has no C++ storage (its bytes are the simulated HBM's), so:
+- save: a tensor reduces to `_rebuild_tensor_v2` over a host copy of its whole buffer, made
+  once per buffer while the buffer is unchanged (one save) and tagged `neuron:k` by our
+  entry in torch.serialization's package registry;
+- load: a storage bound for neuron (by its tag or by `map_location`) stays on the host and
+  carries one device copy, made by our registry entry (PyTorch's own PrivateUse1 entry calls
+  `storage.to(device)`, which needs a C++ allocator: it crashed the process);
+  `torch._utils._rebuild_tensor` (private) makes each tensor a view of that copy;
+- deepcopy: one copy of a buffer per memo, each tensor a view of it (CPU's deepcopy copies a
+  storage once through the memo too), and only graph leaves, as on CPU.
+A file saved from neuron loads without this package with `map_location="cpu"`.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+
+import torch
+
+from .source import DEVICE_TYPE
+
+# handle uid -> (host copy of the whole buffer, the device buffer then, device submits then)
+_HOST_COPIES: dict[int, tuple] = {}
+
+
+def reduce(t) -> tuple:
+    """`t.__reduce_ex__` (Note [Checkpoints]): CPU's reduction, over a host copy of the whole
+    buffer shared with every other tensor of that buffer in the same save."""
+    host = _host_copy(t)
+    typed = torch.storage.TypedStorage(wrap_storage=host, dtype=t.dtype, _internal=True)
+    return (torch._utils._rebuild_tensor_v2,
+            (typed, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad,
+             collections.OrderedDict()))
+
+
+def _host_copy(t) -> torch.UntypedStorage:
+    """The buffer's bytes on the host, read once while nothing can have written them: the
+    same device buffer, no launch or DMA submitted since, no queued op on it."""
+    h, eng = t._handle, t._engine
+    dev = eng.device
+    entry = _HOST_COPIES.get(h.uid)
+    if entry is not None:
+        ref, buf, submits = entry
+        host = ref()
+        if host is not None and buf is h.buffer and submits == dev.submits and not any(
+                h.uid in n.uids for n in eng.queue):
+            return host
+    whole = eng.wrap(h, (h.nbytes,), (1,), 0, torch.uint8)
+    host = eng.read(whole, "pickle").untyped_storage()
+    host._neuron_location = str(t.device)
+    # Weak: the copy lives as long as the save holding it; the entry goes with it.
+    _HOST_COPIES[h.uid] = (weakref.ref(host, lambda _, uid=h.uid: _HOST_COPIES.pop(uid, None)),
+                           h.buffer, dev.submits)
+    return host
+
+
+def _tag(storage) -> str | None:
+    """Package-registry tagger: our host copies are saved as the device's."""
+    return getattr(storage, "_neuron_location", None)
+
+
+def _restore(storage, location: str):
+    """Package-registry deserializer: a storage bound for neuron stays on the host and
+    carries its device copy (torch.load restores each storage once, so views share it)."""
+    if location != DEVICE_TYPE and not location.startswith(DEVICE_TYPE + ":"):
+        return None
+    device = torch.device(location)
+    host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    storage._neuron_copy = host.to(device)
+    return storage
+
+
+def _rebuild_tensor(original):
+    def rebuild(storage, storage_offset, size, stride):
+        copy = getattr(storage._untyped_storage, "_neuron_copy", None)
+        if copy is None:
+            return original(storage, storage_offset, size, stride)
+        with torch.no_grad():
+            return copy.view(storage.dtype).as_strided(size, stride, storage_offset).detach()
+    rebuild._neuron = True
+    return rebuild
+
+
+def _storage_to(original):
+    def to(self, device, non_blocking=False):
+        if torch.device(device).type == DEVICE_TYPE:
+            raise RuntimeError(
+                f"A storage cannot be moved to {DEVICE_TYPE}: this backend keeps no C++ "
+                f"storages. Move tensors instead (`t.to('{DEVICE_TYPE}')`); "
+                f"torch.load(..., map_location='{DEVICE_TYPE}') and Module.to work.")
+        return original(self, device, non_blocking)
+    to._neuron = True
+    return to
+
+
+def deepcopy(t, memo: dict):
+    """`t.__deepcopy__`: CPU's rules (graph leaves only; a storage copied once per memo)."""
+    if not t.is_leaf:
+        raise RuntimeError(  # CPU's words
+            "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+            "protocol at the moment.  If you were attempting to deepcopy a module, this may "
+            "be because of a torch.nn.utils.weight_norm usage, see "
+            "https://github.com/pytorch/pytorch/pull/103001")
+    if id(t) in memo:
+        return memo[id(t)]
+    h, eng = t._handle, t._engine
+    key = ("neuron buffer", h.uid)
+    with torch.no_grad():
+        if key not in memo:
+            memo[key] = eng.wrap(h, (h.nbytes,), (1,), 0, torch.uint8).clone()
+        base = memo[key]
+        new = eng.wrap(base._handle, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+    new.requires_grad_(t.requires_grad)
+    if t.__dict__.get("_is_param"):
+        new._is_param = True
+    memo[id(t)] = new
+    return new
+
+
+def register() -> None:
+    """Our package-registry entry (before PyTorch's PrivateUse1 one, which would crash) and
+    the two private hooks of Note [Checkpoints]. Idempotent."""
+    import torch.serialization as ser
+    import torch.storage
+    if not any(fn is _restore for _, _, fn in ser._package_registry):
+        ser.register_package(5, _tag, _restore)  # before CPU's tagger (10): our copies are CPU storages
+    if not getattr(torch._utils._rebuild_tensor, "_neuron", False):
+        torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
+    if not getattr(torch.storage._to, "_neuron", False):
+        torch.storage._to = _storage_to(torch.storage._to)
