@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor
 from .source import DEVICE_TYPE
-from . import _engine, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
+from . import _engine, autocast, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -36,7 +36,7 @@ def register() -> None:
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
-    _register_autocast()
+    autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
     _register_undecomposed()
     _wrap_backward()
@@ -178,46 +178,7 @@ def _register_fused_rnn_cells():
     _LIBS.append(lib)
 
 
-# torch.autocast(device_type="neuron"): every op falls through, except these, which run in
-# the autocast dtype (BF16 by default), as CUDA's lower-precision list does.
-_AUTOCAST_LOW = ["mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "conv1d",
-                 "conv2d", "conv3d", "conv_transpose2d", "_convolution", "convolution",
-                 "prelu", "chain_matmul", "mv", "addmv", "addr", "dot"]
 _LIBS = []  # every torch.library.Library registered here, kept alive
-
-
-def _register_autocast():
-    key = "AutocastPrivateUse1"
-    fallthrough = torch.library.Library("_", "IMPL")
-    fallthrough.fallback(torch.library.fallthrough_kernel, key)
-    lib = torch.library.Library("aten", "IMPL")
-    for name in _AUTOCAST_LOW:
-        packet = getattr(torch.ops.aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            lib.impl(op._schema.name.split("::")[1] + ("." + overload if overload != "default"
-                                                       else ""), _autocast_kernel(op), key)
-    _LIBS.extend([fallthrough, lib])
-    torch.set_autocast_dtype("neuron", torch.bfloat16)  # Neuron's native low precision
-
-
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
-
-
-def _autocast_kernel(op):
-    def kernel(*args, **kwargs):
-        dtype = torch.get_autocast_dtype("neuron")
-
-        def cast(v):
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
-                return v.to(dtype)
-            if isinstance(v, (list, tuple)):
-                return type(v)(cast(x) for x in v)
-            return v
-
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-            return op(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
-    return kernel
 
 
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,

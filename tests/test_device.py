@@ -230,6 +230,48 @@ def test_autocast_runs_matmuls_in_bf16(mode):
     assert torch.equal(y.cpu(), ref)
 
 
+def test_autocast_follows_cudas_policy(mode):
+    """torch.autocast(device_type="neuron") gives the dtypes CUDA's autocast gives (the
+    lists of ATen/autocast_mode.h): losses, norms, softmax and sums in float32, attention and
+    RNN cells in the low dtype, mixed inputs promoted, float64 untouched, BCE refused. Losses
+    were bfloat16 and attention float32 before (only a lower-precision list was kept)."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8), torch.randn(8, 10)
+    y = torch.randint(0, 10, (16,))
+    q = torch.randn(1, 2, 4, 8)
+    lstm = torch.nn.LSTM(8, 6, batch_first=True)
+    lstm_n = torch.nn.LSTM(8, 6, batch_first=True).to("neuron")
+    lstm_n.load_state_dict(lstm.state_dict())
+    n = {k: v.to("neuron") for k, v in dict(x=x, w=w, y=y, q=q).items()}
+    with torch.autocast("neuron"):
+        logits = n["x"] @ n["w"]
+        got = {
+            "logits": logits, "ce": F.cross_entropy(logits, n["y"]),
+            "mse": F.mse_loss(logits, logits.detach().float()),
+            "softmax": logits.softmax(-1), "layer_norm": F.layer_norm(logits, (10,)),
+            "sum": logits.sum(), "exp": logits.exp(),
+            "sdpa": F.scaled_dot_product_attention(n["q"], n["q"], n["q"]),
+            "lstm": lstm_n(n["x"].view(2, 8, 8))[0],
+            "addcmul": torch.addcmul(n["x"], logits[:, :8], logits[:, :8]),
+            "f64": F.linear(n["x"].double(), n["w"].t().double()),
+        }
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(logits.sigmoid(), torch.rand(16, 10, device="neuron"))
+    low, f32 = torch.bfloat16, torch.float32
+    want = {"logits": low, "ce": f32, "mse": f32, "softmax": f32, "layer_norm": f32,
+            "sum": f32, "exp": f32, "sdpa": low, "lstm": low, "addcmul": f32,
+            "f64": torch.float64}
+    assert {k: v.dtype for k, v in got.items()} == want
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # where CPU's policy is CUDA's too
+        ref_logits = x @ w
+        ref = {"logits": ref_logits, "ce": F.cross_entropy(ref_logits, y),
+               "sdpa": F.scaled_dot_product_attention(q, q, q)}
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k].cpu(), v, rtol=1e-2, atol=1e-2)
+    assert torch.equal(got["logits"].cpu(), ref["logits"])
+
+
 def test_device_generic_accelerator_api():
     """torch.accelerator (device-generic code: examples, Accelerate) syncs and reads memory
     through C++ hooks a Python backend cannot give: it is routed to torch.neuron's own."""
@@ -270,3 +312,28 @@ def test_an_allocation_the_host_cannot_back_is_the_devices_oom_not_a_kill(monkey
     monkeypatch.setattr(device.memory, "host_available", lambda: None)  # unknown: no check
     del x
     assert torch.empty(64, 1024, 1024, device="neuron").shape[0] == 64
+
+
+def test_grad_scaler_skips_an_inf_step_and_scales_back(mode):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2).to("neuron")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("neuron", init_scale=2.0 ** 8)
+    x = torch.randn(3, 4, device="neuron")
+    before = [p.detach().clone() for p in net.parameters()]
+    with torch.autocast("neuron", dtype=torch.float16):
+        loss = net(x).float().sum() * float("inf")  # an overflowing step
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 7
+    assert all(torch.equal(p.cpu(), b.cpu()) for p, b in zip(net.parameters(), before))
+    opt.zero_grad()
+    with torch.autocast("neuron", dtype=torch.float16):
+        loss = net(x).float().sum()
+    scaler.scale(loss).backward()
+    grads = [p.grad.cpu() / scaler.get_scale() for p in net.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    for p, b, g in zip(net.parameters(), before, grads):
+        torch.testing.assert_close(p.cpu(), b.cpu() - 0.1 * g)
