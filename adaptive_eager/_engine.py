@@ -375,7 +375,29 @@ def _lift_fresh(eng, func, args, kwargs):
     return out.copy_(lifted)
 
 
+def _host_indices(eng, func, args, kwargs):
+    """`x[i] = v` with a CPU index tensor `i` (and index_put_ and its kin): CUDA's kernels
+    accept host indices and copy them to the device; so does neuron (`x[i]` reads already
+    run on the host, as a data-dependent op)."""
+    def to_device(t):
+        if type(t) is NeuronTensor or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        t = t.contiguous()
+        out = eng.empty(tuple(t.shape), t.stride(), t.dtype)
+        eng.write(out, t)
+        return out
+    if "indices" in kwargs:
+        kwargs = {**kwargs, "indices": [to_device(t) for t in kwargs["indices"]]}
+    else:
+        args = (args[0], [to_device(t) for t in args[1]]) + tuple(args[2:])
+    return eng._dispatch(func, args, kwargs)
+
+
 _SPECIAL = {
+    aten.index_put_.default: _host_indices,
+    aten.index_put.default: _host_indices,
+    aten._index_put_impl_.default: _host_indices,
+    aten._unsafe_index_put.default: _host_indices,
     aten.lift_fresh.default: _lift_fresh,
     aten.lift_fresh_copy.default: _lift_fresh,
     aten.copy_.default: transfer.copy_,

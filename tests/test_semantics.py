@@ -423,3 +423,21 @@ def test_every_optional_scalar_argument_is_a_runtime_input():
     from fusion.ir import scalar_positions
     pos, names = scalar_positions(torch.ops.aten.clamp.default)
     assert {1, 2} <= pos and {"min", "max"} <= names
+
+
+def test_index_put_takes_host_indices_as_cuda_does(mode):
+    """`x[cpu_idx] = v`, boolean host masks, `index_put_` with host indices and
+    `nn.init.sparse_` (host randperm indices): CUDA copies host indices to the device; these
+    raised "Expected all tensors to be on the same device" on neuron."""
+    def run(dev):
+        x = torch.zeros(3, 4, device=dev, requires_grad=True).clone()
+        x[torch.tensor([0, 2])] = 1.0
+        x[torch.tensor([True, False, True]), 1] += 5
+        x.index_put_((torch.tensor([1]), torch.tensor([3])), torch.tensor(7.0, device=dev),
+                     accumulate=True)
+        x.sum().backward()
+        torch.manual_seed(0)
+        w = torch.nn.init.sparse_(torch.empty(6, 5, device=dev), 0.5)
+        return x.detach().cpu(), (w.cpu() == 0).sum(0)
+    for a, b in zip(run("neuron"), run("cpu")):
+        assert torch.equal(a, b)
