@@ -67,6 +67,9 @@ POLICIES = ["default", "lazy"]  # default: queue_low_threshold as configured; la
 # threads: the default policy while another thread issues, syncs and checks its own ops on the
 # same device (Note [Threads] in adaptive_eager/_engine.py); `--policy all` adds it.
 THREADS = "threads"
+# compile: the program as one function under torch.compile(backend="neuron") in the mode,
+# against the same function under backend "aot_eager" on CPU (`run_compiled`).
+COMPILE = "compile"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
            "dev = 'neuron'   # 'cpu' for the reference\n"
@@ -636,6 +639,68 @@ def run_program(stmts, dev, mode="eager", policy="default", noise=None):
     return err, reads
 
 
+def run_compiled(stmts, dev, mode="eager"):
+    """Policy compile: the program as one function compiled by torch.compile, its variables
+    returned at the end; backend "neuron" on the device (in `mode`), "aot_eager" on CPU, so
+    both sides share Dynamo's and AOTAutograd's semantics (graph breaks at syncs, data-
+    dependent ops, prints) and only the backend differs. Returns (error, {var: reading})."""
+    import torch
+    import torch._dynamo
+    import adaptive_eager as ae
+    import contextlib
+    torch._dynamo.reset()
+    ns = _namespace(dev)
+    exec(_program_source(stmts), ns)
+    fn = torch.compile(ns["program"], backend="neuron" if dev != "cpu" else "aot_eager")
+    err, reads = None, {}
+    with contextlib.ExitStack() as st, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dev != "cpu" and mode != "eager":
+            st.enter_context(ae.adaptive(strategy=mode))
+        try:
+            out = fn()
+            reads = {k: _read(v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+        except Exception as e:
+            err = _err(0, e)
+    _settle()
+    torch._dynamo.reset()
+    return err, reads
+
+
+def _program_source(stmts) -> str:
+    """`def program():` running the statements and returning every variable they leave."""
+    names = []
+    for code in stmts:
+        info = stmt_info(code)
+        if info["defs"] and info["defs"] not in names:
+            names.append(info["defs"])
+        if info["deletes"] in names:
+            names.remove(info["deletes"])
+    return ("def program():\n" + "".join(f"    {c}\n" for c in stmts)
+            + "    return {" + ", ".join(f"{n!r}: {n}" for n in names) + "}\n")
+
+
+def compare_compiled(ref, cpu, run, evenly=False) -> list[tuple[str, str]]:
+    """Policy compile: the device's compiled run against CPU's (values by the rules of
+    `compare_reading`, taints from the eager CPU reference `ref`)."""
+    (nerr, nreads), (_, creads) = run, cpu
+    if nerr is not None:
+        return [("raised", f"compiled on neuron raised {nerr['type']} where CPU's "
+                           f"aot_eager does not: {nerr['msg']}")]
+    fails, taint = [], ref[2]
+    for var, n in sorted(nreads.items()):
+        c = creads.get(var)
+        if c is None or "err" in taint.get(var, []):
+            continue
+        if "read_error" in n or "read_error" in c:
+            if n.get("read_error") != c.get("read_error"):
+                fails.append(("read", f"reading {var} raised {n.get('read_error')}, on CPU "
+                                      f"{c.get('read_error')}"))
+            continue
+        fails += compare_reading(var, n, c, taint.get(var, []), evenly)
+    return fails
+
+
 class _Noise:
     """Another thread on the same device while a program runs (policy "threads"): it records
     small chains on its own tensors, syncs and reads them back, and checks each value bit for
@@ -1073,7 +1138,7 @@ def configs(modes, policies):
     out = []
     for m in modes:
         for p in policies:
-            if m != "eager" or p in ("default", THREADS):  # eager never queues: lazy is default
+            if m != "eager" or p in ("default", THREADS, COMPILE):  # eager: lazy is default
                 out.append((m, p))
     return out
 
@@ -1092,6 +1157,15 @@ def check(stmts, cfgs) -> list[dict]:
         if m == "eager" and p == "default":
             continue
         name = _config_name((m, p))
+        if p == COMPILE:
+            if ref[0] is not None:  # errors: Dynamo reports them its own way (not compared)
+                continue
+            cpu = run_compiled(stmts, "cpu")
+            if cpu[0] is not None:  # Dynamo cannot run it on CPU either
+                continue
+            fails += [{"config": name, "kind": k, "detail": d} for k, d in compare_compiled(
+                ref, cpu, run_compiled(stmts, "neuron", m), any(_EVENLY.search(x) for x in stmts))]
+            continue
         if p == THREADS and ref[0] is not None:
             # A deferred error goes to whichever thread syncs first (the device's error queue
             # is the process's, as a CUDA context's is): the other thread may take it. Only
@@ -1257,6 +1331,11 @@ def snippet(stmts, config: str) -> str:
     ctxs = ["ae.override(queue_low_threshold=0)"] if policy == "lazy" else []
     if mode in ("graph", "matmul", "none"):
         ctxs.append(f"ae.adaptive(strategy={mode!r})")
+    if policy == COMPILE:
+        run = "print(torch.compile(program, backend='neuron')())"
+        if mode != "eager":
+            run = f"with ae.adaptive(strategy={mode!r}):\n    {run}"
+        return head + _program_source(body) + run + "\n"
     if policy == THREADS:
         head = "import sys; sys.path.insert(0, 'tests'); from fuzzer import _Noise\n" + head
         ctxs.append("_Noise(problems := [])")
@@ -1338,8 +1417,8 @@ def main(argv=None):
     ap.add_argument("--programs", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="first program seed")
     ap.add_argument("--mode", action="append", choices=MODES + ["all"])
-    ap.add_argument("--policy", choices=POLICIES + [THREADS, "both", "all"], default="both",
-                    help="both: default and lazy; all: also threads")
+    ap.add_argument("--policy", choices=POLICIES + [THREADS, COMPILE, "both", "all"],
+                    default="both", help="both: default and lazy; all: also threads")
     ap.add_argument("--families", default=None, help="comma-separated subset of " + ",".join(FAMILIES))
     ap.add_argument("--ci", action="store_true",
                     help="leave out CI_EXCLUDED_FAMILIES and CI_EXCLUDED_PATTERNS (known bugs)")

@@ -34,6 +34,33 @@ def test_ci_pass_beside_another_thread():
     assert not fails, "\n".join(lines)
 
 
+def test_ci_pass_compiled():
+    """Policy compile: each program as one function under torch.compile(backend="neuron")
+    against the same under "aot_eager" on CPU (a few seeds: each compiles twice)."""
+    fams = [f for f in fuzzer.FAMILIES if f not in fuzzer.CI_EXCLUDED_FAMILIES]
+    lines = []
+    n, fails = fuzzer.fuzz(range(1, 9), ["eager", "graph"], [fuzzer.COMPILE], fams,
+                           exclude=list(fuzzer.CI_EXCLUDED_PATTERNS), log=lines.append)
+    assert n == 8
+    assert not fails, "\n".join(lines)
+
+
+def test_the_compiled_comparison_finds_a_wrong_value_and_an_error():
+    prog = ["v0 = torch.arange(6.0, device=dev)", "v1 = (v0 * 2).reshape(2, 3)",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    cpu = fuzzer.run_compiled(prog, "cpu")
+    run = fuzzer.run_compiled(prog, "neuron", "graph")
+    assert cpu[0] is None and set(cpu[1]) == {"v0", "v1"}
+    assert fuzzer.compare_compiled(ref, cpu, run) == []
+    run[1]["v1"]["value"] = run[1]["v1"]["value"] + 1
+    assert [k for k, _ in fuzzer.compare_compiled(ref, cpu, run)] == ["value"]
+    err = ({"at": 0, "type": "RuntimeError", "msg": "boom", "deferred": False}, {})
+    assert [k for k, _ in fuzzer.compare_compiled(ref, cpu, err)] == ["raised"]
+    snip = fuzzer.snippet(prog, "graph-compile")
+    assert "return {'v0': v0, 'v1': v1}" in snip and "backend='neuron'" in snip
+
+
 def test_what_the_other_thread_finds_is_a_failure(monkeypatch):
     prog = ["v0 = torch.ones(3, device=dev)", "v1 = v0 + 1", "torch.neuron.synchronize()"]
     assert fuzzer.check(prog, [("graph", fuzzer.THREADS)]) == []
