@@ -376,9 +376,8 @@ def _lift_fresh(eng, func, args, kwargs):
 
 
 def _host_indices(eng, func, args, kwargs):
-    """`x[i] = v` with a CPU index tensor `i` (and index_put_ and its kin): CUDA's kernels
-    accept host indices and copy them to the device; so does neuron (`x[i]` reads already
-    run on the host, as a data-dependent op)."""
+    """`x[i]` and `x[i] = v` with a CPU index tensor `i` (index, index_put_ and their kin):
+    CUDA's kernels accept host indices and copy them to the device; so does neuron."""
     def to_device(t):
         if type(t) is NeuronTensor or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return t
@@ -394,6 +393,8 @@ def _host_indices(eng, func, args, kwargs):
 
 
 _SPECIAL = {
+    aten.index.Tensor: _host_indices,
+    aten._unsafe_index.Tensor: _host_indices,
     aten.index_put_.default: _host_indices,
     aten.index_put.default: _host_indices,
     aten._index_put_impl_.default: _host_indices,

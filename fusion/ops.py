@@ -76,6 +76,8 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
         return INPLACE_VIEW
     if func.is_view or name in _VIEW_EXTRA:
         return VIEW
+    if base == "index":  # tagged dynamic for a boolean mask's count; with integer indices
+        return INDEXING  # the shape is static: the meta cache decides per signature
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         return BARRIER
     if torch.Tag.nondeterministic_seeded in tags or base in _RANDOM_EXTRA or any(

@@ -124,6 +124,23 @@ def test_working_set_beyond_sbuf_is_cut():
     assert ex.boundaries == ["SBUF capacity"]
 
 
+def test_integer_indexing_is_queued_and_a_boolean_mask_is_a_barrier():
+    """`x[idx]` (aten::index) is tagged dynamic-shape for the boolean-mask case only: with
+    integer (or host) indices it is queued and fused like any op, with a mask it runs now."""
+    x = torch.randn(50, 4)
+    idx = torch.tensor([3, 1, 4, 1, 5])
+    xn, idxn = x.to("neuron"), idx.to("neuron")
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        ae.reset_metrics()
+        y = (xn[idxn] * 2 + xn[idx]).sum(0)  # a device and a host index tensor
+        m = ae.metrics()
+        assert m.flushes == {} and m.launches == 0  # nothing ran yet
+        picked = xn[xn[:, 0] > 0]  # needs the mask's values now
+        assert ae.metrics().flushes.get("data-dependent:aten::index") == 1
+    assert torch.equal(y.cpu(), (x[idx] * 3).sum(0))
+    assert torch.equal(picked.cpu(), x[x[:, 0] > 0])
+
+
 def test_data_dependent_op_is_a_barrier():
     x = rand(32)
     with ae.override(queue_low_threshold=0), ae.adaptive():
