@@ -682,7 +682,9 @@ def _program_source(stmts) -> str:
 
 def compare_compiled(ref, cpu, run, evenly=False) -> list[tuple[str, str]]:
     """Policy compile: the device's compiled run against CPU's (values by the rules of
-    `compare_reading`, taints from the eager CPU reference `ref`)."""
+    `compare_reading`, taints from the eager CPU reference `ref`). A value that differs from
+    CPU's compiled one but equals CPU's eager one is PyTorch's compile differing from eager
+    (seed 313 of the prototype: aot_eager lost a 0-d tensor's later `zero_()`), not ours."""
     (nerr, nreads), (_, creads) = run, cpu
     if nerr is not None:
         return [("raised", f"compiled on neuron raised {nerr['type']} where CPU's "
@@ -697,7 +699,12 @@ def compare_compiled(ref, cpu, run, evenly=False) -> list[tuple[str, str]]:
                 fails.append(("read", f"reading {var} raised {n.get('read_error')}, on CPU "
                                       f"{c.get('read_error')}"))
             continue
-        fails += compare_reading(var, n, c, taint.get(var, []), evenly)
+        diff = compare_reading(var, n, c, taint.get(var, []), evenly)
+        eager = ref[1].get(var)
+        if diff and eager is not None and "read_error" not in eager and not compare_reading(
+                var, n, eager, taint.get(var, []), evenly):
+            continue
+        fails += diff
     return fails
 
 
