@@ -5,6 +5,7 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 from __future__ import annotations
 
 import collections
+import sys
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -57,7 +58,7 @@ class NeuronTensor(torch.Tensor):
     @data.setter
     def data(self, new):  # `p.data = q` (module.half(), ...) swaps the buffer too
         torch.Tensor.data.__set__(self, new)
-        self._handle = new._handle
+        self._engine, self._handle = new._engine, new._handle
         self._set_layout()
 
     # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
@@ -151,6 +152,43 @@ class NeuronTensor(torch.Tensor):
 
     def __deepcopy__(self, memo):
         return serialization.deepcopy(self, memo)
+
+
+class _Protocol:
+    """Who sees NeuronTensor's traceable-subclass protocol (`__tensor_flatten__`), decided by
+    who asks (read from the caller's frame):
+    - Note [Flatten protocol and Dynamo]: the PT2 stack (modules `_PT2`) never does. Dynamo and
+      AOTAutograd would treat a neuron tensor as a subclass to desugar into inner tensors,
+      which one without inner tensors cannot survive; hidden, it is traced as what it is, a
+      plain tensor on the neuron device.
+    - Note [Module.to keeps Parameters]: `Module._apply` does, so that `.to("neuron")` swaps
+      the new tensor into the old Parameter object, except when the old parameter is already
+      a neuron tensor (`.half()`, `.to(torch.bfloat16)`, another core): then, as on CUDA,
+      `param.data = new` keeps it, which unlike a swap also works while an autograd graph
+      still holds the parameter (a swap needs the only reference).
+    Everyone else (swap_tensors, user code) sees it."""
+
+    def __init__(self, name, attr):
+        self.name = name
+        self.attr = attr
+
+    def __get__(self, obj, cls=None):
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__") == "torch.utils._python_dispatch":
+            f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
+        if f is not None:
+            module = f.f_globals.get("__name__", "")
+            if module.startswith(_PT2) or (
+                    module == "torch.nn.modules.module" and f.f_code.co_name == "_apply"
+                    and type(f.f_locals.get("param")) is NeuronTensor):
+                raise AttributeError(self.name)
+        return self.attr.__get__(obj, cls)
+
+
+_PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
+        "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
+for _name in ("__tensor_flatten__", "__tensor_unflatten__"):
+    setattr(NeuronTensor, _name, _Protocol(_name, NeuronTensor.__dict__[_name]))
 
 
 def _device(engine) -> torch.device:

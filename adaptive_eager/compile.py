@@ -143,32 +143,6 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         inference_compiler=_graph_compiler("inference"))
 
 
-class _HiddenWhileTracing:
-    """Note [Flatten protocol and Dynamo]: NeuronTensor follows the traceable wrapper-subclass
-    protocol (`__tensor_flatten__`, no inner tensors) so that `Module._apply` swaps
-    parameters in place. Dynamo and AOTAutograd (at trace time and in their runtime wrappers)
-    would then treat it as a subclass to desugar into inner tensors, which a tensor without
-    inner tensors cannot survive. So the PT2 stack (modules `_PT2`) never sees the protocol and
-    traces a neuron tensor as what it is, a plain tensor on the neuron device; everyone else
-    (Module._apply, swap_tensors) still does. Who asks is read from the caller's frame."""
-
-    def __init__(self, name, attr):
-        self.name = name
-        self.attr = attr
-
-    def __get__(self, obj, cls=None):
-        f = sys._getframe(1)
-        while f is not None and f.f_globals.get("__name__") == "torch.utils._python_dispatch":
-            f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
-        if f is not None and f.f_globals.get("__name__", "").startswith(_PT2):
-            raise AttributeError(self.name)
-        return self.attr.__get__(obj, cls)
-
-
-_PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
-        "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
-
-
 class NeuronInductorError(RuntimeError):
     """TorchInductor (torch.compile's default backend) was asked to compile neuron code."""
 
@@ -267,10 +241,6 @@ def register() -> None:
         builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
     for module in _never_traced():
         trace_rules.add(module)
-    for name in ("__tensor_flatten__", "__tensor_unflatten__"):
-        attr = NeuronTensor.__dict__.get(name)
-        if attr is not None and not isinstance(attr, _HiddenWhileTracing):
-            setattr(NeuronTensor, name, _HiddenWhileTracing(name, attr))
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,

@@ -348,3 +348,19 @@ def test_error_in_backward_reaches_the_caller():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "raised", out.stderr[-500:]
+
+
+def test_half_and_bfloat16_of_a_module_while_its_graph_is_alive(mode):
+    """`model.half()` / `.to(torch.bfloat16)` with an earlier output still in scope (its
+    graph holds the parameters): CUDA's `param.data = new` path keeps each Parameter object
+    (ties, optimizers); a swap refused ("Couldn't swap LayerNorm.weight")."""
+    m = _tied().to("neuron")
+    w = m[0].weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    out = m(torch.tensor([1, 2], device="neuron"))
+    m.half()
+    assert m[0].weight is w and m[2].weight is w and w.dtype == torch.float16
+    m.to(torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and opt.param_groups[0]["params"][0] is w
+    assert isinstance(w, torch.nn.Parameter) and w.device.type == "neuron"
+    del out
