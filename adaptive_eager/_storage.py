@@ -82,8 +82,9 @@ class NeuronStorage:
                 keep = min(nbytes, h.nbytes)
                 if keep and old is not None and old.storage is not None:
                     with torch._C._DisableTorchDispatch():
-                        dst = torch.empty(0, dtype=torch.uint8).set_(new.storage, 0, (keep,))
-                        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(old.storage, 0, (keep,)))
+                        u8 = {"dtype": torch.uint8, "device": "cpu"}
+                        dst = torch.empty(0, **u8).set_(new.storage, 0, (keep,))
+                        dst.copy_(torch.empty(0, **u8).set_(old.storage, 0, (keep,)))
             h.buffer, h.nbytes, h.pending = new, nbytes, False
             _addresses.pop(h, None)  # a new allocation: a new device address
         return self

@@ -99,7 +99,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         with torch._C._DisableTorchDispatch():
             st = leaf.untyped_storage()
             if leaf.storage_offset() or st.nbytes() != n:
-                st = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype)
+                st = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="cpu")
                 st = st.copy_(leaf).untyped_storage()
         h = Handle(n, eng.device.alloc(n, st))
         if fallback:

@@ -120,7 +120,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
     """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
     first = None
     for fill in (0, 1):
-        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8) for h in handles]
+        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8, device="cpu") for h in handles]
         cpu = torch.device("cpu")
 
         seen = {}  # the same tensor passed twice is one twin (CPU's `is_same` overlap checks)

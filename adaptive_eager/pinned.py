@@ -28,7 +28,7 @@ def _for_neuron(device) -> bool:
 def _pin_memory(self, device=None):
     if not _for_neuron(device):
         return torch.ops.aten._pin_memory.default.redispatch(_FALLTHROUGH, self, device)
-    out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype)
+    out = torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="cpu")
     out.copy_(self)
     ptr = out.untyped_storage().data_ptr()
     if ptr:

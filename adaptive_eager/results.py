@@ -102,8 +102,8 @@ def grow(eng, t, need: int) -> None:
 
         def copy():
             u8 = torch.uint8
-            torch.empty(0, dtype=u8).set_(dst, 0, (n,), (1,)).copy_(
-                torch.empty(0, dtype=u8).set_(src, 0, (n,), (1,)))
+            torch.empty(0, dtype=u8, device="cpu").set_(dst, 0, (n,), (1,)).copy_(
+                torch.empty(0, dtype=u8, device="cpu").set_(src, 0, (n,), (1,)))
 
         with torch._C._DisableTorchDispatch():
             eng.device.submit(Launch("resize_", copy, 2 * n, 0.0))

@@ -71,7 +71,8 @@ def _restore(storage, location: str):
     if location != DEVICE_TYPE and not location.startswith(DEVICE_TYPE + ":"):
         return None
     device = torch.device(location)
-    host = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    host = torch.empty(0, dtype=torch.uint8, device="cpu").set_(
+        storage, 0, (storage.nbytes(),), (1,))
     storage._neuron_copy = host.to(device)
     return storage
 
@@ -129,7 +130,7 @@ def register() -> None:
     import torch.serialization as ser
     import torch.storage
     if not any(fn is _restore for _, _, fn in ser._package_registry):
-        ser.register_package(5, _tag, _restore)  # before CPU's tagger (10): our copies are CPU storages
+        ser.register_package(5, _tag, _restore)  # before CPU's tagger (10): ours are CPU's
     if not getattr(torch._utils._rebuild_tensor, "_neuron", False):
         torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
     if not getattr(torch.storage._to, "_neuron", False):

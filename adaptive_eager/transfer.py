@@ -28,9 +28,9 @@ def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
     if dma == "d2h":
         eng.metrics.d2h_bytes += n
     if n == 0:
-        return torch.empty(t.shape, dtype=t.dtype)
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
     with torch._C._DisableTorchDispatch():
-        return torch.empty(0, dtype=t.dtype).set_(
+        return torch.empty(0, dtype=t.dtype, device="cpu").set_(
             h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
 
 
@@ -48,7 +48,7 @@ def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
     if dma == "h2d":
         eng.metrics.h2d_bytes += n
     with torch._C._DisableTorchDispatch():
-        torch.empty(0, dtype=dst.dtype).set_(
+        torch.empty(0, dtype=dst.dtype, device="cpu").set_(
             h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
 
 
@@ -70,8 +70,8 @@ def buffer_view(v):
     """A host tensor viewing neuron tensor v's device buffer (the same bytes)."""
     h = v._handle
     if v.numel() == 0 or h.buffer is None:
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-    return torch.empty(0, dtype=v.dtype).set_(
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+    return torch.empty(0, dtype=v.dtype, device="cpu").set_(
         h.buffer.storage, v.storage_offset(), v.shape, v.stride())
 
 
@@ -107,7 +107,7 @@ def copy(eng, func, args, kwargs):
     if isinstance(dst, NeuronTensor):
         out = dst._engine.empty(tuple(like.shape), like.stride(), like.dtype)
     else:
-        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="cpu")
     return copy_(eng, aten.copy_.default, (out,) + tuple(args[1:]), kwargs)
 
 

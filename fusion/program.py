@@ -14,6 +14,8 @@ from device import LaunchError
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, RANDOM, op_class
 
+_CPU = torch.device("cpu")  # host tensors made here: never the default device
+
 FORMAT_VERSION = 1
 
 
@@ -109,7 +111,8 @@ def _value(t, st, inputs, views):
         if tag == "T":  # ("T", view id, slot, size, stride, offset, dtype): one object per run
             v = views[t[1]]
             if v is None:
-                v = views[t[1]] = torch.empty(0, dtype=t[6]).set_(st[t[2]], t[5], t[3], t[4])
+                v = views[t[1]] = torch.empty(0, dtype=t[6], device=_CPU).set_(
+                    st[t[2]], t[5], t[3], t[4])
             return v
         if tag == "L":
             return [_value(x, st, inputs, views) for x in t[1:]]
@@ -234,7 +237,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
             r = r.to(torch.float32)
         if (r.dtype is not dtype or r.storage_offset() != 0 or r.stride() != stride
                 or r.shape != size):
-            e = torch.empty_strided(size, stride, dtype=dtype)
+            e = torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
             e.copy_(r)
             r = e
         st[s] = r.untyped_storage()
@@ -272,7 +275,7 @@ def _as_f32(ins, args, kwargs):
         lo, hi = _span(t)
         cur = spans.setdefault(st._cdata, [lo, hi, st])
         cur[0], cur[1] = min(cur[0], lo), max(cur[1], hi)
-    twins = {k: (lo, torch.empty(0, dtype=torch.float64).set_(st, lo, (hi - lo,), (1,))
+    twins = {k: (lo, torch.empty(0, dtype=torch.float64, device=_CPU).set_(st, lo, (hi - lo,), (1,))
                  .to(torch.float32)) for k, (lo, hi, st) in spans.items()}
     writeback = []
 

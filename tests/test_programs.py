@@ -364,3 +364,30 @@ def test_half_and_bfloat16_of_a_module_while_its_graph_is_alive(mode):
     assert w.dtype == torch.bfloat16 and opt.param_groups[0]["params"][0] is w
     assert isinstance(w, torch.nn.Parameter) and w.device.type == "neuron"
     del out
+
+
+def test_a_default_device_of_neuron(mode):
+    """`torch.set_default_device("neuron")` / `with torch.device("neuron"):` makes every
+    factory without a device land on neuron, the engine's own host tensors included: printing
+    and any host read raised "Could not run 'aten::set_.source_Storage_storage_offset'"."""
+    def work():
+        torch.manual_seed(0)
+        x = torch.randn(4, 3)
+        net = torch.nn.Linear(3, 2)
+        loss = net(x).relu().sum()
+        loss.backward()
+        text = repr(x)
+        t = torch.empty(2, 3)
+        t.resize_(4, 3).fill_(1.0)  # grows the buffer (a host copy)
+        out = [loss.item(), bool(loss > 0), x.tolist(), net.weight.grad, t,
+               torch.load(_saved({"x": x[1:]}))["x"],  # save/load (host copies)
+               torch.linalg.det(torch.eye(3) * 2),  # a CPU fallback
+               torch.nn.init.trunc_normal_(torch.empty(3, 3)), x.pin_memory()]
+        return text, out
+    with torch.device("neuron"):
+        text, got = work()
+    _, want = work()
+    assert text.startswith("tensor([[") and "device='neuron:0'" in text
+    assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2]
+    for g, w in zip(got[3:], want[3:]):
+        assert g.device.type in ("neuron", "cpu") and torch.equal(g.cpu(), w.cpu())

@@ -101,12 +101,13 @@ class FxGroup:
     outputs: tuple  # (slot, size, stride, dtype) per graph output
 
     def example_inputs(self) -> list[torch.Tensor]:
-        return ([torch.zeros(n, dtype=d) for _, d, n in self.ext]
-                + [torch.zeros(shape, dtype=d) for _, _, d, shape in self.hosts])
+        return ([torch.zeros(n, dtype=d, device="cpu") for _, d, n in self.ext]
+                + [torch.zeros(shape, dtype=d, device="cpu") for _, _, d, shape in self.hosts])
 
     def args(self, st, inputs) -> list[torch.Tensor]:
         """The graph's inputs over this launch's slot storages."""
-        return ([torch.empty(0, dtype=d).set_(st[s], 0, (n,), (1,)) for s, d, n in self.ext]
+        return ([torch.empty(0, dtype=d, device="cpu").set_(st[s], 0, (n,), (1,))
+                 for s, d, n in self.ext]
                 + [inputs[k][i].contiguous() for k, i, _, _ in self.hosts])
 
     def store(self, outs, st, args) -> None:
@@ -116,7 +117,7 @@ class FxGroup:
             ptr = r.untyped_storage().data_ptr()
             if (r.dtype is not dtype or r.shape != size or r.stride() != stride
                     or r.storage_offset() != 0 or ptr in seen):
-                e = torch.empty_strided(size, stride, dtype=dtype)
+                e = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
                 e.copy_(r)
                 r = e
             seen.add(r.untyped_storage().data_ptr())
