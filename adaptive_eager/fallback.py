@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
 from fusion.ir import Handle
+from fusion.ops import RANDOM, op_class
 
 from . import config as _config
 from .errors import NeuronFallbackError, _sparse_error
@@ -51,9 +52,12 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
         result = {}
 
+        random = op_class(func) == RANDOM and c_kwargs.get("generator") is None
+
         def work():
-            try:
-                result["out"] = func(*c_args, **c_kwargs)
+            try:  # a random op draws from the device's stream, as queued ones do
+                result["out"] = (eng.device.rng.run(func, c_args, c_kwargs) if random
+                                 else func(*c_args, **c_kwargs))
             except Exception as e:
                 if not fallback:  # a device launch: the op's error, found at the sync
                     raise LaunchError(e) from None

@@ -162,6 +162,21 @@ def test_scalar_reads(mode):
     assert hit
 
 
+def test_random_ops_that_run_at_once_draw_from_the_device_stream(mode):
+    """binomial and Dirichlet sampling (no meta kernel: they run at once, not queued) drew
+    from the CPU's generator: other values than CPU under one seed, and the device's stream
+    did not move (the next draw differed too). Beta, Dirichlet and Binomial sample with them."""
+    def draw(d):
+        torch.manual_seed(0)
+        torch.rand(7, device=d)
+        a = torch._sample_dirichlet(torch.ones(3, 2, device=d))
+        b = torch.binomial(torch.full((3,), 5.0, device=d), torch.full((3,), 0.5, device=d))
+        c = torch.distributions.Beta(torch.ones(2, device=d), torch.ones(2, device=d)).sample()
+        return a, b, c, torch.rand(3, device=d)
+    for n, c in zip(draw("neuron"), draw("cpu")):
+        assert n.device.type == "neuron" and torch.equal(n.cpu(), c)
+
+
 def test_seeded_random_is_reproducible(mode):
     torch.neuron.manual_seed(5)
     a = torch.randn(8, device="neuron")
