@@ -14,7 +14,9 @@ has no C++ storage (its bytes are the simulated HBM's), so:
   `torch._utils._rebuild_tensor` (private) makes each tensor a view of that copy;
 - deepcopy: one copy of a buffer per memo, each tensor a view of it (CPU's deepcopy copies a
   storage once through the memo too), and only graph leaves, as on CPU.
-A file saved from neuron loads without this package with `map_location="cpu"`.
+A file saved from neuron loads without this package with `map_location="cpu"`. TorchScript's
+loader is C++ and builds device storages itself: `torch.jit.load(map_location="neuron")`
+raises (it loaded empty weights) rather than pretend.
 """
 from __future__ import annotations
 
@@ -124,6 +126,21 @@ def deepcopy(t, memo: dict):
     return new
 
 
+def _jit_load(original):
+    def load(f, map_location=None, *args, **kwargs):
+        loc = map_location
+        if isinstance(loc, (str, torch.device)) and torch.device(loc).type == DEVICE_TYPE:
+            raise RuntimeError(
+                f"TorchScript modules cannot be loaded onto {DEVICE_TYPE}: TorchScript's C++ "
+                f"loader makes device storages, which this backend keeps in Python (the "
+                f"weights came out empty). Load with map_location='cpu' and run on the CPU, "
+                f"or use torch.export / an eager module, whose .to('{DEVICE_TYPE}') works.")
+        return original(f, map_location, *args, **kwargs)
+    load._neuron = True
+    load.__doc__, load.__wrapped__ = original.__doc__, original
+    return load
+
+
 def register() -> None:
     """Our package-registry entry (before PyTorch's PrivateUse1 one, which would crash) and
     the two private hooks of Note [Checkpoints]. Idempotent."""
@@ -135,3 +152,6 @@ def register() -> None:
         torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
     if not getattr(torch.storage._to, "_neuron", False):
         torch.storage._to = _storage_to(torch.storage._to)
+    import torch.jit
+    if not getattr(torch.jit.load, "_neuron", False):
+        torch.jit.load = _jit_load(torch.jit.load)

@@ -391,3 +391,14 @@ def test_a_default_device_of_neuron(mode):
     assert got[0] == want[0] and got[1] == want[1] and got[2] == want[2]
     for g, w in zip(got[3:], want[3:]):
         assert g.device.type in ("neuron", "cpu") and torch.equal(g.cpu(), w.cpu())
+
+
+def test_torchscript_onto_the_device_raises_instead_of_loading_empty_weights():
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3)), buf)
+    for where in ("neuron", torch.device("neuron", 0)):
+        buf.seek(0)
+        with pytest.raises(RuntimeError, match="TorchScript modules cannot be loaded onto"):
+            torch.jit.load(buf, map_location=where)
+    buf.seek(0)
+    assert torch.jit.load(buf, map_location="cpu").weight.shape == (3, 4)
