@@ -304,8 +304,8 @@ class Engine:
         transfer.write(self, dst, src, dma)
 
     def peer(self, index: int | None) -> "Engine":
-        """The engine of core `index` (None: the current core)."""
-        return current() if index is None else core(index)
+        """The engine of core `index` (None: the current core), if this process sees it."""
+        return current() if index is None else core(check_core(index))
 
     @_locked
     def run_now(self, func, args, kwargs, fallback: bool):
@@ -429,6 +429,33 @@ def other_cores_used() -> bool:
     """Whether a core other than neuron:0 ever held a tensor (Note [Cores]: backward then
     runs on one thread)."""
     return _OTHER_CORES_USED[0]
+
+
+def visible_cores() -> int:
+    """How many NeuronCores this process sees (the chip's, or NEURON_RT_* restrictions)."""
+    cfg, chip = _config.config, ENGINE.spec.chip_cores
+    if cfg.visible_cores is not None:
+        bad = [c for c in cfg.visible_cores if not 0 <= c < chip]
+        if bad or not cfg.visible_cores:
+            raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={cfg.visible_cores} names cores "
+                               f"the chip does not have: it has {chip} (0..{chip - 1})")
+        return len(cfg.visible_cores)
+    if cfg.num_cores is not None:
+        if not 0 < cfg.num_cores <= chip:
+            raise RuntimeError(f"NEURON_RT_NUM_CORES={cfg.num_cores} but the chip has "
+                               f"{chip} NeuronCores")
+        return cfg.num_cores
+    return chip
+
+
+def check_core(index: int) -> int:
+    """`index`, if this process sees neuron:`index`; else CUDA's kind of error."""
+    n = visible_cores()
+    if not 0 <= index < n:
+        raise RuntimeError(f"neuron:{index} does not exist: this process sees {n} NeuronCore"
+                           f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
+                           f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
+    return index
 
 
 def current() -> Engine:

@@ -21,24 +21,11 @@ from __future__ import annotations
 import torch
 
 from . import _engine
-from .config import config
 
 
 def count() -> int:
     """How many NeuronCores this process sees (the chip's, or NEURON_RT_* restrictions)."""
-    chip = _engine.ENGINE.spec.chip_cores
-    if config.visible_cores is not None:
-        bad = [c for c in config.visible_cores if not 0 <= c < chip]
-        if bad or not config.visible_cores:
-            raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={config.visible_cores} names cores "
-                               f"the chip does not have: it has {chip} (0..{chip - 1})")
-        return len(config.visible_cores)
-    if config.num_cores is not None:
-        if not 0 < config.num_cores <= chip:
-            raise RuntimeError(f"NEURON_RT_NUM_CORES={config.num_cores} but the chip has "
-                               f"{chip} NeuronCores")
-        return config.num_cores
-    return chip
+    return _engine.visible_cores()
 
 
 def current() -> int:
@@ -59,12 +46,7 @@ def check(device) -> int:
     idx = device if isinstance(device, int) else torch.device(device).index
     if idx is None:
         return current()
-    n = count()
-    if not 0 <= idx < n:
-        raise RuntimeError(f"neuron:{idx} does not exist: this process sees {n} NeuronCore"
-                           f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
-                           f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
-    return idx
+    return _engine.check_core(idx)
 
 
 def engines() -> list:

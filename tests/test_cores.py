@@ -70,7 +70,12 @@ def test_a_core_the_process_does_not_see_is_refused():
         torch.zeros(2, device="neuron:4")
     with pytest.raises(RuntimeError, match="neuron:7 does not"):
         torch.neuron.set_device(7)
-    assert torch.ones(2, device="neuron:0").device == torch.device("neuron:0")
+    x = torch.ones(2, device="neuron:0")
+    assert x.device == torch.device("neuron:0")
+    with pytest.raises(RuntimeError, match="neuron:4 does not exist"):
+        x.to("neuron:4")  # from a core to one the process lacks (was a phantom core)
+    with pytest.raises(RuntimeError, match="neuron:4 does not exist"):
+        torch.nn.Linear(2, 2).to("neuron").to("neuron:4")
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
