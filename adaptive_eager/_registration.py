@@ -49,6 +49,17 @@ def register() -> None:
     _done = True
 
 
+def _check_grad_devices(outputs, grads) -> None:
+    """CUDA's check of the gradients a backward starts from (autograd's validate_outputs,
+    which skips tensor subclasses): one on another device is refused unless it is 0-d. A CPU
+    gradient for a neuron output otherwise left `.grad` on the CPU."""
+    for i, (out, g) in enumerate(zip(outputs, grads)):
+        if type(out) is NeuronTensor and isinstance(g, torch.Tensor) and g.dim() \
+                and g.device != out.device:
+            raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} "
+                               f"but got {g.device}")
+
+
 def _wrap_backward() -> None:
     """Errors raised by neuron ops on autograd's device thread are handed over (Note
     [Device-thread errors] in errors.py) and re-raised here, on the caller's thread, as the
@@ -59,13 +70,14 @@ def _wrap_backward() -> None:
     if getattr(run, "_neuron", False):
         return
 
-    def _engine_run_backward(*args, **kwargs):
+    def _engine_run_backward(outputs, grads, *args, **kwargs):
+        _check_grad_devices(outputs, grads)
         # Note [Cores] in cores.py: once another core is used, one thread for all
         threads = (torch.autograd.set_multithreading_enabled(False)
                    if _engine.other_cores_used() else contextlib.nullcontext())
         try:
             with threads:
-                result = run(*args, **kwargs)
+                result = run(outputs, grads, *args, **kwargs)
         except RuntimeError:
             err = errors.take_handoff()
             if err is None:

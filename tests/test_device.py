@@ -352,3 +352,16 @@ def test_grad_scaler_skips_an_inf_step_and_scales_back(mode):
     scaler.update()
     for p, b, g in zip(net.parameters(), before, grads):
         torch.testing.assert_close(p.cpu(), b.cpu() - 0.1 * g)
+
+
+def test_a_host_gradient_for_a_device_output_is_refused_as_cuda_does(mode):
+    """backward()/autograd.grad from a CPU gradient: CUDA raises (autograd's device check
+    skips tensor subclasses, so neuron left `.grad` on the CPU, to fail later in step())."""
+    x = torch.nn.Parameter(torch.ones(3, device="neuron"))
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0 - expected device "
+                                           "neuron:0 but got cpu"):
+        (x * 2 + 1).backward(torch.ones(3))
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0"):
+        torch.autograd.grad(x * 3, x, torch.ones(3))
+    (x * 2).sum().backward(torch.tensor(1.0))  # a 0-d gradient is moved, as on CUDA
+    assert x.grad.device == x.device and x.grad.tolist() == [2.0] * 3
