@@ -13,9 +13,11 @@ from fusion.ir import Handle
 from fusion.ops import RANDOM, op_class
 
 from . import config as _config
+from ._tensor import NeuronTensor
 from .errors import NeuronFallbackError, _sparse_error
 from .meta import _extent_bytes
 from .source import _source, _user_stacklevel
+from .templates import _two_devices
 from .transfer import buffer_view, on_host
 
 
@@ -24,11 +26,28 @@ from .transfer import buffer_view, on_host
 _HOST_OUTPUTS = {"aten::_pack_padded_sequence": (1,), "aten::_pad_packed_sequence": (1,)}
 
 
+# Arguments CUDA's kernels take on the host: a PackedSequence's lengths and batch sizes.
+_HOST_ARGS = frozenset({"lengths", "batch_sizes"})
+
+
+def _check_devices(eng, func, args, kwargs) -> None:
+    """CUDA's rule for an op's tensors: one device, except 0-d CPU tensors and `_HOST_ARGS`
+    (`torch.equal(neuron_t, cpu_t)` ran on the host and said True)."""
+    names = [a.name for a in func._schema.arguments]
+    for name, v in list(zip(names, args)) + list(kwargs.items()):
+        if name in _HOST_ARGS:
+            continue
+        for t in tree_flatten(v)[0]:
+            if isinstance(t, torch.Tensor) and type(t) is not NeuronTensor and t.dim():
+                raise _two_devices(eng, t.device, func)
+
+
 def run_now(eng, func, args, kwargs, fallback: bool):
     """Ops that need data now: CPU fallback (sync, copy in, run, copy back) or output
     shapes only execution can tell (a device launch the host waits for)."""
     name = func._schema.name
     cfg = _config.config
+    _check_devices(eng, func, args, kwargs)
     if fallback:
         if not cfg.fallback_enabled:
             raise NeuronFallbackError(

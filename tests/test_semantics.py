@@ -441,3 +441,15 @@ def test_index_put_takes_host_indices_as_cuda_does(mode):
         return x.detach().cpu(), (w.cpu() == 0).sum(0)
     for a, b in zip(run("neuron"), run("cpu")):
         assert torch.equal(a, b)
+
+
+def test_ops_run_on_the_host_still_refuse_two_devices(mode):
+    """A fallback (or data-dependent) op runs on the host, yet its arguments obey CUDA's
+    device rule: `torch.equal(neuron_t, cpu_t)` said True, where CUDA raises."""
+    n, c = torch.ones(3, device="neuron"), torch.ones(3)
+    for f in (lambda: torch.equal(n, c), lambda: torch.allclose(n, c),
+              lambda: torch.nonzero(n + c)):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            f()
+    assert torch.equal(n, n) and torch.equal(n, torch.ones(3, device="neuron"))
+    assert torch.equal(n * torch.tensor(2.0), torch.full((3,), 2.0, device="neuron"))  # 0-d
