@@ -206,9 +206,10 @@ _registered = False
 # Every module of the package is skipped, listed from the package itself so that a new one
 # is never missed (the hand-written list missed the stages split out of the engine, and a
 # data-dependent op inside a compiled function failed in fallback.py), except `models`
-# (user models, traced as any). The package's __init__ cannot be listed alone (skipping it
-# skips its directory).
-_TRACEABLE = {"models"}
+# (user models, traced as any) and `run` (its compile mode compiles a lambda of its own and
+# patches Module.__call__, which Dynamo must inline). The package's __init__ cannot be listed
+# alone (skipping it skips its directory).
+_TRACEABLE = {"models", "run"}
 
 
 def _never_traced() -> list[str]:
