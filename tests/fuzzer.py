@@ -693,8 +693,8 @@ def compare_compiled(ref, cpu, run, evenly=False) -> list[tuple[str, str]]:
     fails, taint = [], ref[2]
     for var, n in sorted(nreads.items()):
         c = creads.get(var)
-        if c is None or "err" in taint.get(var, []):
-            continue
+        if c is None or var not in ref[1] or "err" in taint.get(var, []):
+            continue  # (a deleted variable is returned only to keep its draw alive)
         if "read_error" in n or "read_error" in c:
             if n.get("read_error") != c.get("read_error"):
                 fails.append(("read", f"reading {var} raised {n.get('read_error')}, on CPU "
