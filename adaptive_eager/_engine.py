@@ -381,10 +381,7 @@ def _host_indices(eng, func, args, kwargs):
     def to_device(t):
         if type(t) is NeuronTensor or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return t
-        t = t.contiguous()
-        out = eng.empty(tuple(t.shape), t.stride(), t.dtype)
-        eng.write(out, t)
-        return out
+        return transfer.upload(eng, t)
     if "indices" in kwargs:
         kwargs = {**kwargs, "indices": [to_device(t) for t in kwargs["indices"]]}
     else:

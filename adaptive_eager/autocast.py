@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch.amp.autocast_mode import _cast  # C++'s eligibility: device, floating, not float64
+from torch.utils._pytree import tree_flatten
 
 from .source import DEVICE_TYPE as DEVICE
 
@@ -59,14 +60,6 @@ def _eligible(t):
             and t.is_floating_point() and t.dtype is not torch.float64)
 
 
-def _tensors(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if isinstance(t, torch.Tensor))
-
-
 def _low(op):
     def k(*args, **kwargs):
         dt = torch.get_autocast_dtype(DEVICE)
@@ -108,7 +101,7 @@ def _promote(op):
     def k(*args, **kwargs):
         dt = torch.get_autocast_dtype(DEVICE)
         if any(_eligible(t) and t.dtype == torch.float32
-               for t in _tensors((*args, *kwargs.values()))):
+               for t in tree_flatten((args, kwargs))[0]):
             dt = torch.float32
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
             return op(*_cast(args, DEVICE, dt), **_cast(kwargs, DEVICE, dt))

@@ -99,8 +99,9 @@ def _lower_fma(gm: torch.fx.GraphModule) -> None:
     (other namespaces fall back to CPU), so each becomes that ATen mul and add: the prim's own
     definition, so bit for bit what it computes on CPU."""
     fma = getattr(torch.ops.prims, "fma", None)  # registered once Dynamo has used it
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
-             and fma is not None and n.target is fma.default]
+    if fma is None:
+        return
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fma.default]
     for n in nodes:
         a, b, c = n.args
         with gm.graph.inserting_before(n):

@@ -52,6 +52,15 @@ def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
             h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
 
 
+def upload(eng, cpu: torch.Tensor) -> torch.Tensor:
+    """A new neuron tensor on `eng`'s core holding host tensor `cpu` (made dense first: an
+    expanded host tensor cannot be written into a buffer of its own extent)."""
+    cpu = cpu.contiguous()
+    out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
+    eng.write(out, cpu)
+    return out
+
+
 def on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""
