@@ -9,7 +9,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
-from fusion.ir import Handle
+from fusion.ir import Handle, written_arguments
 from fusion.ops import RANDOM, op_class
 
 from . import config as _config
@@ -34,11 +34,13 @@ def _check_devices(eng, func, args, kwargs) -> None:
     """CUDA's rule for an op's tensors: one device, except 0-d CPU tensors and `_HOST_ARGS`
     (`torch.equal(neuron_t, cpu_t)` ran on the host and said True)."""
     names = [a.name for a in func._schema.arguments]
+    written = written_arguments(func)[1]
     for name, v in list(zip(names, args)) + list(kwargs.items()):
         if name in _HOST_ARGS:
             continue
         for t in tree_flatten(v)[0]:
-            if isinstance(t, torch.Tensor) and type(t) is not NeuronTensor and t.dim():
+            if (isinstance(t, torch.Tensor) and type(t) is not NeuronTensor
+                    and (t.dim() or name in written)):  # a 0-d host value, never a target
                 raise _two_devices(eng, t.device, func)
 
 

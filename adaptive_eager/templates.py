@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion.ir import Handle, encode_static, scalar_positions
+from fusion.ir import Handle, encode_static, scalar_positions, written_arguments
 
 from ._tensor import NeuronTensor
 from .errors import _generator_error, _out_of_bounds
@@ -35,8 +35,9 @@ def template(eng, func, args, kwargs):
         else:
             return tuple(out), (), handles, inputs, vbytes
     e = _Encoder(eng, func)
-    args_t = tuple([e.enc(a, i in spos) for i, a in enumerate(args)])
-    kwargs_t = tuple([(k, e.enc(v, k in snames)) for k, v in kwargs.items()])
+    wpos, wnames = written_arguments(func)
+    args_t = tuple([e.enc(a, i in spos, i in wpos) for i, a in enumerate(args)])
+    kwargs_t = tuple([(k, e.enc(v, k in snames, k in wnames)) for k, v in kwargs.items()])
     return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
 
 
@@ -86,13 +87,15 @@ class _Encoder:
         self.inputs: list = []
         self.vbytes: list[int] = []
 
-    def enc(self, v, scalar):
+    def enc(self, v, scalar, written=False):
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.eng, self.func, self.handles, self.where, self.vbytes)
         if isinstance(v, torch.Generator):
             raise _generator_error(v)
         if isinstance(v, torch.Tensor):
-            if v.device.type != "cpu" or (v.dim() != 0 and self.func is not aten.copy_.default):
+            # CUDA's rule: a host tensor only as a 0-d input (a value), never one written
+            if v.device.type != "cpu" or written or (
+                    v.dim() != 0 and self.func is not aten.copy_.default):
                 raise _two_devices(self.eng, v.device, self.func)
             self.inputs.append(v.detach().clone())
             return ("H", len(self.inputs) - 1, str(v.dtype)[6:], tuple(v.shape))
@@ -104,7 +107,7 @@ class _Encoder:
             self.inputs.append(list(v))  # a Scalar[]: runtime values, keyed by types only
             return ("S", len(self.inputs) - 1, tuple(type(x).__name__ for x in v))
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
-            return ("L",) + tuple(self.enc(x, scalar) for x in v)
+            return ("L",) + tuple(self.enc(x, scalar, written) for x in v)
         return encode_static(v)
 
 

@@ -41,6 +41,16 @@ def scalar_positions(func) -> tuple[frozenset, frozenset]:
     return frozenset(pos), frozenset(names)
 
 
+@functools.lru_cache(maxsize=None)
+def written_arguments(func) -> tuple[frozenset, frozenset]:
+    """(positional indices, names) of the arguments `func` writes (`self` of an in-place op,
+    `out=`), as the schema marks them (`Tensor(a!)`)."""
+    args = [(i, a) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+    return (frozenset(i for i, a in args if not a.kwarg_only),
+            frozenset(a.name for _, a in args))
+
+
 def encode_static(v: Any) -> Any:
     """Template form of a non-tensor, non-runtime-scalar argument."""
     if v is None or isinstance(v, (bool, int, float, str)):

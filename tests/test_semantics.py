@@ -453,3 +453,24 @@ def test_ops_run_on_the_host_still_refuse_two_devices(mode):
             f()
     assert torch.equal(n, n) and torch.equal(n, torch.ones(3, device="neuron"))
     assert torch.equal(n * torch.tensor(2.0), torch.full((3,), 2.0, device="neuron"))  # 0-d
+
+
+def test_a_host_scalar_tensor_is_an_input_never_an_output(mode):
+    """CUDA takes a 0-d CPU tensor as a value beside device tensors, never as the tensor an
+    op writes. `total = torch.tensor(0.); total += loss` style code wrote wrong values into
+    the CPU tensor (`pow_` gave 1., `clamp_` 0.) or raised an AttributeError after zeroing it."""
+    n = torch.tensor(2.0, device="neuron")
+    writes = [lambda c: c.pow_(n), lambda c: c.clamp_(max=n), lambda c: c.mul_(n),
+              lambda c: c.add_(n), lambda c: c.addcmul_(n, n),
+              lambda c: torch.add(c, n, out=c), lambda c: torch._foreach_add_([c], [n]),
+              lambda c: c.put_(torch.tensor([0], device="neuron"), n.view(1))]
+    for write in writes:
+        c = torch.tensor(3.0)
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            write(c)
+        assert c.item() == 3.0  # untouched
+    c = torch.tensor(3.0)
+    assert (n * c).item() == 6.0 and torch.clamp(c, max=n).item() == 2.0  # as values: fine
+    c = torch.zeros(2)
+    c.copy_(n)  # a device-to-host copy
+    assert c.tolist() == [2.0, 2.0] and (n ** 2).item() == 4.0  # the engine still works
