@@ -191,6 +191,23 @@ for _name in ("__tensor_flatten__", "__tensor_unflatten__"):
     setattr(NeuronTensor, _name, _Protocol(_name, NeuronTensor.__dict__[_name]))
 
 
+def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
+    """Note [Module.to keeps Parameters]: a swap exchanges the two objects' `__dict__`s, so
+    the Parameter `Module._apply` keeps would lose its Python attributes (`_no_weight_decay`,
+    `_is_hf_initialized`, `sequence_parallel`: flags optimizers' param groups and loaders
+    read), which CUDA's `.data` path keeps. Swapping into a neuron tensor from there, they
+    are carried over first. Everyone else's swap is PyTorch's."""
+    if (type(t2) is NeuronTensor and type(t1) is not NeuronTensor
+            and sys._getframe(1).f_code is _APPLY):
+        for k, v in t1.__dict__.items():
+            t2.__dict__.setdefault(k, v)
+    _swap(t1, t2)
+
+
+_APPLY = torch.nn.Module._apply.__code__
+torch.utils.swap_tensors = _swap_keeping_attributes
+
+
 def _device(engine) -> torch.device:
     """neuron:k for core k's engine (made on first use: the device type is named only once
     registration has run)."""

@@ -3,6 +3,7 @@ ops that move data across (`copy_`, `_to_copy` to the CPU, `.item()`)."""
 from __future__ import annotations
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from device import Launch
 
@@ -94,6 +95,8 @@ def copy_(eng, func, args, kwargs):
         return eng._dispatch(func, args, kwargs)
     eng.metrics.ops += 1
     if isinstance(dst, NeuronTensor):  # host -> device
+        if isinstance(src, UninitializedTensorMixin):
+            raise _uninitialized(src)
         if src.dim() == 0:
             return eng._dispatch(func, args, kwargs)
         eng.write(dst, src)
@@ -155,3 +158,13 @@ def local_scalar_dense(eng, func, args, kwargs):
     v = eng.read(args[0], "item")
     with torch._C._DisableTorchDispatch():
         return v.item()
+
+
+def _uninitialized(t) -> RuntimeError:
+    """Lazy modules' parameters cannot move uninitialized: an UninitializedParameter is a CPU
+    tensor PyTorch re-types in place (`Tensor._make_subclass`), which a neuron tensor (a
+    wrapper subclass) cannot be."""
+    return RuntimeError(
+        f"Cannot move an uninitialized {type(t).__name__} (a lazy module's: nn.LazyLinear, "
+        f"nn.LazyConv2d, ...) to {DEVICE_TYPE}: initialize the module first with one forward "
+        f"on the CPU (a dry run: `model(example_input)`), then call .to('{DEVICE_TYPE}').")

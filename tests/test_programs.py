@@ -52,6 +52,36 @@ def test_grad_moves_with_its_parameter():
     assert torch.equal(w.grad.cpu(), g)
 
 
+def test_to_keeps_the_parameters_python_attributes():
+    """A swap exchanges `__dict__`s: `.to("neuron")` dropped flags set on parameters
+    (`_no_weight_decay`, which decides an optimizer's param groups), which CUDA keeps."""
+    m = torch.nn.Linear(3, 2)
+    m.bias._no_weight_decay = True
+    m.weight.grad = torch.ones(2, 3)
+    m.weight.grad.tag = "g"
+    m.to("neuron")
+    assert m.bias._no_weight_decay is True and not hasattr(m.weight, "_no_weight_decay")
+    assert m.weight.grad.tag == "g" and m.weight.grad.device.type == "neuron"
+    decay = [p for p in m.parameters() if not getattr(p, "_no_weight_decay", False)]
+    assert decay == [m.weight]
+    y = torch.ones(3).to("neuron")
+    assert not hasattr(y, "_no_weight_decay")  # a plain .to copies no attributes
+    a, b = torch.ones(2), torch.ones(2, device="neuron")
+    a.tag = "a"
+    torch.utils.swap_tensors(a, b)  # a user's own swap stays PyTorch's
+    assert b.tag == "a" and not hasattr(a, "tag") and a.device.type == "neuron"
+
+
+def test_lazy_modules_say_to_initialize_before_moving():
+    m = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU())
+    with pytest.raises(RuntimeError, match=r"uninitialized UninitializedParameter .* dry run"):
+        m.to("neuron")
+    x = torch.randn(3, 5)
+    expected = m(x)  # the dry run
+    m.to("neuron")
+    assert torch.equal(m(x.to("neuron")).cpu(), expected)
+
+
 def _train(device, mode_ctx):
     m = _tied()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)  # built before .to, as users do
