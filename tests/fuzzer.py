@@ -186,6 +186,10 @@ class Gen:
         return self.r.choice(["0", "1", "2", "-1", "0.5", "-1.5", "3", "1e-3", "100.0", "False",
                               "True", "float('nan')", "-0.0"])
 
+    def host(self):
+        """A 0-d CPU tensor: an operand beside device tensors (CUDA's rule, and ours)."""
+        return f"torch.tensor({self.lit()})"
+
     def dim(self, t):
         return self.r.randrange(-t.dim(), t.dim()) if t.dim() else 0
 
@@ -226,7 +230,7 @@ class Gen:
                   "sign", "log1p", "reciprocal", "relu", "square", "isnan", "frac", "rsqrt",
                   "logical_not", "bitwise_not", "trunc", "ceil", "erf", "signbit"]
             return f"{v} = {a}.{r.choice(fl)}()"
-        b = self.pick() if r.random() < 0.6 else self.lit()
+        b = self.pick() if r.random() < 0.6 else self.host() if r.random() < 0.2 else self.lit()
         if r.random() < 0.15:
             c = self.pick(lambda t: t.dtype == self.torch.bool) or f"{a} > 0"
             return f"{v} = torch.where({c}, {a}, {b})"
@@ -282,7 +286,7 @@ class Gen:
         if a is None:
             return None
         t = self.ns[a]
-        b = self.pick() if r.random() < 0.5 else self.lit()
+        b = self.pick() if r.random() < 0.5 else self.host() if r.random() < 0.2 else self.lit()
         opts = [f"{a}.add_({b})", f"{a}.mul_({b})", f"{a}.sub_({b})", f"{a}.div_({b})",
                 f"{a}.clamp_(min={self.lit()})", f"{a}.zero_()", f"{a}.fill_({self.lit()})",
                 f"{a}.neg_()", f"{a}.exp_()", f"{a}.pow_({r.choice(['2', 'False', '0.5'])})",
