@@ -86,6 +86,46 @@ def test_inductor_in_place_updates_of_inputs_and_strided_views():
     torch.testing.assert_close(pn.cpu(), p.mul(0.9).add(g * w.t(), alpha=-0.1), **TOL)
 
 
+def test_inductor_views_of_buffers_made_in_the_group():
+    """Views (and writes through them) of a buffer an op made inside the group. Inductor
+    lays out a cat of one transposed input transposed, ATen contiguous, and as_strided
+    reads whatever storage it is given: `k @ k.T` came out wrong (transformers' KV cache
+    does this cat on its first update). Note [Views of buffers made in the group]."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2)
+
+    def f(x):
+        k = torch.cat([torch.tensor([], device=x.device), x.transpose(0, 1)])
+        a = k @ k.T
+        y = x * 2  # contiguous, then written through a transposed view and a slice
+        y.t()[0].mul_(3)
+        y[1:].add_(1)
+        b = y + y.t().sum()  # the made view, read after the writes
+        return a, b, torch.stack([x.t()]).squeeze(0) * 1
+
+    expected = f(x)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        outs = [t.cpu() for t in f(x.to("neuron"))]
+        assert ae.metrics().compiled_launches >= 1
+    for out, exp in zip(outs, expected):
+        torch.testing.assert_close(out, exp, **TOL)
+
+
+def test_inductor_compiles_groups_with_host_scalar_tensors():
+    """0-d CPU tensors in a group (`torch.tensor(1.5, device=...)` uploads, `x * cpu_t`):
+    their graph inputs were made with the template's dtype name, an internal TypeError
+    reported as a compile failure on every `generate`."""
+    x = torch.randn(4)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        c = torch.tensor(1.5, device="neuron")
+        out = (x.to("neuron") * c * torch.tensor(2.0)).cpu()
+        m = ae.metrics()
+    torch.testing.assert_close(out, x * 3.0, **TOL)
+    assert m.compile_failures == {} and m.compiled_launches >= 1
+
+
 def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
     x, _ = _inputs()
 

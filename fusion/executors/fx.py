@@ -9,6 +9,14 @@ Runtime scalars are baked in as constants, so a graph is specific to its scalar 
 (`scalar_key`); a group whose scalars change from launch to launch is not compiled. The
 graph returns the group's written-back slots; each must come out with the layout its later
 readers assume (`store` copies when the compiler chose another one).
+
+Note [Views of buffers made in the group]: an op's output is its node's value, but the
+compiler picks its physical layout (Inductor's clone of a transposed input stays transposed,
+where ATen's cat of it is contiguous), and `as_strided` reinterprets whatever storage its
+argument has. So a buffer made in the group is viewed other than as made only through a
+1-D storage node built for it (`as_strided_scatter` of the output into zeros: logical, so
+layout-proof); from then on every access to that buffer, the made view included, goes
+through that node, so writes through one view reach the others.
 """
 from __future__ import annotations
 
@@ -132,20 +140,36 @@ def build(exe, inputs) -> FxGroup:
     p = exe.program
     g = fx.Graph()
     ext: dict[int, list] = {}  # slot -> [dtype, elements]
+    reach: dict[int, int] = {}  # slot made in the group -> elements its views reach
     hosts = []
     for k, ins in enumerate(exe.instrs):
         def visit(t, k=k):
             if t[0] == "T" and t[2] < p.n_inputs:
                 e = ext.setdefault(t[2], [t[6], 0])
                 e[1] = max(e[1], _extent(t[3], t[4], t[5]))
+            elif t[0] == "T":
+                reach[t[2]] = max(reach.get(t[2], 0), _extent(t[3], t[4], t[5]))
             elif t[0] == "H":
-                hosts.append((k, t[1], t[2], tuple(t[3])))
+                hosts.append((k, t[1], getattr(torch, t[2]), tuple(t[3])))  # "float32"
         for t in _templates(ins):
             _walk(t, visit)
     bases = {s: g.placeholder(f"slot{s}") for s in ext}
     host_nodes = {(k, i): g.placeholder(f"host{k}_{i}") for k, i, _, _ in hosts}
     views: dict[int, fx.Node] = {}  # view id -> node (the interpreter's `views`)
-    created: dict[int, tuple] = {}  # slot -> (node, size, stride, dtype)
+    created: dict[int, tuple] = {}  # slot -> (node, size, stride, dtype, view id)
+    flats: dict[int, fx.Node] = {}  # slot made in the group -> its 1-D storage node
+
+    def flat(s):
+        """Note [Views of buffers made in the group]."""
+        node = flats.get(s)
+        if node is None:
+            leaf, size, stride, dtype, vid = created[s]
+            n = max(reach.get(s, 0), _extent(size, stride, 0))
+            zeros = g.call_function(_aten.zeros.default, ([n],), {"dtype": dtype})
+            node = flats[s] = g.call_function(
+                _aten.as_strided_scatter.default, (zeros, leaf, list(size), list(stride), 0))
+            views.pop(vid, None)  # the made view too reads the storage node from now on
+        return node
 
     def value(t, k):
         if type(t) is not tuple:
@@ -158,9 +182,9 @@ def build(exe, inputs) -> FxGroup:
                 if s in bases:
                     base = bases[s]
                 else:
-                    base, _, _, cdtype = created[s]
-                    if cdtype is not dtype:
+                    if created[s][3] is not dtype:
                         raise NotCompilable("a created buffer viewed as another dtype")
+                    base = flat(s)
                 node = views[vid] = g.call_function(
                     _aten.as_strided.default, (base, list(size), list(stride), offset))
             return node
@@ -183,10 +207,16 @@ def build(exe, inputs) -> FxGroup:
                 continue
             s, size, stride, dtype, vid = o
             leaf = node if single else g.call_function(operator.getitem, (node, li))
-            created[s] = (leaf, size, stride, dtype)
+            created[s] = (leaf, size, stride, dtype, vid)
             if vid is not None:
                 views[vid] = leaf
-    g.output(tuple(created[s][0] for s in p.outputs))
+
+    def result(s):
+        leaf, size, stride, _, _ = created[s]
+        if s not in flats:
+            return leaf
+        return g.call_function(_aten.as_strided.default, (flats[s], list(size), list(stride), 0))
+    g.output(tuple(result(s) for s in p.outputs))
     gm = fx.GraphModule(torch.nn.Module(), g)
     return FxGroup(gm, tuple((s, d, n) for s, (d, n) in ext.items()), tuple(hosts),
-                   tuple((s,) + created[s][1:] for s in p.outputs))
+                   tuple((s,) + created[s][1:4] for s in p.outputs))
