@@ -70,6 +70,9 @@ THREADS = "threads"
 # compile: the program as one function under torch.compile(backend="neuron") in the mode,
 # against the same function under backend "aot_eager" on CPU (`run_compiled`).
 COMPILE = "compile"
+# inductor: adaptive with the Inductor executor (fused groups run as TorchInductor's code),
+# against neuron eager within float tolerance (`compare_close`); not for mode eager.
+INDUCTOR = "inductor"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
            "dev = 'neuron'   # 'cpu' for the reference\n"
@@ -627,6 +630,8 @@ def run_program(stmts, dev, mode="eager", policy="default", noise=None):
         if dev != "cpu":
             if policy == "lazy":
                 st.enter_context(ae.override(queue_low_threshold=0))
+            if policy == INDUCTOR:
+                st.enter_context(ae.override(executor="inductor"))
             if mode != "eager":
                 st.enter_context(ae.adaptive(strategy=mode))
             if policy == THREADS:
@@ -1157,10 +1162,45 @@ def compare_to_eager(eager, run, taint) -> list[tuple[str, str]]:
     return fails
 
 
+def compare_close(stmts, eager, run, taint) -> list[tuple[str, str]]:
+    """Policy inductor: the same errors and layouts as neuron eager, values within float
+    tolerance (Inductor reassociates and uses other exp/log kernels). A program with an op
+    whose result can jump on a rounding difference (`_F64_CUT`: masks, floor, %) has only
+    its layouts compared."""
+    import torch
+    (ee, er), (ie, ir) = eager, run
+    if (ee and (ee["at"], ee["type"])) != (ie and (ie["at"], ie["type"])):
+        fmt = lambda e: "nothing" if e is None else f"{e['type']} at statement {e['at']}"  # noqa: E731
+        return [("inductor-raised", f"eager raised {fmt(ee)}, inductor {fmt(ie)}")]
+    jumps = any(_F64_CUT.search(x) for x in stmts)
+    fails = []
+    for var, a in sorted(ir.items()):
+        e = er.get(var)
+        if e is None or "err" in taint.get(var, ()):
+            continue
+        for key in ("dtype", "shape", "stride", "offset", "read_error"):
+            if a.get(key) != e.get(key):
+                fails.append(("inductor-" + key, f"{var}: inductor {a.get(key)} vs eager "
+                                                  f"{e.get(key)}"))
+        for key in ("value", "grad"):
+            x, y = a.get(key), e.get(key)
+            if (x is None) != (y is None):
+                fails.append(("inductor-" + key, f"{var}: {key} on one side only"))
+            elif x is not None and not jumps:
+                try:
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, equal_nan=True)
+                except AssertionError as err:
+                    fails.append(("inductor-" + key, f"{var}: " + " ".join(
+                        str(err).strip().split("\n")[:4])[:300]))
+    return fails
+
+
 def configs(modes, policies):
     out = []
     for m in modes:
         for p in policies:
+            if p == INDUCTOR and m == "eager":
+                continue  # every op would be a compiled group of one
             if m != "eager" or p in ("default", THREADS, COMPILE):  # eager: lazy is default
                 out.append((m, p))
     return out
@@ -1193,6 +1233,11 @@ def check(stmts, cfgs) -> list[dict]:
             # A deferred error goes to whichever thread syncs first (the device's error queue
             # is the process's, as a CUDA context's is): the other thread may take it. Only
             # programs CPU runs without an error are run beside the noise thread.
+            continue
+        if p == INDUCTOR:
+            run = run_program(stmts, "neuron", m, p)
+            fails += [{"config": name, "kind": k, "detail": d}
+                      for k, d in compare_close(stmts, eager, run, ref[2])]
             continue
         noise = []
         run = run_program(stmts, "neuron", m, p, noise)
@@ -1440,7 +1485,7 @@ def main(argv=None):
     ap.add_argument("--programs", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="first program seed")
     ap.add_argument("--mode", action="append", choices=MODES + ["all"])
-    ap.add_argument("--policy", choices=POLICIES + [THREADS, COMPILE, "both", "all"],
+    ap.add_argument("--policy", choices=POLICIES + [THREADS, COMPILE, INDUCTOR, "both", "all"],
                     default="both", help="both: default and lazy; all: also threads")
     ap.add_argument("--families", default=None, help="comma-separated subset of " + ",".join(FAMILIES))
     ap.add_argument("--ci", action="store_true",

@@ -126,6 +126,28 @@ def test_inductor_compiles_groups_with_host_scalar_tensors():
     assert m.compile_failures == {} and m.compiled_launches >= 1
 
 
+def test_foreach_writes_over_aliased_arguments_run_interpreted():
+    """Functionalization computes an op's writes from the values before it; eager foreach
+    goes tensor by tensor. `_foreach_mul_([x, x], s)` scaled x once under Inductor (fuzzer
+    seed 18000295); `_foreach_add_([a, b], [b, a])` added the old a to b."""
+    x0, a0, b0 = torch.randn(3), torch.randn(3), torch.randn(3)
+    x, a, b = x0.clone(), a0.clone(), b0.clone()
+    torch._foreach_mul_([x, x], 0.5)
+    torch._foreach_add_([a, b], [b, a])
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        xn, an, bn = x0.to("neuron"), a0.to("neuron"), b0.to("neuron")
+        torch._foreach_mul_([xn, xn], 0.5)
+        torch._foreach_add_([an, bn], [bn, an])
+        outs = [t.cpu() for t in (xn, an, bn)]
+        m = ae.metrics()
+    for out, exp in zip(outs, (x, a, b)):
+        torch.testing.assert_close(out, exp, **TOL)
+    assert set(m.compile_failures) <= {"an op writes one buffer through two arguments",
+                                       "a foreach op writes a buffer another of its "
+                                       "arguments reads"}
+
+
 def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
     x, _ = _inputs()
 

@@ -45,6 +45,35 @@ def test_ci_pass_compiled():
     assert not fails, "\n".join(lines)
 
 
+def test_ci_pass_inductor_executor():
+    """Policy inductor: adaptive with the Inductor executor against neuron eager, within
+    float tolerance (it found the aliased foreach writes of fusion/executors/fx.py)."""
+    fams = [f for f in fuzzer.FAMILIES if f not in fuzzer.CI_EXCLUDED_FAMILIES]
+    lines = []
+    n, fails = fuzzer.fuzz(range(1, 25), ["graph"], [fuzzer.INDUCTOR], fams,
+                           exclude=list(fuzzer.CI_EXCLUDED_PATTERNS), log=lines.append)
+    assert n == 24
+    assert not fails, "\n".join(lines)
+
+
+def test_the_inductor_comparison_finds_a_wrong_value_and_an_error():
+    prog = ["v0 = torch.arange(6.0, device=dev)", "v1 = (v0 * 2).reshape(2, 3)",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    eager = fuzzer.run_program(prog, "neuron")
+    run = fuzzer.run_program(prog, "neuron", "graph", fuzzer.INDUCTOR)
+    assert fuzzer.compare_close(prog, eager, run, ref[2]) == []
+    run[1]["v1"]["value"] = run[1]["v1"]["value"] * (1 + 1e-6)  # float tolerance
+    assert fuzzer.compare_close(prog, eager, run, ref[2]) == []
+    run[1]["v1"]["value"] = run[1]["v1"]["value"] + 0.01
+    assert [k for k, _ in fuzzer.compare_close(prog, eager, run, ref[2])] == ["inductor-value"]
+    run[1]["v1"]["stride"] = [1, 2]
+    assert "inductor-stride" in [k for k, _ in fuzzer.compare_close(prog, eager, run, ref[2])]
+    bad = ({"at": 1, "type": "RuntimeError"}, run[1])
+    assert [k for k, _ in fuzzer.compare_close(prog, eager, bad, ref[2])] == ["inductor-raised"]
+    assert ("eager", fuzzer.INDUCTOR) not in fuzzer.configs(["eager", "graph"], [fuzzer.INDUCTOR])
+
+
 def test_the_compiled_comparison_finds_a_wrong_value_and_an_error():
     prog = ["v0 = torch.arange(6.0, device=dev)", "v1 = (v0 * 2).reshape(2, 3)",
             "torch.neuron.synchronize()"]

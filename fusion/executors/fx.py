@@ -26,6 +26,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..ir import written_arguments
+
 
 _aten = torch.ops.aten
 
@@ -70,6 +72,9 @@ def check(exe) -> str | None:
         rets = [str(r.type) for r in ins.op._schema.returns]
         if not (rets in ([], ["Tensor[]"], ["List[Tensor]"]) or all(r == "Tensor" for r in rets)):
             return f"returns {rets}"
+        reason = _aliased_writes(ins)
+        if reason is not None:
+            return reason
         bad = []
 
         def visit(t):
@@ -80,6 +85,29 @@ def check(exe) -> str | None:
             _walk(t, visit)
         if bad:
             return "one input buffer viewed as two dtypes"
+    return None
+
+
+def _aliased_writes(ins) -> str | None:
+    """Functionalization computes all of an op's writes from the values before it, then
+    copies them back. Eager's foreach ops go tensor by tensor: `_foreach_mul_([x, x], s)`
+    scales x twice, `_foreach_add_([a, b], [b, a])` adds the new a to b."""
+    wpos, wnames = written_arguments(ins.op)
+    written, lists, every = [], False, []
+    for i, t in enumerate(ins.args):
+        _walk(t, lambda t: every.append(t[2]) if t[0] == "T" else None)
+        if i in wpos:
+            lists |= t[0] == "L"
+            _walk(t, lambda t: written.append(t[2]) if t[0] == "T" else None)
+    for n, t in ins.kwargs.items():
+        _walk(t, lambda t: every.append(t[2]) if t[0] == "T" else None)
+        if n in wnames:
+            lists |= t[0] == "L"
+            _walk(t, lambda t: written.append(t[2]) if t[0] == "T" else None)
+    if len(set(written)) < len(written):
+        return "an op writes one buffer through two arguments"
+    if lists and any(every.count(s) > 1 for s in written):
+        return "a foreach op writes a buffer another of its arguments reads"
     return None
 
 
