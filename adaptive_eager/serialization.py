@@ -27,8 +27,9 @@ import torch
 
 from .source import DEVICE_TYPE
 
-# handle uid -> (host copy of the whole buffer, the device buffer then, device submits then)
+# handle uid -> (host copy of the whole buffer, the device buffer then, `_writers` then)
 _HOST_COPIES: dict[int, tuple] = {}
+_OWN_READS: collections.Counter = collections.Counter()  # device -> our pickle reads' DMAs
 
 
 def reduce(t) -> tuple:
@@ -41,24 +42,34 @@ def reduce(t) -> tuple:
              collections.OrderedDict()))
 
 
+def _writers(dev) -> int:
+    """Submissions to `dev` that may have written a buffer: every launch and DMA but the
+    reads of `_host_copy` itself (a save reading other buffers between two views of one
+    must not take the first copy for stale: the views came back as two storages)."""
+    return dev.submits - _OWN_READS[dev]
+
+
 def _host_copy(t) -> torch.UntypedStorage:
     """The buffer's bytes on the host, read once while nothing can have written them: the
-    same device buffer, no launch or DMA submitted since, no queued op on it."""
+    same device buffer, nothing submitted since that could write, no queued op on it."""
     h, eng = t._handle, t._engine
     dev = eng.device
     entry = _HOST_COPIES.get(h.uid)
     if entry is not None:
-        ref, buf, submits = entry
+        ref, buf, writers = entry
         host = ref()
-        if host is not None and buf is h.buffer and submits == dev.submits and not any(
+        if host is not None and buf is h.buffer and writers == _writers(dev) and not any(
                 h.uid in n.uids for n in eng.queue):
             return host
+    eng.sync("pickle")  # queued work launches first (it may write this buffer)...
     whole = eng.wrap(h, (h.nbytes,), (1,), 0, torch.uint8)
+    before = dev.submits
     host = eng.read(whole, "pickle").untyped_storage()
+    _OWN_READS[dev] += dev.submits - before  # ...so the read adds only its own DMA
     host._neuron_location = str(t.device)
     # Weak: the copy lives as long as the save holding it; the entry goes with it.
     _HOST_COPIES[h.uid] = (weakref.ref(host, lambda _, uid=h.uid: _HOST_COPIES.pop(uid, None)),
-                           h.buffer, dev.submits)
+                           h.buffer, _writers(dev))
     return host
 
 

@@ -177,7 +177,10 @@ def test_a_cpu_checkpoint_loads_onto_the_device(where):
 def test_views_of_a_device_buffer_stay_views_through_save_and_load():
     w = torch.zeros(100, device="neuron")
     for kw in ({}, {"map_location": "cpu"}, {"weights_only": False}):
-        d = torch.load(_saved({"a": w, "b": w, "v": w[10:20], "m": w.view(10, 10).t()}), **kw)
+        # another buffer saved in between (a tied model's state_dict: embed, ..., lm_head):
+        # its read made the first host copy look stale, and the views came back as copies
+        d = torch.load(_saved({"a": w, "x": torch.ones(3, device="neuron"), "b": w,
+                               "v": w[10:20], "m": w.view(10, 10).t()}), **kw)
         d["a"].add_(1)
         assert d["b"][0].item() == 1.0 and d["v"][0].item() == 1.0 and d["m"][0, 0].item() == 1
         assert d["m"].stride() == (1, 10) and d["a"].device.type == kw.get("map_location",
@@ -193,9 +196,13 @@ def test_a_save_sees_the_values_at_its_time():
     with ae.adaptive():
         t.mul_(2)  # queued, not flushed, when the third save starts
         third = _saved(t[:2])
+        u = torch.zeros(2, device="neuron")
+        t.add_(1)  # queued: the save's read of u launches it before t's second view
+        fourth = _saved([t[:1], u, t])
     assert torch.load(first).tolist() == [0.0] * 3
     assert [x.tolist() for x in torch.load(second)] == [[5.0] * 3, [5.0] * 2]
     assert torch.load(third).tolist() == [10.0] * 2
+    assert [x.tolist() for x in torch.load(fourth)] == [[11.0], [0.0] * 2, [11.0] * 3]
 
 
 def test_deepcopy_copies_a_buffer_once_and_only_leaves():
