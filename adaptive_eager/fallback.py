@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
 from fusion.ir import Handle, written_arguments
-from fusion.ops import RANDOM, op_class
+from fusion.ops import RANDOM, device_kernel, op_class
 
 from . import config as _config
 from ._tensor import NeuronTensor
@@ -74,11 +74,12 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         result = {}
 
         random = op_class(func) == RANDOM and c_kwargs.get("generator") is None
+        kernel = device_kernel(func)
 
         def work():
             try:  # a random op draws from the device's stream, as queued ones do
                 result["out"] = (eng.device.rng.run(func, c_args, c_kwargs) if random
-                                 else func(*c_args, **c_kwargs))
+                                 else kernel(*c_args, **c_kwargs))
             except Exception as e:
                 if not fallback:  # a device launch: the op's error, found at the sync
                     raise LaunchError(e) from None

@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusion.ir import OpSig
-from fusion.ops import CONTRACTION, VIEW, op_class
+from fusion.ops import CONTRACTION, VIEW, device_kernel, op_class
 
 from .source import DEVICE_TYPE, _user_stacklevel
 
@@ -139,7 +139,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
             try:
                 c_args = [twin(v, t) for v, t in zip(args, args_t)]
                 c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-                return func(*c_args, **c_kwargs)
+                return device_kernel(func)(*c_args, **c_kwargs)
             except Exception as e:
                 if first is not None and type(e) is type(first) and str(e) == str(first):
                     return first.with_traceback(None)

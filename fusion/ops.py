@@ -95,3 +95,21 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
     if base in _INDEXING:
         return INDEXING
     return None
+
+
+def _histc(self, bins=100, min=0, max=0):
+    """CUDA's histc counts integer tensors too (bounds truncated to integers, bins by
+    integer division); CPU's kernel takes floating point only. Integers through float64
+    fall in the same bins (exact below 2**53)."""
+    if self.is_floating_point() or self.dtype is torch.bool:
+        return aten.histc.default(self, bins, min, max)
+    return aten.histc.default(self.double(), bins, int(min), int(max)).to(self.dtype)
+
+
+# The device's kernel where CPU's refuses what CUDA's takes (the device follows CUDA).
+_KERNELS = {aten.histc.default: _histc}
+
+
+def device_kernel(func):
+    """What the device runs for `func`: CPU's kernel, or CUDA's semantics (`_KERNELS`)."""
+    return _KERNELS.get(func, func)

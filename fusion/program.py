@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from device import LaunchError
 
 from .ir import Node, from_json, to_json, _DECODE_ENUM
-from .ops import BARRIER, RANDOM, op_class
+from .ops import BARRIER, RANDOM, device_kernel, op_class
 
 _CPU = torch.device("cpu")  # host tensors made here: never the default device
 
@@ -123,12 +123,14 @@ def _value(t, st, inputs, views):
 
 
 class Instr:
-    __slots__ = ("op", "args", "kwargs", "outs", "any_out", "random", "f64", "mutated",
-                 "in_slots", "out_slots")
+    __slots__ = ("op", "kernel", "args", "kwargs", "outs", "any_out", "random", "f64",
+                 "mutated", "in_slots", "out_slots")
     # (outs holds (templates, slot map) until bind_outputs)
 
     def __init__(self, schema_name, overload, args, kwargs, outs, smap, vids):
         self.op = _resolve(schema_name, overload)
+        kernel = device_kernel(self.op)  # the C++ entry: OpOverload.__call__ minus a frame
+        self.kernel = self.op._op if kernel is self.op else kernel
         self.args = tuple(_bind(a, smap, vids) for a in args)
         self.kwargs = {k: _bind(v, smap, vids) for k, v in kwargs}
         self.outs = outs, smap  # bound by bind_outputs, once every instr's inputs are known
@@ -221,7 +223,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         if ins.random:
             out = rng.run(ins.op, args, kwargs)
         else:
-            out = ins.op._op(*args, **kwargs)  # the C++ entry: OpOverload.__call__ minus a frame
+            out = ins.kernel(*args, **kwargs)
     except Exception as e:  # the kernel refused its inputs: the op's own error
         raise LaunchError(e) from None
     if ins.f64:

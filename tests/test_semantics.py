@@ -474,3 +474,28 @@ def test_a_host_scalar_tensor_is_an_input_never_an_output(mode):
     c = torch.zeros(2)
     c.copy_(n)  # a device-to-host copy
     assert c.tolist() == [2.0, 2.0] and (n ** 2).item() == 4.0  # the engine still works
+
+
+def test_histc_counts_integer_tensors_as_cuda_does(mode):
+    """CPU's histc takes floating point only; CUDA's (and so the device's) counts integers
+    too, as MoE routing in transformers does on every device but cpu and mps (Mixtral,
+    Qwen2-MoE raised "histogram_cpu" not implemented for 'Int')."""
+    def cuda_histc(values, bins, lo, hi):  # CUDA's integer kernel, written out
+        if lo == hi:
+            lo, hi = min(values), max(values)
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+        out = [0] * bins
+        for v in values:
+            if lo <= v <= hi:
+                out[min((v - lo) * bins // (hi - lo), bins - 1)] += 1
+        return out
+    values = [0, 1, 1, 3, 5, -2, 7, 7]
+    for dtype in (torch.int32, torch.int64, torch.uint8):
+        vals = [v for v in values if v >= 0] if dtype is torch.uint8 else values
+        x = torch.tensor(vals, dtype=dtype, device="neuron")
+        for bins, lo, hi in ((4, 0, 3), (3, 0, 0), (5, 1, 7), (2, 4, 4)):
+            h = torch.histc(x * 1, bins=bins, min=lo, max=hi)
+            assert h.dtype == dtype and h.tolist() == cuda_histc(vals, bins, lo, hi)
+    f = torch.randn(50)
+    assert torch.equal(torch.histc(f.to("neuron"), bins=7).cpu(), torch.histc(f, bins=7))
