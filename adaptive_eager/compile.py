@@ -28,10 +28,12 @@ import sys
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _engine
 from ._tensor import NeuronTensor
 from .config import config
+from .source import DEVICE_TYPE
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
 BOUNDARY_REASON = "compile boundary"  # work queued before a graph starts
@@ -176,6 +178,22 @@ def _wrap_neuron_tensor(builder, value):
     return VariableBuilder.wrap_tensor(builder, value)
 
 
+def _refusing_neuron_graphs(call):
+    """torch.compile's Inductor entry: a captured graph that makes or uses neuron tensors
+    (a factory with device="neuron" inside the compiled function; neuron inputs are refused
+    by `_wrap_neuron_tensor`) is refused before Inductor runs it: its constant folding
+    executed neuron ops for real and failed on their storages (AttributeError `_weak_ref`:
+    transformers' flex attention compiles with Inductor)."""
+    def __call__(self, model_, inputs_, **kwargs):
+        for node in getattr(getattr(model_, "graph", None), "nodes", ()):
+            for v in pytree.tree_leaves(node.meta.get("example_value")):
+                if isinstance(v, torch.Tensor) and v.device.type == DEVICE_TYPE:
+                    raise NeuronInductorError(_INDUCTOR_MESSAGE)
+        return call(self, model_, inputs_, **kwargs)
+    __call__._neuron = True
+    return __call__
+
+
 def _plain_tensor_type(infer):
     """Dynamo's `infer_subclass_type` (private) for a graph input: a neuron tensor is a plain
     tensor (Note [Dynamo and the neuron tensor]), not a `__torch_function__` subclass whose
@@ -239,6 +257,9 @@ def register() -> None:
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
         table[NeuronTensor] = _wrap_neuron_tensor
+    wrapper = torch._TorchCompileInductorWrapper
+    if not getattr(wrapper.__call__, "_neuron", False):
+        wrapper.__call__ = _refusing_neuron_graphs(wrapper.__call__)
     if not getattr(builder.infer_subclass_type, "_neuron", False):
         builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
     for module in _never_traced():

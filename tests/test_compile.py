@@ -341,3 +341,21 @@ def test_dynamo_fma_rewrites_run_on_the_device(adaptive):
             step()
     for p, q in zip(net.parameters(), net_n.parameters()):
         torch.testing.assert_close(q.cpu(), p)
+
+
+def test_the_default_backend_refuses_neuron_code_clearly():
+    """Inductor generates no neuron code: neuron inputs, and neuron tensors made inside the
+    compiled function (its constant folding ran them for real: AttributeError `_weak_ref`),
+    are refused in words that name the fix; CPU code still compiles."""
+    def made_inside(n):
+        return torch.full((2, n), 0, dtype=torch.int32, device="neuron") + 1
+
+    def given(x):
+        return x * 2
+
+    for fn, arg in ((made_inside, 3), (given, torch.ones(2, device="neuron"))):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"NeuronInductorError.*backend=\"neuron\""):
+            torch.compile(fn)(arg)
+    assert torch.equal(torch.compile(made_inside, backend="neuron")(3).cpu(),
+                       torch.ones(2, 3, dtype=torch.int32))
