@@ -49,7 +49,7 @@ _INDEXING = {
     "as_strided_scatter", "select_scatter", "slice_scatter", "diagonal_scatter", "new_zeros",
     "new_empty", "new_empty_strided", "new_full", "new_ones", "empty_like", "zeros_like",
     "ones_like", "full_like", "fill", "unfold_backward", "_to_copy", "copy", "copy_",
-    "index_reduce", "searchsorted", "bucketize", "max_pool1d", "max_pool3d_with_indices",
+    "index_reduce", "searchsorted", "bucketize", "isin", "max_pool1d", "max_pool3d_with_indices",
     "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
     "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",

@@ -141,6 +141,19 @@ def test_integer_indexing_is_queued_and_a_boolean_mask_is_a_barrier():
     assert torch.equal(picked.cpu(), x[x[:, 0] > 0])
 
 
+def test_isin_is_queued_not_a_fallback():
+    """`torch.isin` (generate's stopping criteria, every token) fell back to the CPU: a
+    sync per call. Its output has its input's shape: the device runs it queued."""
+    x, ids = torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 3, 9])
+    xn, idsn = x.to("neuron"), ids.to("neuron")
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        ae.reset_metrics()
+        y = torch.isin(xn * 1, idsn) & ~torch.isin(xn, idsn, invert=True)
+        m = ae.metrics()
+        assert m.flushes == {} and m.cpu_fallbacks == {}
+    assert torch.equal(y.cpu(), torch.isin(x, ids))
+
+
 def test_data_dependent_op_is_a_barrier():
     x = rand(32)
     with ae.override(queue_low_threshold=0), ae.adaptive():
