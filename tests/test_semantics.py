@@ -499,3 +499,45 @@ def test_histc_counts_integer_tensors_as_cuda_does(mode):
             assert h.dtype == dtype and h.tolist() == cuda_histc(vals, bins, lo, hi)
     f = torch.randn(50)
     assert torch.equal(torch.histc(f.to("neuron"), bins=7).cpu(), torch.histc(f, bins=7))
+
+
+def test_a_hook_that_raises_in_backward_raises_to_the_caller():
+    """A tensor hook (or post-accumulate hook) raising inside a neuron backward aborted the
+    process ("terminate called without an active exception": the error unwound through
+    the Python device guard). Note [Hooks that raise] in _tensor.py. In a child process:
+    the old behaviour kills it."""
+    r = _run("""
+        import pytest, torch, adaptive_eager as ae
+        def boom(*_):
+            raise ValueError("boom")
+        for adaptive in (False, True):
+            ae.set_adaptive(adaptive)
+            w = torch.randn(4, 4, device="neuron", requires_grad=True)
+            h = (w * 2).relu()
+            h.register_hook(boom)
+            with pytest.raises(ValueError, match="boom"):
+                h.sum().backward()
+            handle = w.register_post_accumulate_grad_hook(boom)
+            with pytest.raises(ValueError, match="boom"):
+                (w * 3).sum().backward()
+            handle.remove()
+            with pytest.raises(ValueError, match="boom"):  # outside a backward: as any call
+                next(iter(h._backward_hooks.values()))(torch.ones(4, 4))
+            m = torch.nn.Linear(4, 4).to("neuron")
+            x = torch.randn(2, 4, device="neuron", requires_grad=True)
+            for register in (m.register_full_backward_hook, m.register_full_backward_pre_hook):
+                handle = register(boom)  # a module's, through BackwardHook's node hooks
+                with pytest.raises(ValueError, match="boom"):
+                    m(x).sum().backward()
+                handle.remove()
+            m.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 2,))
+            m(x).sum().backward()
+            assert torch.equal(x.grad.cpu(), 2 * m.weight.detach().cpu().sum(0).expand(2, 4))
+            v = torch.ones(3, device="neuron", requires_grad=True)
+            v.register_hook(lambda g: g * 10)  # hooks that work still work
+            (v * 2).sum().backward()
+            assert v.grad.tolist() == [20.0] * 3
+            assert (w * 3).sum().item() == (w.detach().cpu() * 3).sum().item()
+        print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
