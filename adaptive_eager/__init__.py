@@ -173,6 +173,11 @@ def save_trace(path: str) -> None:
 
 @atexit.register
 def _flush_at_exit():  # nothing queued is lost at process exit
+    # Note [Threads] at exit: the engine lock is taken for good, so a daemon thread's next op
+    # waits on it in Python instead of being stopped by the interpreter's shutdown inside
+    # PyTorch's C++ dispatcher frames, which aborted the process ("terminate called
+    # without an active exception"). A thread stuck holding it is not waited for long.
+    _engine._LOCK.acquire(timeout=10)
     try:
         for eng in list(_engine.ENGINES):
             eng.sync("exit")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import threading
 import warnings
 
@@ -23,7 +24,7 @@ from fusion.ops import BARRIER, INPLACE_VIEW, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
-from . import results, transfer
+from . import errors, results, transfer
 from ._tensor import NeuronTensor
 from .errors import _hand_off, _raise_launch_error
 from .fallback import run_now
@@ -420,6 +421,24 @@ ENGINE = Engine()  # neuron:0
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
 _CURRENT = [0]  # the current core's index (cores.set_current checks it first)
 _OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
+
+
+def _after_fork_in_child() -> None:
+    """Note [Threads] across os.fork: only the forking thread lives on in the child, and a
+    lock another thread held at the fork stays held for good (a DataLoader worker, forked
+    while a thread ran neuron ops, hung in torch.manual_seed). The child gets fresh locks,
+    and counters of its own (its metrics file counts its own work, not the parent's again).
+    What the parent's other threads were doing at the fork is lost, as in any library."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    for eng in ENGINES:
+        eng.lock = _LOCK
+        eng.device.hbm.after_fork()
+    errors.after_fork()
+    COUNTERS.reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def other_cores_used() -> bool:

@@ -79,6 +79,12 @@ def _hand_off(e: BaseException) -> str:
 
 
 
+def after_fork() -> None:
+    """A forked child's own hand-off lock (Note [Threads] across os.fork in _engine.py)."""
+    global _HANDOFF_LOCK
+    _HANDOFF_LOCK = threading.Lock()
+
+
 def take_handoff() -> BaseException | None:
     """The first error handed over from autograd's device thread, if any (clears them)."""
     with _HANDOFF_LOCK:

@@ -51,6 +51,10 @@ class HBM:
         # possibly while another thread allocates: the counters are updated under a lock.
         self._lock = threading.Lock()
 
+    def after_fork(self) -> None:
+        """In a forked child: a lock another thread of the parent held stays held for good."""
+        self._lock = threading.Lock()
+
     def reserve(self, nbytes: int) -> None:
         with self._lock:
             self._reserve(nbytes)

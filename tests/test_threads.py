@@ -121,3 +121,48 @@ def test_compiled_graphs_in_threads_leave_the_mode_and_settings_alone(mode):
             config.buffer_size_limit) == state
     want = (x * 2 + 1).relu().sum(0)
     assert all(torch.equal(g, want) for r in got for g in r)
+
+
+def _busy_child(code: str) -> "subprocess.CompletedProcess":
+    """`code` in a fresh interpreter, beside a daemon thread busy on neuron (`_BUSY`)."""
+    import subprocess
+    import sys
+    import textwrap
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(_BUSY) + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=240)
+
+
+_BUSY = """
+    import os, threading, time, torch, adaptive_eager as ae
+    def busy():  # a daemon thread issuing neuron ops (and holding the engine lock) non-stop
+        a = torch.ones(64, device="neuron")
+        while True:
+            a = (a * 1.0001).tanh()
+            a.sum().item()
+    threading.Thread(target=busy, daemon=True).start()
+    time.sleep(0.3)
+"""
+
+
+def test_a_forked_child_has_its_own_locks_and_counters():
+    """os.fork (DataLoader workers) while another thread holds the engine lock: the child
+    inherited it held and hung (in torch.manual_seed); its metrics repeated the parent's."""
+    r = _busy_child("""
+    from torch.utils.data import DataLoader, TensorDataset
+    dl = DataLoader(TensorDataset(torch.arange(64.)), batch_size=16, num_workers=2, timeout=60)
+    print(sum(b[0].to("neuron").sum().item() for b in dl))
+    pid = os.fork()
+    if pid == 0:
+        ops = ae.metrics().ops
+        x = (torch.arange(4., device="neuron") * 2).sum().item()
+        os._exit(0 if ops == 0 and x == 12.0 else 3)
+    print(os.waitpid(pid, 0)[1])
+    """)
+    assert r.returncode == 0 and r.stdout.split() == ["2016.0", "0"], r.stderr[-2000:]
+
+
+def test_exit_with_a_daemon_thread_running_neuron_ops():
+    """The interpreter's shutdown stopped such a thread inside PyTorch's C++ dispatcher frames:
+    "terminate called without an active exception". The engine lock is held at exit."""
+    r = _busy_child("print('bye')\n")
+    assert r.returncode == 0 and r.stdout.strip() == "bye", r.stderr[-2000:]
