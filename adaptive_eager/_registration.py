@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ._tensor import NeuronTensor, _module_backward_hook_class
+from ._tensor import NeuronTensor, _module_backward_hook_class, _refuse_sharing
 from .source import DEVICE_TYPE
 from . import _engine, autocast, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
 
@@ -40,6 +40,8 @@ def register() -> None:
     _register_fused_rnn_cells()
     _register_undecomposed()
     _wrap_backward()
+    from multiprocessing.reduction import ForkingPickler
+    ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
     import torch.nn.modules.module as module
     if not getattr(module.BackwardHook, "_neuron", False):  # Note [Hooks that raise]
         module.BackwardHook = _module_backward_hook_class()

@@ -153,6 +153,22 @@ class NeuronTensor(torch.Tensor):
     def untyped_storage(self):
         return NeuronStorage(self._handle, self._engine)
 
+    def _typed_storage(self):  # Tensor.storage(), and what share_memory_ and collate reach
+        raise RuntimeError(
+            f"A {DEVICE_TYPE} tensor has no TypedStorage (its bytes live in the device's "
+            f"memory, not in a host storage): use t.untyped_storage() for its buffer's "
+            f"identity and size, or t.cpu() for its values.")
+
+    # Note [Sharing across processes]: a neuron buffer cannot be shared with another process
+    # (CUDA shares through IPC handles; the simulated HBM is this process's). Sending one
+    # through torch.multiprocessing raises (it arrived as a CPU copy: the child's writes
+    # were lost without a word); share_memory_ is a no-op, as on CUDA.
+    def share_memory_(self):
+        return self
+
+    def is_shared(self) -> bool:
+        return False
+
     def data_ptr(self) -> int:
         return device_address(self._handle) + self.storage_offset() * self.element_size()
 
@@ -222,6 +238,14 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
 
 _APPLY = torch.nn.Module._apply.__code__
 torch.utils.swap_tensors = _swap_keeping_attributes
+
+
+def _refuse_sharing(t):
+    """Note [Sharing across processes]: torch.multiprocessing's reducer for neuron tensors."""
+    raise RuntimeError(
+        f"A {DEVICE_TYPE} tensor cannot be sent to another process: its buffer lives in this "
+        f"process's device memory and cannot be shared. Send t.cpu() and move it with "
+        f".to('{DEVICE_TYPE}') in the other process (a copy: writes there are not seen here).")
 
 
 def _guarded(hook):

@@ -439,3 +439,18 @@ def test_torchscript_onto_the_device_raises_instead_of_loading_empty_weights():
             torch.jit.load(buf, map_location=where)
     buf.seek(0)
     assert torch.jit.load(buf, map_location="cpu").weight.shape == (3, 4)
+
+
+def test_sharing_with_another_process_is_refused_clearly():
+    """torch.multiprocessing pickled a neuron tensor as a CPU copy: the child got a CPU
+    tensor and its writes were lost without a word. Note [Sharing across processes]."""
+    import multiprocessing.reduction as reduction
+    t = torch.zeros(3, device="neuron")
+    with pytest.raises(RuntimeError, match="cannot be sent to another process.*t.cpu"):
+        reduction.ForkingPickler.dumps(t)
+    with pytest.raises(RuntimeError, match="cannot be sent to another process"):
+        reduction.ForkingPickler.dumps({"batch": [torch.nn.Parameter(t)]})
+    assert t.share_memory_() is t and not t.is_shared()  # a no-op, as on CUDA
+    with pytest.raises(RuntimeError, match="no TypedStorage.*untyped_storage"):
+        t.storage()
+    assert torch.load(_saved(t)).device == t.device  # pickling for a file still works
