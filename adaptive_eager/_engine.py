@@ -12,10 +12,11 @@ import importlib.metadata
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 
-from device import COUNTERS, Device, DeviceError, DeviceSpec
+from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
@@ -266,9 +267,13 @@ class Engine:
         nodes, self.queue = self.queue, []
         self.online.reset()
         self.pending_bytes = 0
-        with torch._C._DisableTorchDispatch():
-            report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
-                                     else self.eager_strategy)
+        try:
+            with torch._C._DisableTorchDispatch():
+                report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
+                                         else self.eager_strategy)
+        except BaseException as e:
+            _interrupted(self, nodes, e)
+            raise
         self.last_report = report
         m = self.metrics
         m.flushes[reason] += 1
@@ -421,6 +426,31 @@ ENGINE = Engine()  # neuron:0
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
 _CURRENT = [0]  # the current core's index (cores.set_current checks it first)
 _OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
+
+
+class FlushInterrupted(Exception):
+    """The flush that computes a value stopped before it did (KeyboardInterrupt, ...)."""
+
+
+def _interrupted(eng, nodes, e: BaseException) -> None:
+    """A flush raised (Ctrl-C lands in the Python that runs the device's work): the values
+    it had not computed yet stay unreadable with an error saying so, instead of handles
+    with no buffer (AttributeError on a later read, and on any op reading them). Values it
+    computed, and buffers it had updated in place, stay as they are, as on CPU when an
+    eager step is interrupted."""
+    err = FlushInterrupted(f"{type(e).__name__} interrupted the flush that computes this "
+                           f"value, so it was never computed: compute it again")
+    for n in nodes:
+        launch = None  # the op (and source line) that would have made the value
+        for r in n.refs or ():
+            h = r() if type(r) is weakref.ref else r
+            if h is not None and h.pending:
+                if launch is None:
+                    launch = Launch(n.name, None, 0, 0.0, context=[n])
+                    launch.error = err
+                h.buffer = eng.device.alloc(h.nbytes, torch.UntypedStorage(h.nbytes))
+                h.pending = False
+                h.poison = launch
 
 
 def _after_fork_in_child() -> None:

@@ -412,3 +412,33 @@ def test_report_turns_benchmark_json_into_table_and_chart(tmp_path):
     table = md.read_text()
     assert "| w | graph | 2.0 | 20.0% | 5.0 | 40.0 | 20.0% | 20.0 | 4.0x |" in table
     assert png.stat().st_size > 1000
+
+
+def test_an_interrupted_flush_loses_no_handle(monkeypatch):
+    """Ctrl-C lands in the Python that runs a flush: values it never computed had handles
+    with no buffer (AttributeError 'NoneType' has no attribute 'storage' on every later
+    read, and on ops reading them). Now: what it computed is readable, the rest raises an
+    error saying so, and the engine goes on."""
+    from device import Device
+    submit, seen = Device.submit, []
+
+    def interrupting(self, launch):
+        seen.append(launch.name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return submit(self, launch)
+    x = torch.arange(4.0, device="neuron")
+    with ae.override(queue_low_threshold=0), ae.adaptive(strategy="none"):
+        a = x + 1
+        b = a * 2
+        c = b - 3
+        d = c.exp()
+        monkeypatch.setattr(Device, "submit", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            torch.neuron.synchronize()
+        monkeypatch.setattr(Device, "submit", submit)
+        assert a.tolist() == [1.0, 2.0, 3.0, 4.0] and b.tolist() == [2.0, 4.0, 6.0, 8.0]
+        for t in (c, d, c + 1):
+            with pytest.raises(ae.NeuronRuntimeError, match="KeyboardInterrupt interrupted"):
+                t.cpu()
+        assert (x * 3).tolist() == [0.0, 3.0, 6.0, 9.0]
