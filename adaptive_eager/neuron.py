@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import typing
 
 import torch
 
@@ -55,6 +56,19 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 def get_device_name(device=None) -> str:
     _check(device)
     return "Simulated NeuronCore (adaptive-eager)"
+
+
+class _DeviceProperties(typing.NamedTuple):
+    """`torch.neuron.get_device_properties(i)`: the fields scripts read from CUDA's."""
+    name: str
+    total_memory: int  # HBM bytes of the core
+    multi_processor_count: int  # the core's engines (the simulator models one queue)
+    type: str = "neuron"
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    eng = _E(device)
+    return _DeviceProperties(get_device_name(eng.index), eng.spec.hbm_bytes, 1)
 
 
 def synchronize(device=None) -> None:

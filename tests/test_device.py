@@ -365,3 +365,11 @@ def test_a_host_gradient_for_a_device_output_is_refused_as_cuda_does(mode):
         torch.autograd.grad(x * 3, x, torch.ones(3))
     (x * 2).sum().backward(torch.tensor(1.0))  # a 0-d gradient is moved, as on CUDA
     assert x.grad.device == x.device and x.grad.tolist() == [2.0] * 3
+
+
+def test_get_device_properties_as_cuda_scripts_read_it():
+    p = torch.neuron.get_device_properties(0)
+    assert p.total_memory == torch.neuron.mem_get_info(0)[1] and p.name and p.type == "neuron"
+    assert torch.neuron.get_device_properties("neuron:1").total_memory == p.total_memory
+    with pytest.raises(RuntimeError, match="neuron:9 does not exist"):
+        torch.neuron.get_device_properties(9)
