@@ -1169,6 +1169,13 @@ def compare_close(stmts, eager, run, taint) -> list[tuple[str, str]]:
     its layouts compared."""
     import torch
     (ee, er), (ie, ir) = eager, run
+    if (ee is not None and ee.get("deferred")) or any(
+            v.get("read_error") == "NeuronRuntimeError" for v in er.values()):
+        # A device-side value error (an index out of range, found at the sync): Inductor's
+        # code wraps negative indices that eager refuses, and fails a group as a whole
+        # where the interpreter poisons only what depends on the failed op (seed 19000329;
+        # README, Executors). Not compared.
+        return []
     if (ee and (ee["at"], ee["type"])) != (ie and (ie["at"], ie["type"])):
         fmt = lambda e: "nothing" if e is None else f"{e['type']} at statement {e['at']}"  # noqa: E731
         return [("inductor-raised", f"eager raised {fmt(ee)}, inductor {fmt(ie)}")]
