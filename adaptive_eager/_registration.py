@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from ._tensor import NeuronTensor, _module_backward_hook_class, _refuse_sharing
+from ._tensor import NeuronTensor, _refuse_sharing
+from .hooks import module_backward_hook_class
 from .source import DEVICE_TYPE
 from . import _engine, autocast, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
 
@@ -44,7 +45,7 @@ def register() -> None:
     ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
     import torch.nn.modules.module as module
     if not getattr(module.BackwardHook, "_neuron", False):  # Note [Hooks that raise]
-        module.BackwardHook = _module_backward_hook_class()
+        module.BackwardHook = module_backward_hook_class()
     _route_accelerator_api()
     pinned.register()
     serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])

@@ -5,17 +5,14 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 from __future__ import annotations
 
 import collections
-import functools
 import sys
-import threading
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import serialization
+from . import hooks, serialization
 from ._storage import NeuronStorage, device_address
 from .meta import _extent_bytes
-from .errors import _hand_off
 from .source import DEVICE_TYPE
 
 
@@ -96,18 +93,12 @@ class NeuronTensor(torch.Tensor):
         engine = a._engine if type(a) is NeuronTensor else engine_of(args, kwargs)
         return engine.dispatch(func, args, kwargs or {})
 
-    # Note [Hooks that raise]: autograd calls a tensor hook and, when it raises, unwinds
-    # with the Python error still pending through the node's device guard, which for a
-    # Python backend calls into Python: the process aborts ("terminate called without an
-    # active exception"). CUDA's guard is C++. So a neuron tensor's hooks hand their error
-    # over (Note [Device-thread errors] in errors.py) and return what autograd refuses with a
-    # C++ error (a gradient of another device), which
-    # unwinds safely; the backward wrapper re-raises the hook's own exception.
+    # Note [Hooks that raise] in hooks.py
     def register_hook(self, hook):
-        return torch.Tensor.register_hook(self, _guarded(hook))
+        return torch.Tensor.register_hook(self, hooks.guarded(hook))
 
     def register_post_accumulate_grad_hook(self, hook):
-        return torch.Tensor.register_post_accumulate_grad_hook(self, _guarded(hook))
+        return torch.Tensor.register_post_accumulate_grad_hook(self, hooks.guarded(hook))
 
     # -- sync points with their own reason ----------------------------------------------
     def _host(self, reason: str) -> torch.Tensor:
@@ -246,71 +237,6 @@ def _refuse_sharing(t):
         f"A {DEVICE_TYPE} tensor cannot be sent to another process: its buffer lives in this "
         f"process's device memory and cannot be shared. Send t.cpu() and move it with "
         f".to('{DEVICE_TYPE}') in the other process (a copy: writes there are not seen here).")
-
-
-def _guarded(hook):
-    """Note [Hooks that raise]: `hook`, whose error inside a backward is handed over."""
-    @functools.wraps(hook)
-    def guarded(*args):
-        try:
-            return hook(*args)
-        except BaseException as e:
-            if torch._C._current_autograd_node() is None \
-                    and type(threading.current_thread()) is not threading._DummyThread:
-                raise  # not inside a backward: nothing to unwind through
-            _hand_off(e)
-            return torch.empty(0)  # a CPU gradient: autograd's C++ check refuses it
-    return guarded
-
-
-def _guarded_node_hook(hook):
-    """Note [Hooks that raise] for a hook on an autograd node (`hook(grads, ...)` returns
-    a replacement for `grads`): one of the wrong length is refused by a C++ check."""
-    @functools.wraps(hook)
-    def guarded(*args):
-        try:
-            return hook(*args)
-        except BaseException as e:
-            if (torch._C._current_autograd_node() is None
-                    and type(threading.current_thread()) is not threading._DummyThread) \
-                    or not any(type(g) is NeuronTensor for a in args for g in a):
-                raise  # not a neuron backward: PyTorch's own path
-            _hand_off(e)
-            return (None,) * (len(args[0]) + 1)
-    return guarded
-
-
-class _GuardedNode:
-    """An autograd node whose hooks registered through it are guarded."""
-    __slots__ = ("_fn",)
-
-    def __init__(self, fn):
-        self._fn = fn._fn if type(fn) is _GuardedNode else fn
-
-    def register_hook(self, hook):
-        return self._fn.register_hook(_guarded_node_hook(hook))
-
-    def register_prehook(self, hook):
-        return self._fn.register_prehook(_guarded_node_hook(hook))
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-
-def _module_backward_hook_class():
-    """nn.Module's full backward (pre-)hooks run inside Python hooks that BackwardHook puts
-    on autograd nodes: those are guarded (Note [Hooks that raise])."""
-    from torch.utils.hooks import BackwardHook
-
-    class GuardedBackwardHook(BackwardHook):
-        _neuron = True
-
-        def _set_user_hook(self, grad_fn):
-            return super()._set_user_hook(_GuardedNode(grad_fn))
-
-        def _apply_on_tensors(self, fn, args):
-            return super()._apply_on_tensors(lambda g: fn(_GuardedNode(g)), args)
-    return GuardedBackwardHook
 
 
 def _device(engine) -> torch.device:

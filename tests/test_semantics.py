@@ -504,7 +504,7 @@ def test_histc_counts_integer_tensors_as_cuda_does(mode):
 def test_a_hook_that_raises_in_backward_raises_to_the_caller():
     """A tensor hook (or post-accumulate hook) raising inside a neuron backward aborted the
     process ("terminate called without an active exception": the error unwound through
-    the Python device guard). Note [Hooks that raise] in _tensor.py. In a child process:
+    the Python device guard). Note [Hooks that raise] in hooks.py. In a child process:
     the old behaviour kills it."""
     r = _run("""
         import pytest, torch, adaptive_eager as ae
