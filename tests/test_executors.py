@@ -148,6 +148,22 @@ def test_foreach_writes_over_aliased_arguments_run_interpreted():
                                        "arguments reads"}
 
 
+def test_out_of_another_dtype_runs_interpreted():
+    """`torch.sum(float_t, 0, out=int_t)`: Inductor's functional form gave other integers
+    than eager's kernel (fuzzer seed 21000083)."""
+    x = torch.randn(2, 3, 4) * 3
+    out = torch.empty(3, 4, dtype=torch.int64)
+    torch.sum(x * 1, 0, out=out)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        on = torch.empty(3, 4, dtype=torch.int64, device="neuron")
+        torch.sum(x.to("neuron") * 1, 0, out=on)
+        got = (on + 0).cpu()
+        m = ae.metrics()
+    assert torch.equal(got, out)
+    assert "out= of another dtype than its inputs" in m.compile_failures
+
+
 def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
     x, _ = _inputs()
 

@@ -108,6 +108,14 @@ def _aliased_writes(ins) -> str | None:
         return "an op writes one buffer through two arguments"
     if lists and any(every.count(s) > 1 for s in written):
         return "a foreach op writes a buffer another of its arguments reads"
+    if wnames and any(n in wnames and n != "self" for n in ins.kwargs):
+        dtypes = set()
+        for t in _templates(ins):
+            _walk(t, lambda t: dtypes.add(t[6]) if t[0] == "T" else None)
+        if len(dtypes) > 1:
+            # `torch.sum(float_t, 0, out=int_t)`: Inductor's functional form computes in
+            # another dtype than eager's kernel (fuzzer seed 21000083)
+            return "out= of another dtype than its inputs"
     return None
 
 
