@@ -857,8 +857,7 @@ def run_reference(stmts, upto=None, fail_at=None):
             if "manual_seed(" in code:
                 rng_diverged = False
             if info["deletes"]:
-                taint.pop(info["deletes"], None)
-                continue
+                continue  # its taints stay: an earlier statement read it (seed 20004439)
             targets = set(info["muts"]) | ({d} if d else set())
             for x in list(targets):
                 targets |= aliases(x)
@@ -1180,6 +1179,8 @@ def compare_close(stmts, eager, run, taint) -> list[tuple[str, str]]:
         fmt = lambda e: "nothing" if e is None else f"{e['type']} at statement {e['at']}"  # noqa: E731
         return [("inductor-raised", f"eager raised {fmt(ee)}, inductor {fmt(ie)}")]
     jumps = any(_F64_CUT.search(x) for x in stmts)
+    # half precision anywhere: its rounding reaches float32 values made from it (seed 21001181)
+    low = any("float16" in x for x in stmts)  # (bfloat16 too)
     fails = []
     for var, a in sorted(ir.items()):
         e = er.get(var)
@@ -1195,7 +1196,7 @@ def compare_close(stmts, eager, run, taint) -> list[tuple[str, str]]:
                 fails.append(("inductor-" + key, f"{var}: {key} on one side only"))
             elif x is not None and not jumps:
                 # half precision: one rounding apart (Inductor computes in float32)
-                tol = 2e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                tol = 2e-2 if low else 1e-4
                 try:
                     torch.testing.assert_close(x, y, rtol=tol, atol=tol, equal_nan=True)
                 except AssertionError as err:
