@@ -236,3 +236,8 @@ def test_deferred_error_in_a_single_threaded_backward_is_raised_not_an_abort():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["raised", "True", "alive", "12.0"]
+
+
+def test_get_device_properties_of_another_core():
+    p = torch.neuron.get_device_properties("neuron:1")
+    assert p.total_memory == torch.neuron.get_device_properties(0).total_memory

@@ -370,6 +370,6 @@ def test_a_host_gradient_for_a_device_output_is_refused_as_cuda_does(mode):
 def test_get_device_properties_as_cuda_scripts_read_it():
     p = torch.neuron.get_device_properties(0)
     assert p.total_memory == torch.neuron.mem_get_info(0)[1] and p.name and p.type == "neuron"
-    assert torch.neuron.get_device_properties("neuron:1").total_memory == p.total_memory
+    # (another core's: tests/test_cores.py, which leaves the process one core again)
     with pytest.raises(RuntimeError, match="neuron:9 does not exist"):
         torch.neuron.get_device_properties(9)
