@@ -164,6 +164,23 @@ def test_out_of_another_dtype_runs_interpreted():
     assert "out= of another dtype than its inputs" in m.compile_failures
 
 
+def test_inductor_gradient_through_an_expanded_scalar_of_the_group():
+    """mean's backward expands a 0-d value made in the group; its storage node was an
+    as_strided_scatter of the 0-d value, which Inductor turned into zeros here: the gradient
+    came out 0 (fuzzer seed 23001022)."""
+    def run(executor):
+        torch.manual_seed(0)
+        with ae.override(executor=executor), ae.adaptive(strategy="matmul"):
+            v2 = torch.randn((1, 2, 2), device="neuron")
+            v4 = v2.detach().requires_grad_()
+            torch.neuron.synchronize()
+            y = F.batch_norm(v2, None, None, training=True)  # kept: part of the group's output
+            v4.pow(1).mean().backward()
+            return v4.grad.cpu() + 0 * y.sum().cpu()
+    torch.testing.assert_close(run("inductor"), run("interpreter"), **TOL)
+    assert torch.equal(run("interpreter"), torch.full((1, 2, 2), 0.25))
+
+
 def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
     x, _ = _inputs()
 

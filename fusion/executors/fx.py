@@ -14,9 +14,10 @@ Note [Views of buffers made in the group]: an op's output is its node's value, b
 compiler picks its physical layout (Inductor's clone of a transposed input stays transposed,
 where ATen's cat of it is contiguous), and `as_strided` reinterprets whatever storage its
 argument has. So a buffer made in the group is viewed other than as made only through a
-1-D storage node built for it (`as_strided_scatter` of the output into zeros: logical, so
-layout-proof); from then on every access to that buffer, the made view included, goes
-through that node, so writes through one view reach the others.
+1-D storage node built for it from its value (flattened and cloned when contiguous, else an
+`as_strided_scatter` into zeros: logical, so layout-proof); from then on every access to that
+buffer, the made view included, goes through that node, so writes through one view reach the
+others.
 """
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def _walk(t, visit):
 
 def _templates(ins):
     return list(ins.args) + list(ins.kwargs.values())
+
+
+def _contiguous(size) -> list[int]:
+    out, n = [], 1
+    for d in reversed(size):
+        out.append(n)
+        n *= max(d, 1)
+    return out[::-1]
 
 
 def _extent(size, stride, offset) -> int:
@@ -200,10 +209,18 @@ def build(exe, inputs) -> FxGroup:
         node = flats.get(s)
         if node is None:
             leaf, size, stride, dtype, vid = created[s]
-            n = max(reach.get(s, 0), _extent(size, stride, 0))
-            zeros = g.call_function(_aten.zeros.default, ([n],), {"dtype": dtype})
-            node = flats[s] = g.call_function(
-                _aten.as_strided_scatter.default, (zeros, leaf, list(size), list(stride), 0))
+            numel = _extent(size, stride, 0)
+            n = max(reach.get(s, 0), numel)
+            if list(stride) == _contiguous(size):  # its values in order are its storage
+                node = g.call_function(_aten.clone.default, (
+                    g.call_function(_aten.reshape.default, (leaf, [-1])),))
+                if n > numel:
+                    node = g.call_function(_aten.constant_pad_nd.default, (node, [0, n - numel]))
+            else:  # (as_strided_scatter of a 0-d value gave zeros: fuzzer seed 23001022)
+                zeros = g.call_function(_aten.zeros.default, ([n],), {"dtype": dtype})
+                node = g.call_function(_aten.as_strided_scatter.default,
+                                       (zeros, leaf, list(size), list(stride), 0))
+            flats[s] = node
             views.pop(vid, None)  # the made view too reads the storage node from now on
         return node
 
