@@ -219,8 +219,7 @@ class Engine:
             # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
             # device thread, or the caller's own thread once backward runs single-threaded,
             # Note [Cores]) an exception must not unwind through PyTorch's device guard.
-            if (type(threading.current_thread()) is threading._DummyThread
-                    or torch._C._current_autograd_node() is not None):
+            if errors.in_backward():
                 return _hand_off(e)
             if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
                 raise e.with_traceback(None) from None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from .meta import _extent_bytes
 from .source import DEVICE_TYPE
 
@@ -77,6 +79,13 @@ def _hand_off(e: BaseException) -> str:
         _HANDOFF.append(e)
     return f"<{type(e).__name__} on autograd's device thread: {e}>"
 
+
+
+def in_backward() -> bool:
+    """Inside a backward node (autograd's device thread, or the caller's own thread once
+    backward runs single-threaded): where an error must be handed over, not raised."""
+    return (torch._C._current_autograd_node() is not None
+            or type(threading.current_thread()) is threading._DummyThread)
 
 
 def after_fork() -> None:

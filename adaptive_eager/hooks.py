@@ -13,17 +13,11 @@ is raised as it is.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
-from .errors import _hand_off
+from .errors import _hand_off, in_backward
 from .source import DEVICE_TYPE
-
-
-def _in_backward() -> bool:
-    return (torch._C._current_autograd_node() is not None
-            or type(threading.current_thread()) is threading._DummyThread)
 
 
 def guarded(hook):
@@ -33,7 +27,7 @@ def guarded(hook):
         try:
             return hook(*args)
         except BaseException as e:
-            if not _in_backward():
+            if not in_backward():
                 raise  # nothing to unwind through
             _hand_off(e)
             return torch.empty(0)  # a CPU gradient: autograd's C++ check refuses it
@@ -48,7 +42,7 @@ def _guarded_node_hook(hook):
         try:
             return hook(*args)
         except BaseException as e:
-            if not _in_backward() or not any(
+            if not in_backward() or not any(
                     isinstance(g, torch.Tensor) and g.device.type == DEVICE_TYPE
                     for a in args for g in a):
                 raise  # not a neuron backward: PyTorch's own path
