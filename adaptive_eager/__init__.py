@@ -51,10 +51,15 @@ def core_metrics(device=None) -> dict:
 
 
 def reset_metrics() -> None:
-    """Zero every counter (in place: the counters object is never replaced)."""
-    COUNTERS.reset()
-    for eng in _engine.ENGINES:
-        eng.device.stats.clear()
+    """Zero every counter (in place: the counters object is never replaced). Queued ops are
+    launched first, so that every later launch is counted with its ops: the counters after a
+    reset describe only what was issued after it."""
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.flush("metrics reset")
+        COUNTERS.reset()
+        for eng in _engine.ENGINES:
+            eng.device.stats.clear()
 
 
 def metrics_report() -> str:

@@ -310,6 +310,22 @@ def test_counters_never_go_negative_across_settings_changes():
         ae.set_device_spec(DeviceSpec())
 
 
+def test_a_reset_while_ops_are_queued_counts_their_launches_before_it():
+    # Resetting at the start of a measured region must not leave the queued ops before it to
+    # be launched and counted after it, without being counted as ops (a group of 4 ops
+    # counted after a reset that saw 1 op).
+    x = rand(16)
+    with ae.adaptive():
+        y = (x * 2 + 1).relu()  # queued
+        ae.reset_metrics()
+        m = ae.metrics()
+        assert m.ops == 0 and m.launches == 0 and sum(m.flushes.values()) == 0
+        z = y.sin().cpu()
+    after = ae.metrics()
+    assert after.launches == 1 and after.mean_group_size == 1  # sin alone
+    assert torch.equal(z, (x.cpu() * 2 + 1).relu().sin())
+
+
 def test_explain_and_dot():
     x = rand(4, 4)
     _, ex, _ = lazy(lambda: (x @ x).relu() @ x, max_group_contractions=1)
