@@ -7,9 +7,8 @@ import functools
 import torch
 
 from ._tensor import NeuronTensor, _refuse_sharing
-from .hooks import module_backward_hook_class
 from .source import DEVICE_TYPE
-from . import _engine, autocast, compile, cores, distributed, errors, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
+from . import _engine, autocast, compile, cores, distributed, errors, hooks, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -43,9 +42,7 @@ def register() -> None:
     _wrap_backward()
     from multiprocessing.reduction import ForkingPickler
     ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
-    import torch.nn.modules.module as module
-    if not getattr(module.BackwardHook, "_neuron", False):  # Note [Hooks that raise]
-        module.BackwardHook = module_backward_hook_class()
+    hooks.install()  # Note [Hooks that raise]
     _route_accelerator_api()
     pinned.register()
     serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])
@@ -84,7 +81,7 @@ def _wrap_backward() -> None:
         try:
             with threads:
                 result = run(outputs, grads, *args, **kwargs)
-        except RuntimeError:
+        except (RuntimeError, TypeError):  # the C++ refusal of a handed-over error
             err = errors.take_handoff()
             if err is None:
                 raise

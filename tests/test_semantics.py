@@ -541,3 +541,58 @@ def test_a_hook_that_raises_in_backward_raises_to_the_caller():
         print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_unpack_hooks_checkpoint_recompute_and_wrong_hook_returns_raise_as_on_cpu():
+    """More of Note [Hooks that raise]: a saved-tensor unpack hook that raises (so any error in
+    a non-reentrant checkpoint's recompute: Transformers' gradient checkpointing), a tensor or
+    post-accumulate hook returning a non-tensor, and a legacy module backward hook that raises
+    each aborted the process in a neuron backward. Each must raise what CPU raises."""
+    r = _run("""
+        import torch, adaptive_eager as ae
+        from torch.utils.checkpoint import checkpoint
+        def outcome(dev, case):
+            x = torch.ones(2, 3, device=dev, requires_grad=True)
+            try:
+                if case == "unpack":
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: 1 / 0):
+                        y = x.exp()
+                elif case == "recompute":
+                    w = {"w": torch.ones(3, 4, device=dev)}
+                    y = checkpoint(lambda a: a @ w["w"], x, use_reentrant=False)
+                    w["w"] = torch.ones(5, 4, device=dev)
+                elif case == "recompute_shape":
+                    n = {"k": 2}
+                    y = checkpoint(lambda a: a[:n["k"]].exp(), x, use_reentrant=False)
+                    n["k"] = 1
+                elif case == "tensor_hook":
+                    y = x * 2
+                    y.register_hook(lambda g: (g,))
+                elif case == "post_hook":
+                    x.register_post_accumulate_grad_hook(lambda p: 1)
+                    y = x * 2
+                elif case == "legacy":
+                    m = torch.nn.Linear(3, 3).to(dev)
+                    m.register_backward_hook(lambda m, gi, go: 1 / 0)
+                    y = m(x)
+                y.sum().backward()
+                return "no error"
+            except Exception as e:
+                return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        import warnings
+        warnings.simplefilter("ignore")
+        for adaptive in (False, True):
+            ae.set_adaptive(adaptive)
+            for case in ("unpack", "recompute", "recompute_shape", "tensor_hook", "post_hook",
+                         "legacy"):
+                cpu, neuron = outcome("cpu", case), outcome("neuron", case)
+                assert cpu == neuron and cpu != "no error", (case, cpu, neuron)
+            x = torch.randn(4, 4, device="neuron", requires_grad=True)
+            y = checkpoint(lambda a: (a * 2).sin().sum(), x, use_reentrant=False)
+            y.backward()  # a working checkpoint still works, as on CPU
+            xc = x.detach().cpu().requires_grad_()
+            (xc * 2).sin().sum().backward()
+            assert torch.equal(x.grad.cpu(), xc.grad)
+        print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
