@@ -21,7 +21,7 @@ from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
 from fusion.ir import Handle, Node
-from fusion.ops import BARRIER, INPLACE_VIEW, op_class
+from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
@@ -99,6 +99,16 @@ def _locked(method):
 # and devices; results are bit for bit those of that order. Re-entrant: an op may allocate,
 # flush and sync inside. Autograd's device thread takes it per op too.
 _LOCK = threading.RLock()
+
+
+# Note [Composite ops in inference mode]: PyTorch decomposes a CompositeImplicitAutograd op
+# (`to`, `softmax`, `layer_norm`, `scaled_dot_product_attention`...) at the Autograd key. In
+# inference mode, and for inference tensors, that key is skipped and the op reaches Python
+# dispatch whole: run as one device op it fell back to the CPU, or, for ops whose schema says
+# they may alias (`to`), was taken for a view (`.cpu()` of an inference tensor stayed on
+# neuron). It runs here as autograd's key would run it: our kernel where we registered one
+# (attention.sdpa, one_hot), PyTorch's decomposition otherwise, as CPU decomposes it
+# (fusion.ops.composite_key).
 
 
 class Engine:
@@ -214,6 +224,9 @@ class Engine:
                 special = _SPECIAL.get(func)
                 if special is not None:
                     return special(self, func, args, kwargs)
+                key = composite_key(func)  # Note [Composite ops in inference mode]
+                if key is not None:
+                    return func._op_dk(key, *args, **kwargs)
                 return self._dispatch(func, args, kwargs)
         except BaseException as e:
             # Note [Device-thread errors] in errors.py: inside a backward node (autograd's

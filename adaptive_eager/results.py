@@ -31,10 +31,7 @@ def results(eng, func, args, kwargs, handles, meta, new):
             _, k, size, stride, dtype, info = leaf
             return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
         if leaf[0] == "view":
-            _, li, size, stride, off, dtype, info = leaf
-            if info[2] > handles[li].nbytes:
-                _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
-            return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+            return _view(eng, leaf, handles, args)
     out = []
     for leaf in meta.leaves:
         kind = leaf[0]
@@ -42,10 +39,7 @@ def results(eng, func, args, kwargs, handles, meta, new):
             _, k, size, stride, dtype, info = leaf
             out.append(NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info))
         elif kind == "view":
-            _, li, size, stride, off, dtype, info = leaf
-            if info[2] > handles[li].nbytes:
-                _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
-            out.append(NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info))
+            out.append(_view(eng, leaf, handles, args))
         elif kind == "arg":
             _, j, k = leaf
             a = func._schema.arguments[j]
@@ -54,6 +48,21 @@ def results(eng, func, args, kwargs, handles, meta, new):
         else:
             out.append(leaf[1])
     return out[0] if meta.single else tree_unflatten(out, meta.spec)
+
+
+def _view(eng, leaf, handles, args):
+    """A view of an argument's buffer. As on CPU, it is an inference tensor exactly when its
+    base is one, in inference mode or not (a tensor made in inference mode otherwise is one:
+    a view of an ordinary tensor made there failed PyTorch's view bookkeeping)."""
+    _, li, size, stride, off, dtype, info = leaf
+    if info[2] > handles[li].nbytes:
+        _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
+    base = args[0] if isinstance(args[0], torch.Tensor) else args[0][0]
+    inference = base.is_inference()
+    if inference == torch.is_inference_mode_enabled():
+        return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+    with torch.inference_mode(inference):
+        return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
 
 
 def inplace_view(eng, func, args, kwargs):

@@ -97,6 +97,21 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def composite_key(func: torch._ops.OpOverload):
+    """PyTorch decomposes `func` above the backend (CompositeImplicitAutograd) unless the
+    backend has its own kernel: such an op reaches the device whole only where autograd's key
+    is skipped (inference mode, inference tensors). The key of the kernel that runs it then:
+    the backend's own autograd kernel where one is registered, else the decomposition. None
+    for every other op."""
+    name, has = func.name(), torch._C._dispatch_has_kernel_for_dispatch_key
+    if not has(name, "CompositeImplicitAutograd") or has(name, "PrivateUse1"):
+        return None
+    if has(name, "AutogradPrivateUse1"):
+        return torch._C.DispatchKey.AutogradPrivateUse1
+    return torch._C.DispatchKey.CompositeImplicitAutograd
+
+
 def _histc(self, bins=100, min=0, max=0):
     """CUDA's histc counts integer tensors too (bounds truncated to integers, bins by
     integer division); CPU's kernel takes floating point only. Integers through float64

@@ -596,3 +596,50 @@ def test_unpack_hooks_checkpoint_recompute_and_wrong_hook_returns_raise_as_on_cp
         print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_views_in_inference_mode_follow_their_base(mode):
+    """In inference mode a view of an ordinary tensor is an ordinary tensor, and a view of an
+    inference tensor is an inference tensor anywhere (CPU). Every view of a neuron tensor made
+    in inference mode raised "Cannot set version_counter for inference tensor" (so
+    nn.MultiheadAttention under torch.inference_mode), and one of an inference tensor taken
+    outside it could be written in place."""
+    def program(dev):
+        x = torch.arange(6.).to(dev)
+        with torch.inference_mode():
+            views = [x.view(2, 3), x[1:], x.view(2, 3).t(), x.detach(), *x.split(2)]
+            a = torch.ones(3, device=dev)
+        flags = [v.is_inference() for v in views] + [a[:2].is_inference()]
+        try:
+            a[:2].mul_(2)
+            err = None
+        except RuntimeError as e:
+            err = str(e)
+        return flags, err, [v.cpu().tolist() for v in views]
+    assert program("neuron") == program("cpu")
+    mha = torch.nn.MultiheadAttention(4, 2)
+    q = torch.randn(3, 2, 4)
+    with torch.inference_mode():
+        ref = mha(q, q, q)[0]
+    mha.to("neuron")
+    with torch.inference_mode():
+        out = mha(q.to("neuron"), q.to("neuron"), q.to("neuron"))[0]
+    assert torch.equal(out.cpu(), ref)
+
+
+def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
+    """Note [Composite ops in inference mode] (_engine.py): with autograd's key skipped,
+    `to`, `softmax`, `layer_norm`... reached the device whole: `.cpu()` of a tensor made in
+    inference mode returned a neuron tensor, and softmax or layer_norm fell back to the CPU."""
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        y = x.to("neuron") * 2
+        inside = y.cpu()
+        z = torch.nn.functional.layer_norm(y.softmax(-1), (8,))
+    outside = y.cpu()
+    assert type(inside) is torch.Tensor and inside.device.type == "cpu"
+    assert type(outside) is torch.Tensor and outside.device.type == "cpu"
+    with torch.inference_mode():
+        ref = torch.nn.functional.layer_norm((x * 2).softmax(-1), (8,))
+    assert torch.equal(z.cpu(), ref) and torch.equal(outside, x * 2)
+    assert not ae.metrics().cpu_fallbacks
