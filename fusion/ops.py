@@ -19,7 +19,7 @@ INPLACE_VIEW = "inplace_view"  # squeeze_, t_, as_strided_, resize_...: metadata
 _CONTRACTION = {
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
-    "_addmm_activation", "tensordot",
+    "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
 }
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
