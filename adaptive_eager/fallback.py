@@ -16,6 +16,7 @@ from . import config as _config
 from ._tensor import NeuronTensor
 from .errors import NeuronFallbackError, _sparse_error
 from .meta import _extent_bytes
+from .results import resize_out
 from .source import _source, _user_stacklevel
 from .templates import _two_devices
 from .transfer import buffer_view, on_host
@@ -96,6 +97,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
                                       context=[_FakeNode(func)]))
             eng.synchronize()
         out = result["out"]
+    outs = _resized_outs(eng, func, kwargs, c_kwargs)
     # Outputs: tensors sharing an argument's storage stay views of its buffer.
     by_storage = {}
     for v in views.values():
@@ -107,6 +109,9 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or i in host:
             new_leaves.append(leaf)
+            continue
+        if id(leaf) in outs:  # an out= argument, handed back
+            new_leaves.append(outs[id(leaf)])
             continue
         if leaf.layout != torch.strided:
             raise _sparse_error(name, leaf.layout)
@@ -133,6 +138,30 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             eng.metrics.h2d_bytes += n
         new_leaves.append(eng.wrap(h, tuple(leaf.shape), leaf.stride(), 0, leaf.dtype))
     return tree_unflatten(new_leaves, spec)
+
+
+def _resized_outs(eng, func, kwargs, c_kwargs) -> dict:
+    """out= arguments of an op run on the host, by the id of their host view: one the host
+    kernel resized (`torch.nonzero(x, out=torch.empty(0))`, a CPU fallback into an out of
+    the wrong shape) is resized the same way on the device and given the host's values
+    (before, the device tensor kept its old shape and values)."""
+    outs = {}
+    for a in func._schema.arguments:
+        if not a.is_out or a.name not in kwargs:
+            continue
+        for v, hv in zip(tree_flatten(kwargs[a.name])[0], tree_flatten(c_kwargs[a.name])[0]):
+            if type(v) is not NeuronTensor or not isinstance(hv, torch.Tensor):
+                continue
+            outs[id(hv)] = v
+            if (hv.shape, hv.stride(), hv.storage_offset()) == (
+                    v.shape, v.stride(), v.storage_offset()) and v._handle.buffer is not None \
+                    and hv.untyped_storage().data_ptr() \
+                    == v._handle.buffer.storage.data_ptr():
+                continue  # written in place
+            resize_out(eng, v, tuple(hv.shape), hv.stride())
+            with torch._C._DisableTorchDispatch():
+                buffer_view(v).copy_(hv)
+    return outs
 
 
 class _FakeNode:

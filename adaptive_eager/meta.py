@@ -260,7 +260,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                 cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
                 if isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size:
                     stride = cpu.stride()  # CPU restrides a resized out (Note [CPU layouts])
-                resize.append((j, k, size, stride))
+                if (size, stride) != (t[2], t[3]):  # (CPU may keep it: sort into a strided out)
+                    resize.append((j, k, size, stride))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,
                                _info(size, stride, off, leaf)))

@@ -643,3 +643,31 @@ def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
         ref = torch.nn.functional.layer_norm((x * 2).softmax(-1), (8,))
     assert torch.equal(z.cpu(), ref) and torch.equal(outside, x * 2)
     assert not ae.metrics().cpu_fallbacks
+
+
+def test_out_arguments_of_host_run_ops_are_resized_as_on_cpu(mode):
+    """An op run on the host (data-dependent shapes: nonzero, masked_select; CPU fallbacks:
+    linalg, fft) into an out= of the wrong shape left the device tensor unchanged (the
+    `torch.empty(0)` idiom gave an empty result, silently); sort into strided outs of the
+    right shape recursed forever."""
+    import warnings
+
+    def program(d):
+        x = torch.tensor([0., 1., 0., 2., 3.]).to(d)
+        a = torch.tensor([[2., 0.], [0., 4.]]).to(d)
+        o1 = torch.empty(0, dtype=torch.long).to(d)
+        same = torch.nonzero(x, out=o1) is o1
+        o2 = torch.full((5,), -1.).to(d)
+        torch.masked_select(x, x > 0, out=o2)
+        o3 = torch.empty(0).to(d)
+        torch.linalg.inv(a, out=o3)
+        o4 = torch.empty(0, dtype=torch.complex64).to(d)
+        torch.fft.rfft(x, out=o4)
+        o5 = torch.empty(2, 2).to(d).t()
+        torch.linalg.inv(a, out=o5)
+        v, i = torch.zeros(10).to(d)[::2], torch.zeros(10, dtype=torch.long).to(d)[::2]
+        torch.sort(x, out=(v, i))
+        return [same] + [(t.cpu().tolist(), t.shape, t.stride()) for t in (o1, o2, o3, o4, o5, v, i)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert program("neuron") == program("cpu")
