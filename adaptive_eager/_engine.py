@@ -97,7 +97,7 @@ def _locked(method):
 # op, a host read or write, an allocation, a sync, a settings change) holds it, so the ops of
 # several threads run in some serial order of each thread's ops, sharing the queues, caches
 # and devices; results are bit for bit those of that order. Re-entrant: an op may allocate,
-# flush and sync inside. Autograd's device thread takes it per op too.
+# flush and sync inside. A backward in another thread takes it per op too.
 _LOCK = threading.RLock()
 
 

@@ -75,9 +75,13 @@ def _wrap_backward() -> None:
 
     def _engine_run_backward(outputs, grads, *args, **kwargs):
         _check_grad_devices(outputs, grads)
-        # Note [Cores] in cores.py: once another core is used, one thread for all
-        threads = (torch.autograd.set_multithreading_enabled(False)
-                   if _engine.other_cores_used() else contextlib.nullcontext())
+        # A neuron backward runs on the caller's thread, as CPU's does: autograd orders the
+        # nodes a double backward creates by a per-thread sequence number, so on its device
+        # thread gradients were summed in another order than on CPU (ulps off). And Note
+        # [Cores] in cores.py: once another core is used, autograd's device threads fail.
+        neuron = _engine.other_cores_used() or any(type(o) is NeuronTensor for o in outputs)
+        threads = (torch.autograd.set_multithreading_enabled(False) if neuron
+                   else contextlib.nullcontext())
         try:
             with threads:
                 result = run(outputs, grads, *args, **kwargs)

@@ -10,9 +10,9 @@ CUDA's error; a copy between cores is a costed DMA on each side (transfer.py).
 
 PyTorch's Python device guard for PrivateUse1 (torch/csrc/acc/Module.cpp) reports one device,
 and autograd sizes its per-device worker threads from it: a backward on neuron:1 would fail an
-internal assert there. So once a process has allocated on a core other than neuron:0, backward runs
-with autograd's multithreading off (`torch.autograd.set_multithreading_enabled(False)`, public
-API): the whole backward runs on the calling thread, every core included (_registration.py).
+internal assert there. Backward runs with autograd's multithreading off (`torch.autograd.
+set_multithreading_enabled(False)`, public API; also for CPU's order of a double backward):
+the whole backward runs on the calling thread, every core included (_registration.py).
 The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per process, not per
 thread as CUDA's is.
 """
