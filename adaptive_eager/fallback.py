@@ -83,6 +83,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
                                  else kernel(*c_args, **c_kwargs))
             except Exception as e:
                 if not fallback:  # a device launch: the op's error, found at the sync
+                    result["error"] = e
                     raise LaunchError(e) from None
                 raise
 
@@ -95,7 +96,17 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         else:
             eng.device.submit(Launch(name, work, nbytes_in, 0.0,
                                       context=[_FakeNode(func)]))
-            eng.synchronize()
+            try:
+                eng.synchronize()
+            except Exception:
+                # The host waits for this op (the queue was synced before it): its own error
+                # is raised at the call as CPU raises it (unique(dim=3)'s IndexError), not as
+                # a NeuronRuntimeError.
+                e = result.get("error")
+                if e is None:
+                    raise
+                e._ae_user_error = True
+                raise e from None
         out = result["out"]
     outs = _resized_outs(eng, func, kwargs, c_kwargs)
     # Outputs: tensors sharing an argument's storage stay views of its buffer.

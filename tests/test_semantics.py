@@ -686,3 +686,21 @@ def test_double_backward_matches_cpu_bit_for_bit(mode):
         return g.detach().cpu(), h.cpu()
     for a, b in zip(run("cpu"), run("neuron")):
         assert torch.equal(a, b)
+
+
+def test_argument_errors_of_ops_with_data_dependent_shapes_are_cpus(mode):
+    """An op the host waits for (unique, bincount, masked_select, repeat_interleave) raised
+    its argument errors as NeuronRuntimeError: `except IndexError` missed them."""
+    def program(d):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).to(d)
+        out = []
+        for f in (lambda: torch.unique(x, dim=3), lambda: torch.bincount(x.flatten()),
+                  lambda: torch.masked_select(x, torch.ones(5, dtype=torch.bool).to(d)),
+                  lambda: torch.repeat_interleave(torch.tensor([1, -1]).to(d))):
+            try:
+                f()
+                out.append(None)
+            except Exception as e:
+                out.append((type(e), str(e)))
+        return out + [(x * 2).sum().item()]
+    assert program("neuron") == program("cpu")
