@@ -121,8 +121,31 @@ def _histc(self, bins=100, min=0, max=0):
     return aten.histc.default(self.double(), bins, int(min), int(max)).to(self.dtype)
 
 
-# The device's kernel where CPU's refuses what CUDA's takes (the device follows CUDA).
-_KERNELS = {aten.histc.default: _histc}
+def _div_mode(func):
+    """CPU's integer division with a rounding mode traps (SIGFPE: the process dies) on
+    INT_MIN / -1; CUDA's returns INT_MIN, the quotient wrapped as -INT_MIN wraps. The device
+    follows CUDA: divisors of -1 give the negated dividend, every other one CPU's kernel."""
+    def kernel(a, b, *args, **kwargs):
+        if torch.result_type(a, b).is_floating_point or torch.result_type(a, b).is_complex:
+            return func(a, b, *args, **kwargs)
+        minus1 = b == -1
+        if not isinstance(b, torch.Tensor):  # a Scalar divisor
+            if not minus1:
+                return func(a, b, *args, **kwargs)
+            negated = a.neg()  # before an in-place division overwrites a
+            return func(a, 1, *args, **kwargs).copy_(negated)
+        if not bool(minus1.any()):
+            return func(a, b, *args, **kwargs)
+        negated = a.neg()
+        out = func(a, torch.where(minus1, 1, b), *args, **kwargs)
+        return out.copy_(torch.where(minus1, negated, out))
+    return kernel
+
+
+_DIV_MODES = [aten.div.Tensor_mode, aten.div.Scalar_mode, aten.div_.Tensor_mode,
+              aten.div_.Scalar_mode, aten.div.out_mode]
+# The device's kernel where CPU's refuses what CUDA's takes, or traps (the device follows CUDA).
+_KERNELS = {aten.histc.default: _histc, **{f: _div_mode(f) for f in _DIV_MODES}}
 
 
 def device_kernel(func):

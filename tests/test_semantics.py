@@ -704,3 +704,24 @@ def test_argument_errors_of_ops_with_data_dependent_shapes_are_cpus(mode):
                 out.append((type(e), str(e)))
         return out + [(x * 2).sum().item()]
     assert program("neuron") == program("cpu")
+
+
+def test_integer_division_of_int_min_by_minus_one_does_not_kill_the_process():
+    """CPU's `div(..., rounding_mode=...)` traps on INT_MIN / -1 (SIGFPE); the device gives
+    CUDA's wrapped quotient. In a child process: the old behaviour kills it."""
+    r = _run("""
+        import torch, adaptive_eager as ae
+        for adaptive in (False, True):
+            ae.set_adaptive(adaptive)
+            for dt in (torch.int64, torch.int32):
+                lo = torch.iinfo(dt).min
+                a = torch.tensor([lo, 7, -7, lo], dtype=dt).to("neuron")
+                b = torch.tensor([-1, -1, 2, 3], dtype=dt).to("neuron")
+                assert torch.div(a, b, rounding_mode="trunc").tolist() == [lo, -7, -3, lo // 3 + 1]
+                assert torch.div(a, -1, rounding_mode="floor").tolist() == [lo, -7, 7, lo]
+                c = a.clone()
+                c.div_(b, rounding_mode="trunc")
+                assert c.tolist() == [lo, -7, -3, lo // 3 + 1]
+        print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
