@@ -189,6 +189,10 @@ class _Protocol:
       a neuron tensor (`.half()`, `.to(torch.bfloat16)`, another core): then, as on CUDA,
       `param.data = new` keeps it, which unlike a swap also works while an autograd graph
       still holds the parameter (a swap needs the only reference).
+    - Libraries that identify storages by walking a subclass's inner tensors
+      (`huggingface_hub`'s shard planner and shared-tensor check, `_HIDDEN_FROM`) do not: with
+      none to walk, every neuron tensor looked like one empty storage (a tied model refused
+      to save, `max_shard_size` was ignored); hidden, they read its storage as a tensor's.
     Everyone else (swap_tensors, user code) sees it."""
 
     def __init__(self, name, attr):
@@ -201,7 +205,7 @@ class _Protocol:
             f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
         if f is not None:
             module = f.f_globals.get("__name__", "")
-            if module.startswith(_PT2) or (
+            if module.startswith(_HIDDEN_FROM) or (
                     module == "torch.nn.modules.module" and f.f_code.co_name == "_apply"
                     and type(f.f_locals.get("param")) is NeuronTensor):
                 raise AttributeError(self.name)
@@ -210,6 +214,7 @@ class _Protocol:
 
 _PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
         "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
+_HIDDEN_FROM = _PT2 + ("huggingface_hub",)
 for _name in ("__tensor_flatten__", "__tensor_unflatten__"):
     setattr(NeuronTensor, _name, _Protocol(_name, NeuronTensor.__dict__[_name]))
 

@@ -111,6 +111,21 @@ def test_save_pretrained_from_pretrained_round_trip(kind, tmp_path):
                                    rtol=0, atol=0)
 
 
+def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
+    """huggingface_hub identifies storages through the traceable-subclass protocol, where a
+    neuron tensor has no inner tensors: every neuron tensor looked like one empty storage, so
+    `max_shard_size` wrote one file and `save_torch_model` refused a tied model."""
+    from huggingface_hub import save_torch_model
+    files = {}
+    for dev in ("cpu", "neuron"):
+        model = _model("gpt2").to(dev)
+        model.save_pretrained(tmp_path / dev, max_shard_size="20KB")
+        files[dev] = sorted(p.name for p in (tmp_path / dev).iterdir())
+        (tmp_path / f"hub-{dev}").mkdir()
+        save_torch_model(model, tmp_path / f"hub-{dev}")  # tied wte / lm_head stored once
+    assert files["neuron"] == files["cpu"] and len(files["cpu"]) > 3
+
+
 def test_gradient_checkpointing_with_dropout_gives_the_same_gradients():
     """model.gradient_checkpointing_enable(), dropout on: the recomputed forward draws the
     forward's masks again (the device RNG state is saved), so the gradients equal those of
