@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor, _refuse_sharing
 from .source import DEVICE_TYPE
-from . import _engine, attention, autocast, compile, cores, distributed, errors, hooks, neuron, pinned, profiler, serialization, transfer  # noqa: F401,E501
+from . import _engine, attention, autocast, compile, cores, distributed, errors, hooks, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -195,6 +195,7 @@ def _register_fused_rnn_cells():
     lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
+    lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
     _LIBS.append(lib)
 
 

@@ -20,6 +20,7 @@ _CONTRACTION = {
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "mkldnn_rnn_layer_backward",
 }
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
@@ -61,6 +62,9 @@ _INDEXING = {
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
 _VIEW_EXTRA = {"_unsafe_view"}
 _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
+# Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
+# (the meta kernel says 0 bytes).
+_BARRIER_EXTRA = {"mkldnn_rnn_layer"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +82,8 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
         return VIEW
     if base == "index":  # tagged dynamic for a boolean mask's count; with integer indices
         return INDEXING  # the shape is static: the meta cache decides per signature
-    if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+    if (torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+            or base in _BARRIER_EXTRA):
         return BARRIER
     if torch.Tag.nondeterministic_seeded in tags or base in _RANDOM_EXTRA or any(
             a.type.kind() == "OptionalType" and "Generator" in str(a.type)
@@ -142,10 +147,19 @@ def _div_mode(func):
     return kernel
 
 
+def _onednn_lstm_layer(*args, **kwargs):
+    """oneDNN's LSTM layer keeps a workspace (its backward's input) only under grad mode, and
+    the device runs ops with grad mode off: on, so a backward always finds it (the values
+    are the same either way; the op runs at once, so its outputs need no meta shapes)."""
+    with torch.enable_grad():
+        return aten.mkldnn_rnn_layer.default(*args, **kwargs)
+
+
 _DIV_MODES = [aten.div.Tensor_mode, aten.div.Scalar_mode, aten.div_.Tensor_mode,
               aten.div_.Scalar_mode, aten.div.out_mode]
 # The device's kernel where CPU's refuses what CUDA's takes, or traps (the device follows CUDA).
-_KERNELS = {aten.histc.default: _histc, **{f: _div_mode(f) for f in _DIV_MODES}}
+_KERNELS = {aten.histc.default: _histc, **{f: _div_mode(f) for f in _DIV_MODES},
+            aten.mkldnn_rnn_layer.default: _onednn_lstm_layer}
 
 
 def device_kernel(func):

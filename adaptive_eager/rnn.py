@@ -1,0 +1,67 @@
+"""nn.LSTM on neuron, computed as CPU computes it.
+
+PyTorch's LSTM runs on CPU through oneDNN (`mkldnn_rnn_layer`, one op per layer and direction)
+when its checks pass, and composes per-time-step cells on any other device: a few ulps off.
+So on neuron the LSTM takes CPU's path where CPU would (this is `mkldnn_rnn` of ATen's
+mkldnn/RNN.cpp in Python), and each `mkldnn_rnn_layer` runs on the device with CPU's kernel,
+backward included. Anything else (projections, a packed sequence, half precision under grad,
+oneDNN off) is composed as before. GRU and plain RNN still differ from CPU (README, Known gaps).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._tensor import NeuronTensor
+
+_LSTM_MODE = 2  # ideep::rnn_kind::LSTM
+
+
+def _cpu_uses_onednn(input, hx, params) -> bool:
+    """ATen's use_mkldnn, asked of the neuron tensors as if they were CPU's."""
+    if not (torch._C._get_mkldnn_enabled() and torch.backends.mkldnn.is_available()):
+        return False
+    if any(type(t) is not NeuronTensor for t in (input, *hx, *params)):
+        return False
+    dt = input.dtype
+    ok = (dt == torch.float32
+          or (dt == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+          or (dt == torch.float16 and not torch.is_grad_enabled()
+              and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+    return ok and input.numel() != 0
+
+
+def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+         batch_first):
+    num_directions = 2 if bidirectional else 1
+    stride = 4 if has_biases else 2
+    if (len(hx) != 2 or len(params) != num_layers * num_directions * stride
+            or not _cpu_uses_onednn(input, hx, params)):
+        return torch.ops.aten.lstm.input.decompose(
+            input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first)
+    x = input.transpose(0, 1) if batch_first else input
+    layer_input = x.contiguous()
+    h0, c0 = hx[0].contiguous(), hx[1].contiguous()
+    hidden_size = h0.size(2)
+    hy, cy = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(num_directions):
+            index = layer * num_directions + direction
+            w = params[index * stride:(index + 1) * stride]
+            b_ih = w[2] if has_biases else torch.zeros(w[0].shape, dtype=w[0].dtype,
+                                                       device=w[0].device)
+            b_hh = w[3] if has_biases else torch.zeros(w[1].shape, dtype=w[1].dtype,
+                                                       device=w[1].device)
+            out, h, c, _ = torch.ops.aten.mkldnn_rnn_layer(
+                layer_input, w[0], w[1], b_ih, b_hh, h0[index], c0[index], direction > 0, [],
+                _LSTM_MODE, hidden_size, num_layers, has_biases, bidirectional, batch_first,
+                train)
+            outputs.append(out)
+            hy.append(h)
+            cy.append(c)
+        layer_input = outputs[0] if num_directions == 1 else torch.cat(outputs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, True)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    return output, torch.stack(hy, 0), torch.stack(cy, 0)
