@@ -196,6 +196,8 @@ def _register_fused_rnn_cells():
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
     lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
+    for name in ("gru", "rnn_tanh", "rnn_relu"):
+        lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
     _LIBS.append(lib)
 
 

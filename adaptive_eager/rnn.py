@@ -1,11 +1,11 @@
-"""nn.LSTM on neuron, computed as CPU computes it.
+"""nn.LSTM, nn.GRU and nn.RNN on neuron, computed as CPU computes them.
 
 PyTorch's LSTM runs on CPU through oneDNN (`mkldnn_rnn_layer`, one op per layer and direction)
 when its checks pass, and composes per-time-step cells on any other device: a few ulps off.
 So on neuron the LSTM takes CPU's path where CPU would (this is `mkldnn_rnn` of ATen's
 mkldnn/RNN.cpp in Python), and each `mkldnn_rnn_layer` runs on the device with CPU's kernel,
 backward included. Anything else (projections, a packed sequence, half precision under grad,
-oneDNN off) is composed as before. GRU and plain RNN still differ from CPU (README, Known gaps).
+oneDNN off) is composed as before (packed sequences still differ: README, Known gaps).
 """
 from __future__ import annotations
 
@@ -65,3 +65,72 @@ def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectiona
             layer_input = torch.dropout(layer_input, dropout, True)
     output = layer_input.transpose(0, 1) if batch_first else layer_input
     return output, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+# GRU and plain RNN: CPU's composition (ATen's RNN.cpp: apply_layer_stack over FullLayer /
+# FullBidirectionalLayer, whose CPU branch projects the whole input sequence at once, then
+# its cells step over the projections); any other device projects per time step and uses the
+# fused cells.
+def _gru_step(x_w, h, w_hh, b_hh):
+    # ATen's GRUCell on CPU, op for op: in-place ops on the gates' strided views round as
+    # CPU's do (a fresh contiguous tensor takes other vector paths: a few ulps off).
+    ig = x_w.unsafe_chunk(3, 1)
+    hg = torch.nn.functional.linear(h, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset = hg[0].add_(ig[0]).sigmoid_()
+    update = hg[1].add_(ig[1]).sigmoid_()
+    new = ig[2].add(hg[2].mul_(reset)).tanh_()
+    return (h - new).mul_(update).add_(new)
+
+
+def _simple_step(act):
+    def step(x_w, h, w_hh, b_hh):
+        return act(torch.nn.functional.linear(h, w_hh, b_hh).add_(x_w))
+    return step
+
+
+def _layer(step, x, h, w, has_biases, reverse):
+    w_ih, w_hh = w[0], w[1]
+    b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+    steps = torch.nn.functional.linear(x, w_ih, b_ih).unbind(0)
+    outs = []
+    for x_w in (reversed(steps) if reverse else steps):
+        h = step(x_w, h, w_hh, b_hh)
+        outs.append(h)
+    if reverse:
+        outs.reverse()
+    return torch.stack(outs, 0), h
+
+
+def _cpu_rnn(name, step):
+    op = getattr(torch.ops.aten, name).input
+
+    def kernel(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+               batch_first):
+        num_directions = 2 if bidirectional else 1
+        stride = 4 if has_biases else 2
+        if (any(type(t) is not NeuronTensor for t in (input, hx, *params))
+                or len(params) != num_layers * num_directions * stride or input.size(0) == 0
+                or input.numel() == 0):
+            return op.decompose(input, hx, params, has_biases, num_layers, dropout, train,
+                                bidirectional, batch_first)
+        x = input.transpose(0, 1) if batch_first else input
+        hiddens = hx.unbind(0)
+        final = []
+        for layer in range(num_layers):
+            outs = []
+            for direction in range(num_directions):
+                index = layer * num_directions + direction
+                out, h = _layer(step, x, hiddens[index], params[index * stride:(index + 1) * stride],
+                                has_biases, direction > 0)
+                outs.append(out)
+                final.append(h)
+            x = outs[0] if num_directions == 1 else torch.cat(outs, outs[0].dim() - 1)
+            if dropout != 0 and train and layer < num_layers - 1:
+                x = torch.dropout(x, dropout, True)
+        return (x.transpose(0, 1) if batch_first else x), torch.stack(final, 0)
+    return kernel
+
+
+gru = _cpu_rnn("gru", _gru_step)
+rnn_tanh = _cpu_rnn("rnn_tanh", _simple_step(torch.tanh))
+rnn_relu = _cpu_rnn("rnn_relu", _simple_step(torch.relu))

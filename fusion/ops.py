@@ -60,7 +60,7 @@ _INDEXING = {
 }
 # Ops the schema marks as views but that need to touch data on our device, or are not
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
-_VIEW_EXTRA = {"_unsafe_view"}
+_VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
 _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes).
