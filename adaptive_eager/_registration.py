@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor, _refuse_sharing
 from .source import DEVICE_TYPE
-from . import _engine, attention, autocast, compile, cores, distributed, errors, hooks, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
+from . import _engine, attention, autocast, compile, cores, distributed, errors, hooks, linalg, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -196,6 +196,8 @@ def _register_fused_rnn_cells():
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
     lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
+    lib.impl("linalg_svdvals", linalg.svdvals, "AutogradPrivateUse1")
+    lib.impl("linalg_eigvalsh", linalg.eigvalsh, "AutogradPrivateUse1")
     for name in ("gru", "rnn_tanh", "rnn_relu"):
         lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
     _LIBS.append(lib)

@@ -725,3 +725,22 @@ def test_integer_division_of_int_min_by_minus_one_does_not_kill_the_process():
         print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+def test_singular_and_eigenvalues_match_cpu_bit_for_bit(mode):
+    """PyTorch asks LAPACK for vectors too for any tensor subclass (linalg.py): svdvals,
+    eigvalsh, the nuclear norm, cond and svd(compute_uv=False) were a few ulps off CPU's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    a = torch.randn(5, 5, generator=torch.Generator().manual_seed(0))
+    s = a @ a.t() + torch.eye(5)
+    for f in (lambda a, s: torch.linalg.svdvals(a), lambda a, s: torch.linalg.eigvalsh(s),
+              lambda a, s: torch.linalg.matrix_norm(a, "nuc"),
+              lambda a, s: torch.linalg.cond(a),
+              lambda a, s: torch.svd(a, compute_uv=False)[1]):
+        with _disable_current_modes():  # CPU's own path (any dispatch mode changes it)
+            ref = f(a, s)
+        assert torch.equal(f(a.to("neuron"), s.to("neuron")).cpu(), ref)
+    an, ac = a.to("neuron").requires_grad_(), a.clone().requires_grad_()
+    torch.linalg.svdvals(an).sum().backward()
+    torch.linalg.svdvals(ac).sum().backward()
+    assert torch.equal(an.grad.cpu(), ac.grad)
