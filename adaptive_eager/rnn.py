@@ -12,8 +12,26 @@ from __future__ import annotations
 import torch
 
 from ._tensor import NeuronTensor
+from .source import DEVICE_TYPE
 
 _LSTM_MODE = 2  # ideep::rnn_kind::LSTM
+
+
+def _autocast() -> bool:
+    return torch.is_autocast_enabled(DEVICE_TYPE)
+
+
+def _autocast_layer(op, input, hx, params, *args):
+    """Under neuron autocast a recurrent layer follows CUDA's policy (its cuDNN RNN is in the
+    low-precision list, autocast.py): inputs, states and weights cast to the autocast dtype,
+    then composed."""
+    dt = torch.get_autocast_dtype(DEVICE_TYPE)
+
+    def cast(t):
+        return t.to(dt) if t.is_floating_point() else t
+    with torch.autocast(DEVICE_TYPE, enabled=False):
+        hx = [cast(h) for h in hx] if isinstance(hx, (list, tuple)) else cast(hx)
+        return op.decompose(cast(input), hx, [cast(p) for p in params], *args)
 
 
 def _cpu_uses_onednn(input, hx, params) -> bool:
@@ -32,6 +50,9 @@ def _cpu_uses_onednn(input, hx, params) -> bool:
 
 def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
          batch_first):
+    if _autocast():
+        return _autocast_layer(torch.ops.aten.lstm.input, input, hx, params, has_biases,
+                               num_layers, dropout, train, bidirectional, batch_first)
     num_directions = 2 if bidirectional else 1
     stride = 4 if has_biases else 2
     if (len(hx) != 2 or len(params) != num_layers * num_directions * stride
@@ -106,6 +127,9 @@ def _cpu_rnn(name, step):
 
     def kernel(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                batch_first):
+        if _autocast():
+            return _autocast_layer(op, input, hx, params, has_biases, num_layers, dropout,
+                                   train, bidirectional, batch_first)
         num_directions = 2 if bidirectional else 1
         stride = 4 if has_biases else 2
         if (any(type(t) is not NeuronTensor for t in (input, hx, *params))
