@@ -87,7 +87,32 @@ def _restore(storage, location: str):
     host = torch.empty(0, dtype=torch.uint8, device="cpu").set_(
         storage, 0, (storage.nbytes(),), (1,))
     storage._neuron_copy = host.to(device)
+    if _LEGACY_LOADS:  # its bytes are read later: copied again then (_legacy_load)
+        _LEGACY_LOADS[-1].append((storage, host))
     return storage
+
+
+# One list per legacy-format load in progress: the storages `_restore` gave device copies.
+_LEGACY_LOADS: list[list] = []
+
+
+def _legacy_load(original):
+    """The legacy format (`_use_new_zipfile_serialization=False`, and plain `pickle` of a
+    tensor, whose storages pickle through it: `all_gather_object`, `broadcast_object_list`)
+    restores a storage's location before reading its bytes, so a device copy made then held
+    uninitialized memory: refilled once the bytes are in (the tensors are views of it)."""
+    def load(*args, **kwargs):
+        _LEGACY_LOADS.append([])
+        try:
+            result = original(*args, **kwargs)
+            with torch.no_grad():
+                for storage, host in _LEGACY_LOADS[-1]:
+                    storage._neuron_copy.copy_(host)
+            return result
+        finally:
+            _LEGACY_LOADS.pop()
+    load._neuron = True
+    return load
 
 
 def _rebuild_tensor(original):
@@ -159,6 +184,8 @@ def register() -> None:
     import torch.storage
     if not any(fn is _restore for _, _, fn in ser._package_registry):
         ser.register_package(5, _tag, _restore)  # before CPU's tagger (10): ours are CPU's
+    if not getattr(ser._legacy_load, "_neuron", False):
+        ser._legacy_load = _legacy_load(ser._legacy_load)
     if not getattr(torch._utils._rebuild_tensor, "_neuron", False):
         torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
     if not getattr(torch.storage._to, "_neuron", False):

@@ -187,6 +187,26 @@ def test_views_of_a_device_buffer_stay_views_through_save_and_load():
                                                                            "neuron")
 
 
+def test_pickle_and_the_legacy_format_keep_values_and_views(mode):
+    """The legacy format (and plain pickle of a tensor, which `all_gather_object` and
+    `broadcast_object_list` use) restores a storage's device before reading its bytes: the
+    tensors came back over uninitialized memory, silently."""
+    import io
+    import pickle
+    for dev in ("cpu", "neuron"):
+        t = torch.arange(3.).to(dev) + 1
+        assert pickle.loads(pickle.dumps(t)).cpu().tolist() == [1.0, 2.0, 3.0]
+        buf = io.BytesIO()
+        torch.save({"t": t, "v": t[1:]}, buf, _use_new_zipfile_serialization=False)
+        buf.seek(0)
+        d = torch.load(buf, weights_only=False)
+        d["v"].mul_(10)  # still a view of the same storage
+        assert d["t"].device.type == dev and d["t"].cpu().tolist() == [1.0, 20.0, 30.0]
+        lin = torch.nn.Linear(2, 1).to(dev)
+        again = pickle.loads(pickle.dumps(lin))
+        assert torch.equal(again.weight.cpu(), lin.weight.cpu()) and again.weight.requires_grad
+
+
 def test_a_save_sees_the_values_at_its_time():
     """Views share one host copy within a save; a later save after a write reads again."""
     t = torch.zeros(3, device="neuron")
