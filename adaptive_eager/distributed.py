@@ -14,6 +14,8 @@ tensor parallel) are composed from these: Note [Functional collectives].
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
@@ -75,7 +77,44 @@ def register() -> None:
         for overload in packet.overloads():
             _engine._SPECIAL[getattr(packet, overload)] = collective
     _register_functional()
+    _route_work_results()
     _done = True
+
+
+# Note [Work results]: gloo's Work holds the host views a collective ran over; its `result()`
+# and its future's value handed those CPU tensors back where CUDA hands back the CUDA tensors
+# (`v + a` raised the two-devices error, and writing through `v` bypassed adaptive mode's
+# queue: a queued `a * 2` saw it). They are mapped back to the neuron tensors they view.
+_DEVICE_OF: dict = {}  # id(host view) -> (weakref to it, the neuron tensor it views)
+
+
+def _remember(v, t) -> None:
+    _DEVICE_OF[id(v)] = (weakref.ref(v, lambda _, k=id(v): _DEVICE_OF.pop(k, None)), t)
+
+
+def _device_tensor(v):
+    entry = _DEVICE_OF.get(id(v)) if isinstance(v, torch.Tensor) else None
+    return entry[1] if entry is not None and entry[0]() is v else v
+
+
+def _on_device(value):
+    return tree_map(_device_tensor, value)
+
+
+def _route_work_results() -> None:
+    work = dist.Work
+    if getattr(work.result, "_neuron", False):
+        return
+    result, get_future = work.result, work.get_future
+
+    def work_result(self):
+        return _on_device(result(self))
+
+    def work_get_future(self):
+        fut = get_future(self)
+        return fut.then(lambda f: _on_device(f.value()))
+    work_result._neuron = work_get_future._neuron = True
+    work.result, work.get_future = work_result, work_get_future
 
 
 def collective(eng, func, args, kwargs):
@@ -95,6 +134,7 @@ def collective(eng, func, args, kwargs):
     def view(t):
         v = buffer_view(t)
         views[id(v)] = t
+        _remember(v, t)  # Note [Work results]
         return v
 
     with torch._C._DisableTorchDispatch():

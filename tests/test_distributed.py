@@ -164,6 +164,24 @@ def test_async_work_handle(world_of_one):
     assert x.cpu().tolist() == [2.0, 2.0, 2.0]
 
 
+def test_async_work_results_are_the_neuron_tensors(world_of_one, mode):
+    """Note [Work results]: `work.result()` and the future's value were gloo's host views (CPU
+    tensors over the device buffer): `v + a` raised, and in adaptive mode a write through `v`
+    reached an op queued before it (`b = a * 2` gave 60 instead of 6)."""
+    import warnings
+    a = torch.full((3,), 3.0, device="neuron")
+    v = dist.all_reduce(a, async_op=True).get_future().wait()[0]
+    b = a * 2
+    v.mul_(10)
+    assert v.device.type == "neuron" and b.cpu().tolist() == [6.0] * 3
+    assert (v + a).cpu().tolist() == [60.0] * 3
+    work = dist.all_reduce(a, async_op=True)
+    work.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Work.result is deprecated
+        assert work.result()[0].device.type == "neuron"
+
+
 def test_collective_on_poisoned_input_raises_device_error(world_of_one):
     x = torch.ones(4, device="neuron")
     y = x.index_select(0, torch.tensor([7], device="neuron"))  # found only when it runs
