@@ -9,7 +9,8 @@ neuron device, and the device queue gets one
 collective launch whose time comes from the ring/tree model in device/interconnect.py.
 Errors gloo raises (mismatched sizes, a closed peer) surface at the call, in PyTorch's words.
 An async op returns gloo's own Work: `.wait()` waits for the bytes, as with any backend, and
-the values are not to be read before it (as on CUDA). Functional collectives (DTensor,
+the values are not to be read before it (as on CUDA); its results are the neuron tensors
+(Note [Work results]). Functional collectives (DTensor,
 tensor parallel) are composed from these: Note [Functional collectives].
 """
 from __future__ import annotations
