@@ -8,7 +8,7 @@ import math
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_map, tree_flatten
 
 from fusion.ir import OpSig
 from fusion.ops import CONTRACTION, VIEW, device_kernel, op_class
@@ -53,6 +53,33 @@ def _extent_bytes(size, stride, offset, itemsize) -> int:
 
 _BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"}
 
+
+
+def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
+    """An in-place op whose meta kernel gives argument `name` (template `t`) another shape
+    (`x.addr_(u, v)` of a 0-d x): CPU's kernel refuses it (only out= tensors are resized).
+    Raise CPU's own error, from CPU's kernel on zeros of the same layouts (the meta kernel
+    already reshaped its meta twin), never resize the tensor (it held garbage)."""
+    def zeros(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "meta":
+            return torch.zeros_like(v, device="cpu")
+        return v
+    args, kwargs = tree_map(zeros, list(m_args)), tree_map(zeros, dict(m_kwargs))
+    own = torch.zeros(t[2], dtype=getattr(torch, t[5]))
+    names = [a.name for a in func._schema.arguments]
+    if name in kwargs:
+        kwargs[name] = own
+    else:
+        args[names.index(name)] = own
+    try:
+        func(*args, **kwargs)
+    except Exception as e:
+        e._ae_user_error = True
+        raise e.with_traceback(None) from None
+    e = RuntimeError(f"output with shape {list(t[2])} doesn't match the broadcast shape "
+                     f"{list(want)}")
+    e._ae_user_error = True
+    raise e
 
 
 def _cpu_shaped(func, m_args, m_kwargs, out):
@@ -261,6 +288,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                 if isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size:
                     stride = cpu.stride()  # CPU restrides a resized out (Note [CPU layouts])
                 if (size, stride) != (t[2], t[3]):  # (CPU may keep it: sort into a strided out)
+                    if tuple(size) != tuple(t[2]) and not schema_args[j].is_out:
+                        _refuse_reshaping_self(func, m_args, m_kwargs, schema_args[j].name,
+                                               t, size)
                     resize.append((j, k, size, stride))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,

@@ -744,3 +744,21 @@ def test_singular_and_eigenvalues_match_cpu_bit_for_bit(mode):
     torch.linalg.svdvals(an).sum().backward()
     torch.linalg.svdvals(ac).sum().backward()
     assert torch.equal(an.grad.cpu(), ac.grad)
+
+
+def test_an_in_place_op_never_reshapes_its_self(mode):
+    """`x.addr_(u, v)` of a 0-d x: the meta kernel reshapes `self`, CPU's kernel refuses. The
+    device took it for an out= to resize: x became (3, 2) of uninitialized memory, silently."""
+    def program(d):
+        out = []
+        for f in (lambda: torch.tensor(1.5).to(d).addr_(torch.arange(3.).to(d),
+                                                          torch.arange(2.).to(d)),
+                  lambda: torch.zeros(1, 1).to(d).addr_(torch.arange(3.).to(d),
+                                                        torch.arange(2.).to(d))):
+            try:
+                f()
+                out.append(None)
+            except RuntimeError as e:
+                out.append(str(e))
+        return out
+    assert program("neuron") == program("cpu") and None not in program("cpu")
