@@ -111,6 +111,42 @@ _LOCK = threading.RLock()
 # (fusion.ops.composite_key).
 
 
+_INFERENCE_WRITE = ("Inplace update to inference tensor outside InferenceMode is not allowed."
+                    "You can make a clone to get a normal tensor before doing inplace update."
+                    "See https://github.com/pytorch/rfcs/pull/17 for more details.")
+
+
+def _composite(func, key, args, kwargs):
+    """Note [Composite ops in inference mode]: the decomposition runs below PyTorch's version
+    bookkeeping, so what an in-place or out= composite writes (`square_`, `clip_`) gets CPU's
+    checks and bumps here: an inference tensor refused outside inference mode, an ordinary
+    one's version bumped once if the decomposition did not (a backward through it raises
+    "modified by an inplace operation" as on CPU, instead of a wrong gradient)."""
+    written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    if not written:
+        return func._op_dk(key, *args, **kwargs)
+    if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+        raise RuntimeError(_INFERENCE_WRITE)
+    ordinary = [t for t in written if not t.is_inference()]
+    before = [t._version for t in ordinary]
+    out = func._op_dk(key, *args, **kwargs)
+    stale = [t for t, v in zip(ordinary, before) if t._version == v]
+    if stale:
+        torch.autograd.graph.increment_version(stale)
+    return out
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors `func` writes (its schema's mutable arguments), flattened."""
+    out = []
+    for j, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[j] if j < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        out += list(v) if isinstance(v, (list, tuple)) else [v]
+    return out
+
+
 class Engine:
     """The engine of one NeuronCore (Note [Cores] in cores.py): its queue, meta cache,
     executable cache and simulated device. Mode and settings are the same on every core."""
@@ -226,7 +262,7 @@ class Engine:
                     return special(self, func, args, kwargs)
                 key = composite_key(func)  # Note [Composite ops in inference mode]
                 if key is not None:
-                    return func._op_dk(key, *args, **kwargs)
+                    return _composite(func, key, args, kwargs)
                 return self._dispatch(func, args, kwargs)
         except BaseException as e:
             # Note [Device-thread errors] in errors.py: inside a backward node (autograd's

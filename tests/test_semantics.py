@@ -762,3 +762,39 @@ def test_an_in_place_op_never_reshapes_its_self(mode):
                 out.append(str(e))
         return out
     assert program("neuron") == program("cpu") and None not in program("cpu")
+
+
+def test_composite_in_place_ops_in_inference_mode_keep_cpus_checks(mode):
+    """Note [Composite ops in inference mode]: a composite in-place op (`square_`, `clip_`)
+    decomposed on the device did not bump the version of what it wrote (a backward then gave
+    a wrong gradient where CPU raises), nor refuse an inference tensor outside the mode."""
+    import warnings
+
+    def program(d):
+        out = []
+        for op in (lambda y: y.square_(), lambda y: y.clip_(0, 2),
+                   lambda y: y.true_divide_(2.0)):
+            w = torch.tensor([1., 2., 3.], device=d, requires_grad=True)
+            y = w * 1
+            z = (y * y).sum()
+            with torch.inference_mode():
+                op(y)
+            try:
+                z.backward()
+                out.append(("no error", w.grad.cpu().tolist()))
+            except RuntimeError as e:
+                out.append(("raised", y._version, "modified by an inplace" in str(e)))
+            with torch.inference_mode():
+                x = torch.ones(3, device=d)
+            try:
+                op(x)
+                out.append("no error")
+            except RuntimeError as e:
+                out.append(str(e))
+        return out
+    from torch.utils._python_dispatch import _disable_current_modes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _disable_current_modes():  # CPU's own path (a dispatch mode changes it)
+            ref = program("cpu")
+        assert program("neuron") == ref
