@@ -59,7 +59,7 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     """An in-place op whose meta kernel gives argument `name` (template `t`) another shape
     (`x.addr_(u, v)` of a 0-d x): CPU's kernel refuses it (only out= tensors are resized).
     Raise CPU's own error, from CPU's kernel on zeros of the same layouts (the meta kernel
-    already reshaped its meta twin), never resize the tensor (it held garbage)."""
+    already reshaped its meta twin), instead of resizing the tensor (it held garbage)."""
     def zeros(v):
         if isinstance(v, torch.Tensor) and v.device.type == "meta":
             return torch.zeros_like(v, device="cpu")
@@ -76,10 +76,7 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     except Exception as e:
         e._ae_user_error = True
         raise e.with_traceback(None) from None
-    e = RuntimeError(f"output with shape {list(t[2])} doesn't match the broadcast shape "
-                     f"{list(want)}")
-    e._ae_user_error = True
-    raise e
+    # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
 
 
 def _cpu_shaped(func, m_args, m_kwargs, out):
