@@ -4,8 +4,10 @@ PyTorch's LSTM runs on CPU through oneDNN (`mkldnn_rnn_layer`, one op per layer 
 when its checks pass, and composes per-time-step cells on any other device: a few ulps off.
 So on neuron the LSTM takes CPU's path where CPU would (this is `mkldnn_rnn` of ATen's
 mkldnn/RNN.cpp in Python), and each `mkldnn_rnn_layer` runs on the device with CPU's kernel,
-backward included. Anything else (projections, a packed sequence, half precision under grad,
-oneDNN off) is composed as before (packed sequences still differ: README, Known gaps).
+backward included. GRU and RNN take CPU's composition op for op (below). Anything else
+(LSTM projections, which CPU composes too; a packed sequence, float16 LSTM under grad, oneDNN
+off, where CPU's composition differs from the one used here) is composed by PyTorch as before:
+the latter are a few ulps off CPU's (README, Known gaps).
 """
 from __future__ import annotations
 
