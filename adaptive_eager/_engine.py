@@ -20,7 +20,7 @@ from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
-from fusion.ir import Handle, Node
+from fusion.ir import Handle, Node, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
@@ -137,12 +137,11 @@ def _composite(func, key, args, kwargs):
 
 
 def _written(func, args, kwargs) -> list:
-    """The tensors `func` writes (its schema's mutable arguments), flattened."""
+    """The tensors `func` writes (fusion.ir.written_arguments), flattened."""
+    positions, names = written_arguments(func)
     out = []
-    for j, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[j] if j < len(args) and not a.kwarg_only else kwargs.get(a.name)
+    for v in [args[i] for i in positions if i < len(args)] + [
+            v for k, v in kwargs.items() if k in names]:
         out += list(v) if isinstance(v, (list, tuple)) else [v]
     return out
 
@@ -400,10 +399,7 @@ def _bumps_versions(eng, func, args, kwargs):
     be overwritten (optimizer.step() before backward()) with no error."""
     written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
-        raise RuntimeError(  # CPU's words (its per-tensor fallback reaches the check)
-            "Inplace update to inference tensor outside InferenceMode is not allowed.You can "
-            "make a clone to get a normal tensor before doing inplace update.See "
-            "https://github.com/pytorch/rfcs/pull/17 for more details.")
+        raise RuntimeError(_INFERENCE_WRITE)  # CPU's words (its per-tensor fallback checks)
     out = eng._dispatch(func, args, kwargs)
     torch.autograd.graph.increment_version(written)
     return out
