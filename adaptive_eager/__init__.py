@@ -183,6 +183,10 @@ def _flush_at_exit():  # nothing queued is lost at process exit
     # PyTorch's C++ dispatcher frames, which aborted the process ("terminate called
     # without an active exception"). A thread stuck holding it is not waited for long.
     _engine._LOCK.acquire(timeout=10)
+    import threading
+    import time
+    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
+        time.sleep(0.05)  # let a daemon thread between ops reach the lock (GIL released here)
     try:
         for eng in list(_engine.ENGINES):
             eng.sync("exit")
