@@ -179,14 +179,10 @@ def save_trace(path: str) -> None:
 @atexit.register
 def _flush_at_exit():  # nothing queued is lost at process exit
     # Note [Threads] at exit: the engine lock is taken for good, so a daemon thread's next op
-    # waits on it in Python instead of being stopped by the interpreter's shutdown inside
-    # PyTorch's C++ dispatcher frames, which aborted the process ("terminate called
-    # without an active exception"). A thread stuck holding it is not waited for long.
+    # waits on it in Python; the daemon threads that use the engine are let on to that point
+    # (`park_daemon_threads`). A thread stuck holding the lock is not waited for long.
     _engine._LOCK.acquire(timeout=10)
-    import threading
-    import time
-    if any(t.daemon and t.is_alive() for t in threading.enumerate()):
-        time.sleep(0.05)  # let a daemon thread between ops reach the lock (GIL released here)
+    _engine.park_daemon_threads(timeout=0.5)
     try:
         for eng in list(_engine.ENGINES):
             eng.sync("exit")

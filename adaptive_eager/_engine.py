@@ -87,6 +87,7 @@ def _apply_settings(values: dict) -> None:
 def _locked(method):
     """Run an engine entry point under the engine lock (Note [Threads])."""
     def locked(self, *args, **kwargs):
+        USERS.add(_get_ident())
         with self.lock:
             return method(self, *args, **kwargs)
     locked.__name__, locked.__doc__ = method.__name__, method.__doc__
@@ -99,6 +100,35 @@ def _locked(method):
 # and devices; results are bit for bit those of that order. Re-entrant: an op may allocate,
 # flush and sync inside. A backward in another thread takes it per op too.
 _LOCK = threading.RLock()
+
+# Note [Threads] at exit: the threads that ever entered the engine, by ident
+# (`park_daemon_threads`).
+USERS: set[int] = set()
+_get_ident = threading.get_ident
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def park_daemon_threads(timeout: float) -> None:
+    """Note [Threads] at exit: called with the engine lock held, wait (up to `timeout` s)
+    until every daemon thread that ever entered the engine runs this package's code, where
+    its next step is to wait on the lock in Python. A daemon thread that interpreter
+    shutdown stops anywhere else may be in PyTorch's C++ frames between two of its ops, with
+    the GIL released: retaking it there during finalization ends the thread by a forced
+    unwind through a C++ destructor, which aborts the process ("terminate called without an
+    active exception"; plain CPU PyTorch aborts so, every time, with a daemon thread busy on
+    CPU ops). A thread idle elsewhere (on a queue) costs the whole timeout."""
+    import sys
+    import time
+    deadline = time.monotonic() + timeout
+    me = _get_ident()
+    while time.monotonic() < deadline:
+        frames = sys._current_frames()
+        if all(t.ident == me or not t.daemon or t.ident not in USERS
+               or (f := frames.get(t.ident)) is None
+               or os.path.dirname(f.f_code.co_filename) == _PACKAGE
+               for t in threading.enumerate()):
+            return
+        time.sleep(0.002)  # the GIL is released: a thread between ops gets on
 
 
 # Note [Composite ops in inference mode]: PyTorch decomposes a CompositeImplicitAutograd op
@@ -254,6 +284,7 @@ class Engine:
 
     # -- dispatch --------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
+        USERS.add(_get_ident())  # Note [Threads] at exit
         try:
             with self.lock:
                 special = _SPECIAL.get(func)
