@@ -487,6 +487,8 @@ _SPECIAL = {
     aten._conj.default: _materialized(aten.conj_physical.default),
     aten._neg_view.default: _materialized(aten.neg.default),
 }
+for _op in transfer.LIKE:
+    _SPECIAL[_op] = transfer.like
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
 for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:

@@ -150,7 +150,35 @@ def to_copy(eng, func, args, kwargs):
         kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
         with torch._C._DisableTorchDispatch():
             return aten._to_copy.default(cpu, **kw)
+    if dev is not None and torch.device(dev).type != DEVICE_TYPE:  # .to("meta"): no data
+        return _on_stand_ins(func, args, kwargs)
     return eng._dispatch(func, args, kwargs)
+
+
+# Factories shaped like a tensor argument, which read no data of it. Given a `device=` other
+# than the tensor's own, they run there (`zeros_like(x, device="cpu")` is a CPU tensor).
+LIKE = [getattr(aten, n).default for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full")]
+LIKE.append(aten.randint_like.low_dtype)
+
+
+def like(eng, func, args, kwargs):
+    dev = kwargs.get("device")
+    if dev is None or eng.peer(torch.device(dev).index) is eng \
+            and torch.device(dev).type == DEVICE_TYPE:
+        return eng._dispatch(func, args, kwargs)
+    return _on_stand_ins(func, args, kwargs)
+
+
+def _on_stand_ins(func, args, kwargs):
+    """`func` with every neuron tensor argument replaced by a meta tensor of its layout: for
+    ops whose result is on another device and reads no data of those arguments."""
+    def stand_in(v):
+        if type(v) is not NeuronTensor:
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return func(*[stand_in(v) for v in args], **kwargs)
 
 
 def local_scalar_dense(eng, func, args, kwargs):
