@@ -168,13 +168,13 @@ class NeuronTensor(torch.Tensor):
         # host copy of the buffer shared by its views (Note [Checkpoints] in
         # serialization.py). Honours map_location; with map_location="cpu" a process
         # without this package loads it. (Tensor.__reduce_ex__ would wrap our class.)
-        if self.__dict__.get("_is_param"):  # a Parameter (Note [Module.to keeps Parameters])
-            return (torch._utils._rebuild_parameter,
-                    (self.detach(), self.requires_grad, collections.OrderedDict()))
         return serialization.reduce(self)
 
     def __deepcopy__(self, memo):
         return serialization.deepcopy(self, memo)
+
+    def __copy__(self):  # CPU's goes through __reduce_ex__, which here makes a host copy
+        return serialization.shallow_copy(self)
 
 
 class _Protocol:

@@ -21,6 +21,8 @@ raises (it loaded empty weights) rather than pretend.
 from __future__ import annotations
 
 import collections
+import copy
+import functools
 import weakref
 
 import torch
@@ -34,12 +36,36 @@ _OWN_READS: collections.Counter = collections.Counter()  # device -> our pickle 
 
 def reduce(t) -> tuple:
     """`t.__reduce_ex__` (Note [Checkpoints]): CPU's reduction, over a host copy of the whole
-    buffer shared with every other tensor of that buffer in the same save."""
+    buffer shared with every other tensor of that buffer in the same save, with the tensor's
+    Python attributes as CPU saves them (a Parameter's too)."""
+    state = user_state(t)
+    if t.__dict__.get("_is_param"):  # a Parameter (Note [Module.to keeps Parameters])
+        if not state:
+            return (torch._utils._rebuild_parameter,
+                    (t.detach(), t.requires_grad, collections.OrderedDict()))
+        return (torch._utils._rebuild_parameter_with_state,
+                (t.detach(), t.requires_grad, collections.OrderedDict(), state))
     host = _host_copy(t)
-    typed = torch.storage.TypedStorage(wrap_storage=host, dtype=t.dtype, _internal=True)
-    return (torch._utils._rebuild_tensor_v2,
-            (typed, t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad,
-             collections.OrderedDict()))
+    args = (t.storage_offset(), tuple(t.shape), t.stride(), t.requires_grad,
+            collections.OrderedDict())
+    if t.dtype in torch.storage._new_dtypes():  # float8, uint16...: CPU's v3 format
+        func, args = torch._utils._rebuild_tensor_v3, (host,) + args + (t.dtype,)
+    else:
+        typed = torch.storage.TypedStorage(wrap_storage=host, dtype=t.dtype, _internal=True)
+        func, args = torch._utils._rebuild_tensor_v2, (typed,) + args
+    if not state:
+        return func, args
+    return torch._tensor._rebuild_from_type_v2, (func, torch.Tensor, args, state)
+
+
+# What a neuron tensor's `__dict__` holds for the engine (the rest is the user's, as a CPU
+# tensor's `__dict__` is).
+_INTERNAL = frozenset(("_engine", "_handle", "_layout", "_vbytes", "_extent", "_is_param"))
+
+
+def user_state(t) -> dict:
+    """The Python attributes a user (or a library: `_no_weight_decay`) set on `t`."""
+    return {k: v for k, v in t.__dict__.items() if k not in _INTERNAL}
 
 
 def _writers(dev) -> int:
@@ -126,6 +152,23 @@ def _rebuild_tensor(original):
     return rebuild
 
 
+def _rebuild_tensor_v3(original):
+    """float8, uint16...: CPU's v3 format sets the storage directly, past `_rebuild_tensor`:
+    a storage bound for neuron goes through v2's path (its device copy) instead."""
+    @functools.wraps(original)  # pickled by name, as torch._utils._rebuild_tensor_v3
+    def rebuild(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype,
+                metadata=None):
+        if getattr(storage._untyped_storage, "_neuron_copy", None) is None:
+            return original(storage, storage_offset, size, stride, requires_grad,
+                            backward_hooks, dtype, metadata)
+        typed = torch.storage.TypedStorage(wrap_storage=storage._untyped_storage, dtype=dtype,
+                                           _internal=True)
+        return torch._utils._rebuild_tensor_v2(typed, storage_offset, size, stride,
+                                               requires_grad, backward_hooks, metadata)
+    rebuild._neuron = True
+    return rebuild
+
+
 def _storage_to(original):
     def to(self, device, non_blocking=False):
         if torch.device(device).type == DEVICE_TYPE:
@@ -156,9 +199,26 @@ def deepcopy(t, memo: dict):
         base = memo[key]
         new = eng.wrap(base._handle, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
     new.requires_grad_(t.requires_grad)
+    memo[id(t)] = new
+    if t.__dict__.get("_is_param"):  # as Parameter.__deepcopy__: no grad, no attributes
+        new._is_param = True
+        return new
+    if t.grad is not None:  # as Tensor.__deepcopy__
+        new.grad = copy.deepcopy(t.grad, memo)
+    new.__dict__.update(copy.deepcopy(user_state(t), memo))
+    return new
+
+
+def shallow_copy(t):
+    """`copy.copy(t)`: what CPU's `__reduce_ex__` round trip gives, a new leaf over the same
+    buffer (writes show through both) with t's `requires_grad` and Python attributes."""
+    with torch.no_grad():
+        new = t._engine.wrap(t._handle, tuple(t.shape), t.stride(), t.storage_offset(),
+                             t.dtype)
+    new.requires_grad_(t.requires_grad)
     if t.__dict__.get("_is_param"):
         new._is_param = True
-    memo[id(t)] = new
+    new.__dict__.update(user_state(t))
     return new
 
 
@@ -188,6 +248,8 @@ def register() -> None:
         ser._legacy_load = _legacy_load(ser._legacy_load)
     if not getattr(torch._utils._rebuild_tensor, "_neuron", False):
         torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
+    if not getattr(torch._utils._rebuild_tensor_v3, "_neuron", False):
+        torch._utils._rebuild_tensor_v3 = _rebuild_tensor_v3(torch._utils._rebuild_tensor_v3)
     if not getattr(torch.storage._to, "_neuron", False):
         torch.storage._to = _storage_to(torch.storage._to)
     import torch.jit

@@ -1,0 +1,113 @@
+"""Where a tensor's copy goes and what it keeps, as on CPU: factories shaped like a neuron
+tensor with another `device=`, `.to("meta")`, `copy.copy`, `copy.deepcopy` and pickling of a
+tensor's `.grad` and Python attributes (each failed before its fix)."""
+import copy
+import io
+
+import pytest
+import torch
+
+import adaptive_eager as ae  # noqa: F401
+
+N = "neuron"
+
+
+@pytest.mark.parametrize("factory", [
+    lambda x, d: torch.zeros_like(x, device=d), lambda x, d: torch.ones_like(x, device=d),
+    lambda x, d: torch.full_like(x, 3.0, device=d), lambda x, d: torch.empty_like(x, device=d),
+    lambda x, d: x.new_zeros(2, device=d), lambda x, d: x.new_full((2,), 7, device=d),
+    lambda x, d: x.new_empty_strided((2, 3), (1, 2), device=d),
+    lambda x, d: torch.randint_like(x, 10, device=d), lambda x, d: x.to(d)])
+@pytest.mark.parametrize("target", ["cpu", "meta", "neuron:1"])
+def test_a_factory_like_a_neuron_tensor_makes_its_result_on_the_device_asked(mode, factory,
+                                                                          target):
+    """`zeros_like(x, device="cpu")` of a neuron x was a neuron tensor, `x.to("meta")` too."""
+    x = torch.randn(4, 5).t()
+    out = factory(x.to(N), target)
+    ref = factory(x, "meta")
+    assert out.device == torch.device(target)
+    assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype)
+    if target == "cpu" and factory(x, "cpu").dtype.is_floating_point \
+            and "empty" not in str(factory.__code__.co_names):
+        torch.manual_seed(0)
+        a = factory(x, "cpu")
+        torch.manual_seed(0)
+        assert torch.equal(factory(x.to(N), "cpu"), a)
+
+
+def test_a_module_goes_to_meta(mode):
+    m = torch.nn.Linear(2, 2).to(N)
+    m.to("meta")
+    assert m.weight.device.type == "meta" and m.bias.device.type == "meta"
+
+
+def test_copy_copy_aliases_the_buffer(mode):
+    """copy.copy of a neuron tensor was a CPU copy: writes through it were lost."""
+    x = torch.zeros(3, device=N, requires_grad=True)
+    x.tag = 1
+    y = copy.copy(x)
+    with torch.no_grad():
+        y.add_(1)
+    assert y.device == x.device and y is not x and y.tag == 1 and y.requires_grad
+    assert x.tolist() == [1.0, 1.0, 1.0]
+    p = torch.nn.Linear(2, 2).to(N).weight
+    assert isinstance(copy.copy(p), torch.nn.Parameter)
+
+
+def _attributes(d):
+    t = torch.ones(2, device=d, requires_grad=True)
+    t.grad = torch.full((2,), 5.0, device=d)
+    t.tag = "x"
+    m = torch.nn.Linear(2, 2).to(d)
+    m.weight._no_weight_decay = True
+    m.weight.grad = torch.ones(2, 2, device=d)
+    return t, m
+
+
+def test_deepcopy_keeps_grad_and_attributes_as_cpu(mode):
+    """deepcopy of a neuron tensor dropped its .grad and Python attributes (a Parameter's are
+    dropped on CPU too)."""
+    def kept(d):
+        t, m = _attributes(d)
+        c, w = copy.deepcopy(t), copy.deepcopy(m).weight
+        return (c.grad.tolist(), c.tag, c.requires_grad, w.grad,
+                getattr(w, "_no_weight_decay", None), isinstance(w, torch.nn.Parameter))
+    assert kept(N) == kept("cpu")
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_save_keeps_python_attributes_as_cpu(mode, weights_only):
+    """torch.save of a neuron tensor or Parameter dropped its Python attributes."""
+    def kept(d, loc):
+        t, m = _attributes(d)
+        b = io.BytesIO()
+        torch.save({"t": t, "w": m.weight, "m": m} if not weights_only else
+                   {"t": t, "w": m.weight}, b)
+        b.seek(0)
+        r = torch.load(b, weights_only=weights_only, map_location=loc)
+        out = [r["t"].tag, r["w"]._no_weight_decay, r["t"].tolist(), r["t"].device.type]
+        if not weights_only:
+            out += [r["m"].weight is r["w"], r["m"].weight._no_weight_decay]
+        return out
+    for loc in (None, "cpu"):
+        ref = kept("cpu", loc)
+        ref[3] = "cpu" if loc == "cpu" else N
+        assert kept(N, loc) == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16,
+                                   torch.uint32, torch.uint64])
+def test_save_and_load_of_the_new_dtypes(mode, dtype):
+    """torch.save of a float8 / uint16 neuron tensor raised KeyError; a CPU one loaded with
+    map_location="neuron" stayed on the CPU (their format sets the storage directly)."""
+    x = torch.arange(6).to(dtype)
+    for src, loc in ((N, None), (N, "cpu"), ("cpu", N)):
+        t = x.to(src)
+        b = io.BytesIO()
+        torch.save([t, t[2:]], b)
+        b.seek(0)
+        r = torch.load(b, map_location=loc)
+        want = torch.device(loc or src)
+        assert [v.device.type for v in r] == [want.type] * 2
+        assert [v.cpu().view(torch.uint8).tolist() for v in r] == \
+            [x.view(torch.uint8).tolist(), x[2:].view(torch.uint8).tolist()]
