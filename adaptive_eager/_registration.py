@@ -248,14 +248,17 @@ def _host_factory(name):
         if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
             raise errors._generator_error(kwargs["generator"])
         eng = cores.engine(kwargs.get("device"))
-        kwargs = dict(kwargs, device=torch.device("cpu"))
         with eng.lock, torch._C._DisableTorchDispatch():
+            meta = op(*args, **dict(kwargs, device=torch.device("meta")))
+            out = eng.empty(tuple(meta.shape), meta.stride(), meta.dtype)  # the device's
+            kwargs = dict(kwargs, device=torch.device("cpu"))  # out-of-memory error first
             if random:
                 eng.flush("rng")
                 cpu = eng.device.rng.run(op, args, kwargs)
             else:
                 cpu = op(*args, **kwargs)
             eng.metrics.ops += 1
-            return transfer.upload(eng, cpu)
+            eng.write(out, cpu)
+            return out
 
     return impl

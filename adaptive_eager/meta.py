@@ -110,7 +110,8 @@ def _global_state() -> tuple:
 # (`float & float`, mm of float32 by float64), some refuse what CPU accepts (empty inputs).
 # On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
 # the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
-# (big buffers; contractions of one dtype, whose layouts meta gets right); a random op's probe
+# (big input buffers or outputs: a broadcast of two small inputs may be too big for the host;
+# contractions of one dtype, whose layouts meta gets right); a random op's probe
 # draws from a copy of the generator, so the real draws are untouched. A probe error counts
 # only if CPU raises it, word for word, for two different fillings (zeros and ones), so value
 # checks (a zero divisor, index 1 of a size-1 dim) and data-dependent shapes (a boolean mask's
@@ -120,8 +121,10 @@ _PROBE_MAX_BYTES = 16 * 2**20
 
 
 
-def _worth_probing(func, cls, handles, args_t, kwargs_t) -> bool:
-    if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES:
+def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
+    if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES or sum(
+            t.numel() * t.element_size() for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)) > _PROBE_MAX_BYTES:  # (a broadcast's output)
         return False
     if cls == CONTRACTION and "conv" not in func._schema.name:  # convolutions keep their
         # input's memory format (channels_last) on CPU, which meta does not
@@ -236,7 +239,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             meta_error = None
     cls = op_class(func)
     probe = None
-    if meta_error is not None or _worth_probing(func, cls, handles, args_t, kwargs_t):
+    if meta_error is not None or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
         probe = _probe(func, args, kwargs, args_t, kwargs_t, handles)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             probe._ae_user_error = True

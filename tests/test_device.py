@@ -311,6 +311,20 @@ def test_device_generic_accelerator_api():
         torch.accelerator.synchronize("cuda:0")
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(2**17, 1, device="neuron") * torch.ones(1, 2**16, device="neuron"),
+    lambda: torch.ones(1, device="neuron").expand(2**33).contiguous(),
+    lambda: torch.arange(2**33, dtype=torch.float32, device="neuron")])
+def test_a_huge_output_of_small_inputs_is_the_devices_oom_before_any_host_work(mode, make):
+    """A 32 GiB output of tiny inputs (a broadcast, an expand, a host-made factory) was built
+    on the host first (CPU's probe, the factory's host run): CPU's allocator error, not the
+    device's out-of-memory error, or the host's RAM filled before the device said no."""
+    with pytest.raises(torch.OutOfMemoryError):
+        make()
+        torch.neuron.synchronize()
+    assert (torch.ones(3, device="neuron") + 1).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
 def test_an_allocation_the_host_cannot_back_is_the_devices_oom_not_a_kill(monkeypatch):
     """The simulated HBM lives in host RAM: past what the host can give, the process would be
     killed by the OOM killer (everything lost). A large allocation is refused first."""
