@@ -272,7 +272,13 @@ def register() -> None:
 
 def install() -> None:
     """Call `register` as soon as torch._dynamo exists, without importing it ourselves
-    (it takes about a second, and `import torch` loads this package)."""
+    (it takes about a second, and `import torch` loads this package). make_fx traces a neuron
+    tensor it was not given (a closure's, as in torch.func.linearize) as a constant, as a CPU
+    or CUDA one: it refused the ops of an unknown tensor type, which ran untraced while the
+    trace kept their results as constants (linearize's jvp returned uninitialized memory)."""
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+    if NeuronTensor not in proxy_tensor.HANDLED_TYPES:
+        proxy_tensor.HANDLED_TYPES = proxy_tensor.HANDLED_TYPES + (NeuronTensor,)
     if "torch._dynamo" in sys.modules:
         register()
         return

@@ -225,11 +225,13 @@ def _flops(func, args, kwargs, out) -> float:
 def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
     (shapes, dtypes) propagate with PyTorch's own message."""
-    metas = _meta_buffers(handles)
-
-    m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
-    m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-    with warnings.catch_warnings(record=True) as meta_warnings:
+    # Below any dispatch mode still on the stack (make_fx's under torch.func.linearize
+    # would trace these meta twins, and refuse their storages).
+    with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as meta_warnings:
+        metas = _meta_buffers(handles)
+        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
+        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
+                                                                       kwargs_t)}
         warnings.simplefilter("always")
         try:
             out = func(*m_args, **m_kwargs)

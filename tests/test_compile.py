@@ -359,3 +359,23 @@ def test_the_default_backend_refuses_neuron_code_clearly():
             torch.compile(fn)(arg)
     assert torch.equal(torch.compile(made_inside, backend="neuron")(3).cpu(),
                        torch.ones(2, 3, dtype=torch.int32))
+
+
+def test_make_fx_traces_ops_on_a_closures_neuron_tensor(mode):
+    """make_fx refused the ops of a neuron tensor it was not given (a closure's): they ran
+    untraced and the graph returned their results as constants, so torch.func.linearize's
+    jvp gave uninitialized memory."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import linearize
+    x = torch.tensor([0.5, 1.0, 2.0])
+    xn = x.to("neuron")
+    g = make_fx(lambda t: (xn.sin() * t).sum())(torch.ones(3, device="neuron"))
+    assert "sin" in g.code and "mul" in g.code
+    assert g(torch.full((3,), 2.0, device="neuron")).item() == (x.sin() * 2).sum().item()
+
+    def f(v):
+        return (v.sin() * v).sum(0, keepdim=True).expand(3) * v
+    _, jvp_ref = linearize(f, x)
+    out, jvp_fn = linearize(f, xn)
+    assert torch.equal(out.cpu(), f(x))
+    assert torch.equal(jvp_fn(torch.ones(3, device="neuron")).cpu(), jvp_ref(torch.ones(3)))
