@@ -163,6 +163,9 @@ class NeuronTensor(torch.Tensor):
     def data_ptr(self) -> int:
         return device_address(self._handle) + self.storage_offset() * self.element_size()
 
+    def __dlpack__(self, *args, **kwargs):  # PyTorch packed a null pointer of device "ext"
+        raise _dlpack_error(self)
+
     def __reduce_ex__(self, proto):
         # torch.save / pickle as CPU's tensors go: (storage, offset, size, stride), over a
         # host copy of the buffer shared by its views (Note [Checkpoints] in
@@ -234,6 +237,25 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
 
 _APPLY = torch.nn.Module._apply.__code__
 torch.utils.swap_tensors = _swap_keeping_attributes
+
+
+def _dlpack_error(t) -> RuntimeError:
+    return RuntimeError(  # Tensor.__dlpack__'s words for an XLA tensor it cannot export
+        f"Can't export to dlpack a {t.device} tensor: its memory is on the device. Copy it "
+        f"to the host first: `t.cpu()`.")
+
+
+def _to_dlpack(original):
+    def to_dlpack(tensor, *args, **kwargs):
+        if type(tensor) is NeuronTensor:
+            raise _dlpack_error(tensor)
+        return original(tensor, *args, **kwargs)
+    to_dlpack._neuron = True
+    return to_dlpack
+
+
+if not getattr(torch.to_dlpack, "_neuron", False):
+    torch.to_dlpack = torch.utils.dlpack.to_dlpack = _to_dlpack(torch.to_dlpack)
 
 
 def _refuse_sharing(t):

@@ -111,3 +111,13 @@ def test_save_and_load_of_the_new_dtypes(mode, dtype):
         assert [v.device.type for v in r] == [want.type] * 2
         assert [v.cpu().view(torch.uint8).tolist() for v in r] == \
             [x.view(torch.uint8).tolist(), x[2:].view(torch.uint8).tolist()]
+
+
+def test_dlpack_export_refuses_a_neuron_tensor():
+    """to_dlpack / __dlpack__ packed a null pointer of device "ext": the importer got a
+    tensor that failed later with unrelated errors."""
+    x = torch.arange(4.0, device=N)
+    for export in (torch.utils.dlpack.to_dlpack, torch.to_dlpack, lambda t: t.__dlpack__()):
+        with pytest.raises(RuntimeError, match="Can't export to dlpack a neuron:0 tensor"):
+            export(x)
+    assert torch.from_dlpack(torch.utils.dlpack.to_dlpack(x.cpu())).tolist() == x.tolist()
