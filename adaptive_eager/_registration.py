@@ -55,10 +55,11 @@ def register() -> None:
 def _check_grad_devices(outputs, grads) -> None:
     """CUDA's check of the gradients a backward starts from (autograd's validate_outputs,
     which skips tensor subclasses): one on another device is refused unless it is 0-d. A CPU
-    gradient for a neuron output otherwise left `.grad` on the CPU."""
+    gradient for a neuron output otherwise left `.grad` on the CPU; a neuron gradient for a
+    CPU output failed an internal assert of autograd's stream bookkeeping."""
     for i, (out, g) in enumerate(zip(outputs, grads)):
-        if type(out) is NeuronTensor and isinstance(g, torch.Tensor) and g.dim() \
-                and g.device != out.device:
+        if isinstance(g, torch.Tensor) and g.dim() and g.device != out.device and (
+                type(out) is NeuronTensor or type(g) is NeuronTensor):
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} "
                                f"but got {g.device}")
 
@@ -153,6 +154,20 @@ def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     return hy, torch.cat([r, z, n, hx, hn], 1)  # workspace of the fused kernel's shape
 
 
+# ATen's dropout runs the fused `native_dropout` on every device but the CPU, whose backward
+# multiplies by the mask and a float scale; CPU multiplies by `mask / (1 - p)` rounded to the
+# input's dtype: in float16 / bfloat16 the gradients differed by an ulp (every HF model with
+# dropout trained in half precision). Neuron composes CPU's `_dropout`, op for op.
+def _dropout(input, p, train):
+    if p < 0 or p > 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    return input * torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
+
+
 # one_hot takes a functional path for any tensor with the Python key (ours): `eq` against an
 # arange, which lays the result out like the input and gives an all-zero row for a class out
 # of range. CPU and CUDA fill a fresh contiguous tensor with scatter_, which raises on a bad
@@ -194,6 +209,7 @@ def _register_fused_rnn_cells():
     lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
+    lib.impl("dropout", _dropout, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
     lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
     lib.impl("linalg_svdvals", linalg.svdvals, "AutogradPrivateUse1")

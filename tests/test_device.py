@@ -381,6 +381,18 @@ def test_a_host_gradient_for_a_device_output_is_refused_as_cuda_does(mode):
     assert x.grad.device == x.device and x.grad.tolist() == [2.0] * 3
 
 
+def test_a_device_gradient_for_a_host_output_is_refused_as_cuda_does(mode):
+    """A neuron gradient for a CPU output failed autograd's internal stream assert
+    ("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED")."""
+    x = torch.randn(5, device="neuron", requires_grad=True)
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0 - expected device "
+                                           "cpu but got neuron:0"):
+        torch.autograd.grad([x.to("cpu")], [x], [torch.ones(5, device="neuron")])
+    y = torch.ones(3, requires_grad=True)
+    g, = torch.autograd.grad([(y * 2).sum()], [y], [torch.tensor(1.0, device="neuron")])
+    assert g.device.type == "cpu" and g.tolist() == [2.0] * 3  # a 0-d one is moved
+
+
 def test_get_device_properties_as_cuda_scripts_read_it():
     p = torch.neuron.get_device_properties(0)
     assert p.total_memory == torch.neuron.mem_get_info(0)[1] and p.name and p.type == "neuron"

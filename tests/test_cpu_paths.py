@@ -1,0 +1,39 @@
+"""Where PyTorch picks a different path for a non-CPU device (or any tensor subclass), neuron
+takes CPU's, bit for bit (each failed before its fix)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+
+import adaptive_eager as ae  # noqa: F401
+
+N = "neuron"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
+def test_dropout_forward_backward_and_rng_as_cpu(mode, dtype, p):
+    """ATen's dropout ran the fused native_dropout on neuron: its backward scales in float,
+    CPU's multiplies by mask / (1 - p) in the input's dtype (float16 / bfloat16 gradients an
+    ulp off: every HF model with dropout trained in half precision)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g).to(dtype)
+    go = torch.randn(1000, generator=g).to(dtype)
+
+    def run(d):
+        torch.manual_seed(0)
+        xi = x.to(d).detach().requires_grad_()
+        y = F.dropout(xi, p=p, training=True)
+        y.backward(go.to(d))
+        return y.detach().cpu(), xi.grad.cpu(), torch.rand(3, device=d).cpu()
+    with _disable_current_modes():
+        ref = run("cpu")
+    for a, b in zip(run(N), ref):
+        assert torch.equal(a, b)
+
+
+def test_dropout_identity_cases_and_errors_as_cpu():
+    x = torch.ones(3, device=N, requires_grad=True)
+    assert F.dropout(x, 0.0) is x and F.dropout(x, 0.5, training=False) is x
+    with pytest.raises(RuntimeError, match="dropout probability has to be between 0 and 1"):
+        torch.dropout(x, 1.5, True)
