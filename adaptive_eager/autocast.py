@@ -99,10 +99,14 @@ def _fp32_append_dtype(target):
 
 def _promote(op):
     def k(*args, **kwargs):
-        dt = torch.get_autocast_dtype(DEVICE)
-        if any(_eligible(t) and t.dtype == torch.float32
-               for t in tree_flatten((args, kwargs))[0]):
-            dt = torch.float32
+        low = dt = torch.get_autocast_dtype(DEVICE)
+        for t in tree_flatten((args, kwargs))[0]:  # CUDA's prioritize
+            if not _eligible(t) or t.dtype == torch.float64:
+                continue
+            if dt == torch.float32 or t.dtype == torch.float32:
+                dt = torch.float32
+            elif t.dtype != low:  # float16 under bfloat16 autocast, or the other way
+                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
             return op(*_cast(args, DEVICE, dt), **_cast(kwargs, DEVICE, dt))
     return k

@@ -273,6 +273,8 @@ def test_autocast_follows_cudas_policy(mode):
         }
         with pytest.raises(RuntimeError, match="unsafe to autocast"):
             F.binary_cross_entropy(logits.sigmoid(), torch.rand(16, 10, device="neuron"))
+        with pytest.raises(RuntimeError, match="Unexpected floating ScalarType"):
+            torch.addcmul(n["x"].half(), logits[:, :8], logits[:, :8])  # CUDA refuses too
     low, f32 = torch.bfloat16, torch.float32
     want = {"logits": low, "ce": f32, "mse": f32, "softmax": f32, "layer_norm": f32,
             "sum": f32, "exp": f32, "sdpa": low, "lstm": low, "addcmul": f32,
