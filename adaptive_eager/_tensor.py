@@ -4,7 +4,6 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 """
 from __future__ import annotations
 
-import collections
 import sys
 
 import torch
