@@ -62,6 +62,32 @@ class NeuronStorage:
 
     size = nbytes
 
+    def element_size(self) -> int:
+        return 1
+
+    def is_pinned(self, device=None) -> bool:
+        return False
+
+    def is_shared(self) -> bool:
+        return False
+
+    def _bytes(self) -> torch.Tensor:
+        """The whole buffer as a uint8 neuron tensor (queued writes included)."""
+        h = self._handle
+        with torch.no_grad():
+            return self._engine.wrap(h, (h.nbytes,), (1,), 0, torch.uint8)
+
+    def cpu(self) -> torch.UntypedStorage:
+        """A host copy of the buffer's bytes (a sync point, as `.cpu()` of a tensor)."""
+        return self._bytes().cpu().untyped_storage()
+
+    def clone(self) -> "NeuronStorage":
+        """A new device buffer holding a copy of these bytes."""
+        return self._bytes().clone().untyped_storage()
+
+    def tolist(self) -> list:
+        return self._bytes().tolist()
+
     def resize_(self, nbytes: int) -> "NeuronStorage":
         """Resize the device buffer, as `UntypedStorage.resize_` does on CPU: the first
         min(old, new) bytes are kept. FSDP2 frees an unsharded parameter by resizing its

@@ -121,3 +121,16 @@ def test_dlpack_export_refuses_a_neuron_tensor():
         with pytest.raises(RuntimeError, match="Can't export to dlpack a neuron:0 tensor"):
             export(x)
     assert torch.from_dlpack(torch.utils.dlpack.to_dlpack(x.cpu())).tolist() == x.tolist()
+
+
+def test_untyped_storage_copies_and_queries_as_cpu(mode):
+    """untyped_storage() had no element_size, is_pinned, cpu, clone or tolist."""
+    def run(d):
+        x = torch.arange(4, dtype=torch.int16, device=d)
+        x.add_(1)
+        s = x.untyped_storage()
+        c = s.clone()
+        x.add_(1)  # the clone is a copy, not an alias
+        return (s.element_size(), s.is_pinned(), s.is_shared(), s.cpu().tolist(), s.tolist(),
+                c.tolist(), c.data_ptr() != s.data_ptr(), s.cpu().device.type)
+    assert run(N) == run("cpu")
