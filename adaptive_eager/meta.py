@@ -3,6 +3,7 @@ per op signature by meta execution checked against CPU (Note [CPU probe]), so sh
 errors raise at the call as in eager mode."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import warnings
@@ -10,8 +11,9 @@ import warnings
 import torch
 from torch.utils._pytree import tree_map, tree_flatten
 
+from device import with_generator
 from fusion.ir import OpSig
-from fusion.ops import CONTRACTION, VIEW, device_kernel, op_class
+from fusion.ops import CONTRACTION, RANDOM, VIEW, device_kernel, op_class
 
 from .source import DEVICE_TYPE, _user_stacklevel
 
@@ -143,9 +145,14 @@ def _tensor_templates(ts):
 
 
 
-def _probe(func, args, kwargs, args_t, kwargs_t, handles):
+def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
     """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
     first = None
+    # A random op's probe draws from a throwaway generator (the op's overload that takes
+    # one), or else from a throwaway copy of the process's (fork_rng: restoring it would undo
+    # another thread's CPU draws meanwhile, so only where unavoidable).
+    kernel = device_kernel(func)
+    gen_op = with_generator(func) if random and kernel is func else None
     for fill in (0, 1):
         bufs = [torch.zeros(h.nbytes, dtype=torch.uint8, device="cpu") for h in handles]
         cpu = torch.device("cpu")
@@ -159,14 +166,16 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles):
                 return seen[id(v)]
             return _twin(v, t, bufs, cpu, fill)
 
-        # fork_rng: a random op's probe draws from a throwaway copy of the generator
-        with torch._C._DisableTorchDispatch(), warnings.catch_warnings(), \
-                torch.random.fork_rng(devices=[]):
+        rng = torch.random.fork_rng(devices=[]) if random and gen_op is None \
+            else contextlib.nullcontext()
+        with torch._C._DisableTorchDispatch(), warnings.catch_warnings(), rng:
             warnings.simplefilter("ignore")
             try:
                 c_args = [twin(v, t) for v, t in zip(args, args_t)]
                 c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
-                return device_kernel(func)(*c_args, **c_kwargs)
+                if gen_op is not None:
+                    return gen_op(*c_args, **dict(c_kwargs, generator=torch.Generator()))
+                return kernel(*c_args, **c_kwargs)
             except Exception as e:
                 if first is not None and type(e) is type(first) and str(e) == str(first):
                     return first.with_traceback(None)
@@ -242,7 +251,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     cls = op_class(func)
     probe = None
     if meta_error is not None or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
-        probe = _probe(func, args, kwargs, args_t, kwargs_t, handles)
+        probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             probe._ae_user_error = True
             raise probe

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from typing import Any, Callable
 
@@ -187,25 +188,69 @@ def _sleep_us(us: float) -> None:
 
 
 class DeviceRNG:
-    """The device's random generator: a Philox/MT state separate from the CPU's.
+    """The device's random generator: a CPU generator (MT19937) of its own, separate from the
+    process's default one, so a neuron tensor drawn under `torch.manual_seed(s)` equals the
+    CPU tensor drawn under the same seed.
 
-    Random ops run with this state swapped into the host generator, so a neuron tensor drawn
-    under `torch.manual_seed(s)` equals the CPU tensor drawn under the same seed."""
+    Random ops get it as their `generator=` (an overload that takes one, `rand.generator` for
+    `rand`). Swapping its state into the CPU's default generator instead was a race: another
+    thread's CPU draws (a data-augmentation thread) ran inside the swap, taking the device's
+    numbers and losing their own. The few ops with no generator overload (`native_dropout`,
+    attention's dropout) still swap, under a lock: see README, Known gaps (Threads)."""
 
     def __init__(self, seed: int = 67280421310721):
-        self.seed = seed
-        self.state = torch.Generator().manual_seed(seed).get_state()
+        self.gen = torch.Generator()
+        self.manual_seed(seed)
 
     def manual_seed(self, seed: int) -> None:
         self.seed = int(seed)
-        self.state = torch.Generator().manual_seed(self.seed).get_state()
+        self.gen.manual_seed(self.seed)
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self.gen.get_state()
+
+    @state.setter
+    def state(self, state: torch.Tensor) -> None:
+        self.gen.set_state(state)
 
     def run(self, op, args, kwargs):
-        gen = torch.default_generator
-        saved = gen.get_state()
-        gen.set_state(self.state)
-        try:
-            return op(*args, **kwargs)
-        finally:
-            self.state = gen.get_state()
-            gen.set_state(saved)
+        with_gen = with_generator(op)
+        if with_gen is not None:
+            return with_gen(*args, **dict(kwargs, generator=self.gen))
+        with _SWAP:
+            gen = torch.default_generator
+            saved = gen.get_state()
+            gen.set_state(self.gen.get_state())
+            try:
+                return op(*args, **kwargs)
+            finally:
+                self.gen.set_state(gen.get_state())
+                gen.set_state(saved)
+
+
+_SWAP = threading.Lock()
+_WITH_GENERATOR: dict = {}
+
+
+def with_generator(op):
+    """`op` itself if it takes a `generator=`, else its overload that does and otherwise takes
+    the same arguments (`rand.default` -> `rand.generator`), else None."""
+    try:
+        return _WITH_GENERATOR[op]
+    except KeyError:
+        pass
+    names = [a.name for a in op._schema.arguments]
+    found = None
+    if "generator" in names:
+        found = op
+    else:
+        packet = getattr(torch.ops.aten, op._schema.name.split("::")[1], None)
+        for name in packet.overloads() if packet is not None else ():
+            other = getattr(packet, name)
+            if [a.name for a in other._schema.arguments if a.name != "generator"] == names \
+                    and len(other._schema.arguments) == len(names) + 1:
+                found = other
+                break
+    _WITH_GENERATOR[op] = found
+    return found

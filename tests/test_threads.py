@@ -4,6 +4,7 @@ syncs and another records."""
 import threading
 
 import torch
+import torch.nn.functional as F
 
 import adaptive_eager as ae
 
@@ -168,3 +169,36 @@ def test_exit_with_a_daemon_thread_running_neuron_ops():
     without that wait, 2 of 30 runs aborted; failed in 2 of 5 CI runs with a fixed 0 s/50 ms."""
     r = _busy_child("print('bye')\n")
     assert r.returncode == 0 and r.stdout.strip() == "bye", r.stderr[-2000:]
+
+
+def test_a_cpu_thread_drawing_random_numbers_changes_no_device_draw_and_the_reverse(mode):
+    """The device's random ops ran with its state swapped into the CPU's default generator:
+    another thread's CPU draws (data augmentation) ran inside the swap, taking the device's
+    numbers (different dropout masks) and losing their own. The first-call probe of a random
+    op restored the CPU generator afterwards, undoing the other thread's draws too."""
+    import threading
+
+    def device_draws():
+        torch.neuron.manual_seed(1)
+        x = torch.ones(256, device="neuron")
+        out = [F.dropout(x, 0.5) for _ in range(40)]
+        out += [torch.rand(256, device="neuron") for _ in range(20)]
+        out += [torch.randperm(256 + i % 3, device="neuron")[:256].float() for i in range(20)]
+        return torch.stack(out).cpu()
+    alone = device_draws()
+    stop, start, rows = threading.Event(), [], []
+
+    def augment():
+        start.append(torch.get_rng_state())
+        while not stop.is_set():
+            rows.append(torch.randn(512))
+    t = threading.Thread(target=augment)
+    t.start()
+    try:
+        together = device_draws()
+    finally:
+        stop.set()
+        t.join()
+    assert torch.equal(together, alone)
+    torch.set_rng_state(start[0])
+    assert all(torch.equal(r, torch.randn(512)) for r in rows)
