@@ -103,6 +103,18 @@ def synchronize() -> None:
         eng.sync("synchronize")
 
 
+def _set_mode(values: dict) -> None:
+    if "strategy" in values and values["strategy"] != strategy():
+        set_strategy(values["strategy"])  # validates first: a bad name changes nothing
+    if "adaptive" in values:
+        set_adaptive(values["adaptive"])
+
+
+_MODE_SCOPES = _engine.Scopes(
+    lambda k: _engine.ENGINE.adaptive if k == "adaptive" else _engine.ENGINE.strategy_name,
+    _set_mode)
+
+
 class adaptive(TorchDispatchMode):
     """`with ae.adaptive():` adaptive eager inside the block (or `adaptive(False)`: eager).
 
@@ -113,25 +125,20 @@ class adaptive(TorchDispatchMode):
         super().__init__()
         self.on = on
         self.strategy = strategy
-        self._saved = []
+        self._tokens = []
 
     def __enter__(self):
-        eng = _engine.ENGINE
-        saved = (eng.adaptive, eng.strategy.name)
-        if self.strategy is not None and self.strategy != saved[1]:
-            set_strategy(self.strategy)  # validates first: a bad name changes nothing
-        set_adaptive(self.on)
-        self._saved.append(saved)
+        values = {"adaptive": self.on}
+        if self.strategy is not None:
+            values["strategy"] = self.strategy
+        self._tokens.append(_MODE_SCOPES.enter(values))  # Note [Scopes across threads]
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            was_on, was_strategy = self._saved.pop()
-            set_adaptive(was_on)
-            if was_strategy != _engine.ENGINE.strategy.name:
-                set_strategy(was_strategy)
+            _MODE_SCOPES.leave(self._tokens.pop())
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

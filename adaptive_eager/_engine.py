@@ -37,11 +37,58 @@ from .templates import template
 aten = torch.ops.aten
 
 
+class Scopes:
+    """Note [Scopes across threads]: settings scopes (`ae.override`, `ae.adaptive`) change the
+    process's settings, and threads may leave them in any order. Each scope's values stay on
+    a list while it is open; leaving one removes them, and each of its settings becomes the
+    newest open scope's value for it, or the value from before the first scope that set it.
+    (Restoring the value seen at entry instead left A's value in force inside B's scope once
+    A, entered first, had exited, and A's entry value for good once B exited.) A setting no
+    scope set is left alone."""
+
+    def __init__(self, read, write):
+        self.read, self.write = read, write
+        self.open: list = []  # (token, values), oldest first
+        self.before: dict = {}
+
+    def enter(self, values: dict) -> object:
+        with _LOCK:
+            for k in values:
+                if not any(k in v for _, v in self.open):
+                    self.before[k] = self.read(k)
+            token = object()
+            self.open.append((token, values))
+            try:
+                self.write(values)
+            except BaseException:  # a refused value (an unknown executor...): nothing changes
+                self.leave(token)
+                raise
+            return token
+
+    def leave(self, token) -> None:
+        with _LOCK:
+            values = next(v for t, v in self.open if t is token)
+            self.open = [(t, v) for t, v in self.open if t is not token]
+            now = {}
+            for k in values:
+                setters = [v[k] for _, v in self.open if k in v]
+                now[k] = setters[-1] if setters else self.before.pop(k)
+            self.write(now)
+
+
+def _read_setting(k):
+    if k == "adaptive":
+        return ENGINE.adaptive
+    if k == "strategy":
+        return ENGINE.strategy_name
+    return getattr(_config.config, k)
+
+
 @contextlib.contextmanager
 def override(**changes):
     """Temporarily change settings (`with ae.override(queue_low_threshold=0): ...`); the
-    engine flushes, applies them, and restores the old values on exit. `adaptive` and
-    `strategy` set the engine's mode and strategy for the block."""
+    engine flushes, applies them, and restores them on exit (Note [Scopes across threads]).
+    `adaptive` and `strategy` set the engine's mode and strategy for the block."""
     cfg = _config.config
     for k in changes:
         if not hasattr(cfg, k):
@@ -49,25 +96,11 @@ def override(**changes):
     if "strategy" in changes and changes["strategy"] not in STRATEGIES:
         raise ValueError(f"unknown fusion strategy {changes['strategy']!r}; choose one of "
                          f"{sorted(STRATEGIES)}")
-    old = {k: getattr(cfg, k) for k in changes}
-    state = (ENGINE.adaptive, ENGINE.strategy_name)
-
-    def restore():
-        _apply_settings(old)
-        with _LOCK:
-            for eng in ENGINES:
-                eng.adaptive, eng.strategy_name = state
-                eng.reconfigure()
-
-    try:
-        _apply_settings(changes)
-    except BaseException:  # a refused value (an unknown executor...): the old settings stay
-        restore()
-        raise
+    token = _OVERRIDES.enter(changes)
     try:
         yield cfg
     finally:
-        restore()
+        _OVERRIDES.leave(token)
 
 
 def _apply_settings(values: dict) -> None:
@@ -500,6 +533,7 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
             _SPECIAL[_op] = _bumps_versions
 
 ENGINE = Engine()  # neuron:0
+_OVERRIDES = Scopes(_read_setting, lambda values: _apply_settings(values))
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
 _CURRENT = [0]  # the current core's index (cores.set_current checks it first)
 _OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0

@@ -3,6 +3,7 @@ thread's results are CPU's, bit for bit, in eager and adaptive mode, also while 
 syncs and another records."""
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -202,3 +203,45 @@ def test_a_cpu_thread_drawing_random_numbers_changes_no_device_draw_and_the_reve
     assert torch.equal(together, alone)
     torch.set_rng_state(start[0])
     assert all(torch.equal(r, torch.randn(512)) for r in rows)
+
+
+@pytest.mark.parametrize("scope, read, inner, base", [
+    (lambda: ae.adaptive(), ae.is_adaptive, True, False),
+    (lambda v=[3, 5]: ae.override(buffer_size_limit=v.pop(0)),
+     lambda: ae.config.buffer_size_limit, 5, None)])
+def test_scopes_left_out_of_order_across_threads(scope, read, inner, base):
+    """Thread A enters a scope, B enters one, A leaves, B leaves: B's scope lost its value
+    when A left (A's entry value came back), and A's entry value stayed for good after B."""
+    base = read() if base is None else base
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def a():
+        with scope():
+            a_in.set()
+            b_in.wait(60)
+        a_out.set()
+
+    def b():
+        a_in.wait(60)
+        with scope():
+            b_in.set()
+            a_out.wait(60)
+            seen.append(read())
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert seen == [inner] and read() == base
+
+
+def test_an_override_restores_only_what_it_set():
+    """Leaving `override(max_group_ops=...)` also put back the mode from its entry, undoing
+    an `ae.set_adaptive(True)` made inside it."""
+    with ae.override(max_group_ops=4):
+        ae.set_adaptive(True)
+    try:
+        assert ae.is_adaptive()
+    finally:
+        ae.set_adaptive(False)
