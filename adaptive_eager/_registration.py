@@ -118,6 +118,9 @@ def _route_accelerator_api():
             if not takes_device:
                 return ours()
             device = args[0] if args else next(iter(kwargs.values()), None)
+            if device is None or isinstance(device, (str, torch.device)) \
+                    and torch.device(device).index is None:
+                return ours(None)  # the current core, ours (PyTorch asks the C++ guard: 0)
             return ours(_get_device_index(device, optional=True))
         for mod in (module, torch.accelerator):  # the name is re-exported there too
             if getattr(mod, name, None) is original:
@@ -128,6 +131,11 @@ def _route_accelerator_api():
     route(memory, "reset_peak_memory_stats", neuron.reset_peak_memory_stats)
     route(memory, "get_memory_info", neuron.mem_get_info)
     route(memory, "empty_cache", neuron.empty_cache, takes_device=False)
+    for name in ("set_device_index", "set_device_idx"):
+        route(torch.accelerator, name, neuron.set_device)
+    for name in ("current_device_index", "current_device_idx"):
+        route(torch.accelerator, name, neuron.current_device, takes_device=False)
+    route(torch.accelerator, "device_index", neuron.device)  # a context manager
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

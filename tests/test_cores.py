@@ -241,3 +241,17 @@ def test_deferred_error_in_a_single_threaded_backward_is_raised_not_an_abort():
 def test_get_device_properties_of_another_core():
     p = torch.neuron.get_device_properties("neuron:1")
     assert p.total_memory == torch.neuron.get_device_properties(0).total_memory
+
+
+def test_accelerator_device_index_api_follows_the_current_core():
+    """torch.accelerator.set_device_index / device_index did nothing (PyTorch asks the C++
+    guard, which a Python backend cannot answer), and its memory calls read core 0."""
+    torch.accelerator.set_device_index(2)
+    assert torch.neuron.current_device() == 2 == torch.accelerator.current_device_index()
+    x = torch.zeros(250, device=N)
+    assert x.device == torch.device("neuron:2")
+    assert torch.accelerator.memory_allocated() == torch.neuron.memory_allocated(2) >= 1000
+    with torch.accelerator.device_index(3):
+        assert torch.zeros(1, device=N).device == torch.device("neuron:3")
+    assert torch.accelerator.current_device_index() == 2
+    torch.accelerator.synchronize()
