@@ -90,9 +90,10 @@ def override(**changes):
     engine flushes, applies them, and restores them on exit (Note [Scopes across threads]).
     `adaptive` and `strategy` set the engine's mode and strategy for the block."""
     cfg = _config.config
-    for k in changes:
+    for k, v in changes.items():
         if not hasattr(cfg, k):
             raise AttributeError(f"no setting named {k!r}; `python -m adaptive_eager config` lists them")
+        _config.check(k, v)
     if "strategy" in changes and changes["strategy"] not in STRATEGIES:
         raise ValueError(f"unknown fusion strategy {changes['strategy']!r}; choose one of "
                          f"{sorted(STRATEGIES)}")

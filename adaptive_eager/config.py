@@ -39,9 +39,33 @@ def _core_list(v: str) -> tuple[int, ...] | None:
     return tuple(cores)
 
 
-def _setting(var: str, default, parse, doc: str):
-    """A Config field: default, the environment variable that sets it, parser, effect."""
-    return dataclasses.field(default=default, metadata={"var": var, "parse": parse, "doc": doc})
+def _setting(var: str, default, parse, doc: str, least=None):
+    """A Config field: default, the environment variable that sets it, parser, effect, and
+    for numbers the least value that makes sense."""
+    return dataclasses.field(default=default, metadata={"var": var, "parse": parse, "doc": doc,
+                                                        "least": least})
+
+
+_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,),
+          "tuple[int, ...]": (tuple,)}
+
+
+def check(name: str, value) -> None:
+    """Refuse a value of the wrong type or out of range for setting `name`, naming it (a
+    string where a number was due failed later, inside an op, as "unsupported operand")."""
+    f = next(f for f in dataclasses.fields(Config) if f.name == name)
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    if value is None and "None" in kinds:
+        return
+    types = tuple(t for k in kinds for t in _TYPES.get(k, ()))
+    least = f.metadata["least"]
+    ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
+    if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+        ok = value == value and (least is None or value >= least)  # (nan != nan)
+    if not ok:
+        want = " or ".join(kinds) + (f", at least {least}" if least is not None else "")
+        raise ValueError(f"setting {name} ({f.metadata['var']}) must be {want}, got "
+                         f"{value!r}: {f.metadata['doc']}")
 
 
 @dataclasses.dataclass
@@ -53,10 +77,11 @@ class Config:
         "adaptive eager (lazy queue + fusion) on at start-up when exactly '1'")
     queue_low_threshold: int = _setting(
         "TORCH_NEURONX_CONCATENATION_QUEUE_LOW_THRESHOLD", 15, int,
-        "flush at the next natural cut while no more than this many launches are in flight")
+        "flush at the next natural cut while no more than this many launches are in flight",
+        least=0)
     buffer_size_limit: int = _setting(
         "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT", 1024, int,
-        "max ops queued before a forced flush")
+        "max ops queued before a forced flush", least=1)
     skip_intermediate: bool = _setting(
         "TORCH_NEURONX_APPLY_SKIP_INTERMEDIATE", True, _flag_not_0,
         "do not write back values whose tensors were all freed before the flush")
@@ -68,10 +93,10 @@ class Config:
         "'1' turns the on-disk cache off")
     cache_max_entries: int | None = _setting(
         "NEURON_COMPILATION_CACHE_MAX_ENTRIES", None, _opt_int,
-        "in-memory cache entry bound (LRU evicts to 80%)")
+        "in-memory cache entry bound (LRU evicts to 80%)", least=1)
     cache_max_mb: float | None = _setting(
         "NEURON_COMPILATION_CACHE_MAX_SIZE_MB", None, _opt_float,
-        "in-memory cache size bound in MiB (LRU evicts to 80%)")
+        "in-memory cache size bound in MiB (LRU evicts to 80%)", least=0)
     launch_blocking: bool = _setting(
         "NEURON_LAUNCH_BLOCKING", False, _flag_exact_1,
         "every launch synchronous; errors raised at the op (adaptive mode queues nothing)")
@@ -84,20 +109,20 @@ class Config:
     log_level: int = _setting(
         "TORCH_NEURONX_LOG_LEVEL", 1, int,
         "logger 'adaptive_eager': 0 error, 1 warning, 2 info (a line per flush and compile), "
-        "3 debug (every boundary)")
+        "3 debug (every boundary)", least=0)
     log_file: str = _setting(
         "TORCH_NEURONX_LOG_FILE", "", str, "log to this file instead of stderr")
     strategy: str = _setting(
         "ADAPTIVE_EAGER_FUSION_STRATEGY", "graph", str,
         "fusion strategy in adaptive mode at start-up: graph, matmul or none")
     max_group_ops: int = _setting(
-        "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group")
+        "ADAPTIVE_EAGER_MAX_GROUP_OPS", 128, int, "max ops in one fused group", least=1)
     max_group_contractions: int = _setting(
         "ADAPTIVE_EAGER_MAX_GROUP_CONTRACTIONS", 4, int,
-        "max contractions (matmul/conv) in one fused group of the graph strategy")
+        "max contractions (matmul/conv) in one fused group of the graph strategy", least=0)
     max_pending_mb: float = _setting(
         "ADAPTIVE_EAGER_MAX_PENDING_MB", 1024.0, float,
-        "flush when queued (not yet written) values exceed this many MiB")
+        "flush when queued (not yet written) values exceed this many MiB", least=0)
     realtime: bool = _setting(
         "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
         "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)")
@@ -107,13 +132,13 @@ class Config:
         "compiled before first launch) or auto (interpreted, compiled in background when hot)")
     tier_up: int = _setting(
         "ADAPTIVE_EAGER_TIER_UP", 3, int,
-        "executor auto: launches of a group before it is compiled in the background")
+        "executor auto: launches of a group before it is compiled in the background", least=1)
     visible_cores: tuple[int, ...] | None = _setting(
         "NEURON_RT_VISIBLE_CORES", None, _core_list,
         "the chip's NeuronCores this process sees ('0-1', '2', '0,3'), numbered neuron:0..")
     num_cores: int | None = _setting(
         "NEURON_RT_NUM_CORES", None, _opt_int,
-        "how many NeuronCores this process sees (when NEURON_RT_VISIBLE_CORES is unset)")
+        "how many NeuronCores this process sees (when NEURON_RT_VISIBLE_CORES is unset)", least=1)
     metrics_enabled: bool = _setting(
         "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
         "'1': write this process's metrics as JSON at exit (one file per process)")
@@ -133,6 +158,10 @@ class Config:
             except ValueError:
                 raise ValueError(f"{f.metadata['var']}={raw!r} is not valid: "
                                  f"{f.metadata['doc']}") from None
+            try:
+                check(f.name, kw[f.name])
+            except ValueError as e:
+                raise ValueError(f"{f.metadata['var']}={raw!r} is not valid: {e}") from None
         return cls(**kw)
 
 

@@ -297,6 +297,27 @@ def test_invalid_environment_value_names_the_variable():
                          text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT='lots' is not valid" in out.stderr
+    env["TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT"] = "0"  # out of range: was taken as 1
+    out = subprocess.run([sys.executable, "-c", "import adaptive_eager"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT='0' is not valid: " in out.stderr
+    assert "at least 1" in out.stderr
+
+
+@pytest.mark.parametrize("bad", [dict(max_pending_mb="64"), dict(buffer_size_limit=0),
+                                 dict(adaptive="no"), dict(max_group_ops=-1),
+                                 dict(max_pending_mb=float("nan")), dict(tier_up=True)])
+def test_an_override_of_the_wrong_type_or_out_of_range_names_the_setting(bad):
+    """A string where a number was due failed later, inside an op ("unsupported operand type
+    for +: 'NeuronTensor' and 'int'"); 0 or -1 was taken as 1; "no" as True."""
+    (name, value), = bad.items()
+    before = getattr(ae.config, name)
+    with pytest.raises(ValueError, match=f"setting {name} .* must be"):
+        with ae.override(**bad):
+            pass
+    assert getattr(ae.config, name) == before
+    with ae.adaptive():
+        assert (torch.ones(2, device="neuron") + 1).tolist() == [2.0, 2.0]
 
 
 def test_op_shape_inference_refuses_runs_on_the_device_at_once(mode):
