@@ -83,10 +83,17 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
 
 def _cpu_shaped(func, m_args, m_kwargs, out):
     """Where CPU kernels shape outputs unlike the meta kernels: eval-mode batch norm returns
-    empty saved statistics on CPU (meta says (C,)). Our device follows CPU."""
+    empty saved statistics on CPU (meta says (C,)); a backward leaves the gradients its
+    `output_mask` turns off undefined (batch norm's meta kernel makes them: the device then
+    read a gradient CPU never computed, and crashed). Our device follows CPU."""
+    names = [a.name for a in func._schema.arguments]
+    if "output_mask" in names and isinstance(out, tuple):
+        i = names.index("output_mask")
+        mask = m_kwargs.get("output_mask", m_args[i] if i < len(m_args) else None)
+        if mask is not None and len(mask) == len(out):
+            out = tuple(o if keep else None for o, keep in zip(out, mask))
     if func.overloadpacket.__name__ not in _BN:
         return out
-    names = [a.name for a in func._schema.arguments]
     training = (m_kwargs.get("training", m_args[names.index("training")]
                              if "training" in names and names.index("training") < len(m_args)
                              else False))

@@ -37,3 +37,23 @@ def test_dropout_identity_cases_and_errors_as_cpu():
     assert F.dropout(x, 0.0) is x and F.dropout(x, 0.5, training=False) is x
     with pytest.raises(RuntimeError, match="dropout probability has to be between 0 and 1"):
         torch.dropout(x, 1.5, True)
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: torch.nn.BatchNorm1d(6), (8, 6)), (lambda: torch.nn.BatchNorm2d(6), (4, 6, 3, 3)),
+    (lambda: torch.nn.InstanceNorm1d(6, affine=True), (8, 6, 5))])
+def test_norm_backward_of_an_input_without_grad(mode, make, shape):
+    """A norm on raw data (an input that needs no gradient): batch norm's backward leaves
+    grad_input undefined on CPU (output_mask), its meta kernel made one, and the device
+    crashed reading the missing result."""
+    import copy
+    torch.manual_seed(0)
+    m, x = make(), torch.randn(shape)
+
+    def grads(d):
+        md = copy.deepcopy(m).to(d)
+        md(x.to(d)).pow(2).sum().backward()
+        return [p.grad.cpu() for p in md.parameters()]
+    with _disable_current_modes():
+        ref = grads("cpu")
+    assert all(torch.equal(a, b) for a, b in zip(grads(N), ref))
