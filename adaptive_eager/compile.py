@@ -137,8 +137,10 @@ def _graph_compiler(kind: str):
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend: AOTAutograd, then each graph runs as one engine segment."""
     from torch._functorch.aot_autograd import aot_module_simplified
-    if kwargs:
-        raise TypeError(f"backend 'neuron' takes no options, got {sorted(kwargs)}")
+    if kwargs:  # as PyTorch's own aot_eager backend: ignored, not refused
+        import warnings
+        warnings.warn(f"backend 'neuron' ignores torch.compile's {sorted(kwargs)}: it compiles "
+                      f"every graph one way (mode= and options= choose Inductor's behaviour)")
     return aot_module_simplified(
         gm, example_inputs,
         fw_compiler=_graph_compiler("forward"),

@@ -379,3 +379,15 @@ def test_make_fx_traces_ops_on_a_closures_neuron_tensor(mode):
     out, jvp_fn = linearize(f, xn)
     assert torch.equal(out.cpu(), f(x))
     assert torch.equal(jvp_fn(torch.ones(3, device="neuron")).cpu(), jvp_ref(torch.ones(3)))
+
+
+@pytest.mark.parametrize("kw", [dict(mode="reduce-overhead"), dict(mode="max-autotune"),
+                                dict(options={"trace.enabled": False})])
+def test_compile_mode_and_options_are_ignored_with_a_warning(kw):
+    """They raised "backend 'neuron' takes no options" at the first call; PyTorch's own
+    aot_eager backend ignores them."""
+    f = torch.compile(lambda x: x.sin() + 1, backend="neuron", **kw)
+    x = torch.randn(3)
+    with pytest.warns(UserWarning, match="backend 'neuron' ignores torch.compile's"):
+        out = f(x.to("neuron"))
+    assert torch.equal(out.cpu(), x.sin() + 1)
