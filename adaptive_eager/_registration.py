@@ -219,6 +219,7 @@ def _register_fused_rnn_cells():
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
     lib.impl("dropout", _dropout, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
+    attention.register()  # and in torch.compile's graphs
     lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
     lib.impl("linalg_svdvals", linalg.svdvals, "AutogradPrivateUse1")
     lib.impl("linalg_eigvalsh", linalg.eigvalsh, "AutogradPrivateUse1")

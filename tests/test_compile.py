@@ -391,3 +391,26 @@ def test_compile_mode_and_options_are_ignored_with_a_warning(kw):
     with pytest.warns(UserWarning, match="backend 'neuron' ignores torch.compile's"):
         out = f(x.to("neuron"))
     assert torch.equal(out.cpu(), x.sin() + 1)
+
+
+def test_compiled_attention_takes_cpus_kernel():
+    """torch.compile decomposed scaled_dot_product_attention on neuron by the math path
+    (functionalization decomposes it, and CPU's choice asked of fake tensors is math): a few
+    ulps off CPU and neuron eager, forward and gradients (bf16 greedy tokens changed)."""
+    torch.manual_seed(0)
+    qkv = [torch.randn(2, 4, 10, 8) for _ in range(3)]
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sin().sum()
+    ref = [t.clone().requires_grad_() for t in qkv]
+    f(*ref).backward()
+    n = [t.to("neuron").requires_grad_() for t in qkv]
+    out = torch.compile(f, backend="neuron")(*n)
+    assert torch.equal(out.cpu(), f(*qkv))
+    out.backward()
+    assert all(torch.equal(a.grad, b.grad.cpu()) for a, b in zip(ref, n))
+    with torch.no_grad():  # the inference graph
+        g = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                          backend="neuron")
+        assert torch.equal(g(*[t.detach() for t in n]).cpu(),
+                           F.scaled_dot_product_attention(*qkv))
