@@ -12,6 +12,9 @@ GiB = 1 << 30
 # TORCHNEURON.md (~0.22 ms per eager elementwise op, most of it host + launch overhead).
 
 
+_POSITIVE = ("hbm_bytes", "sbuf_bytes", "max_in_flight", "chip_cores")
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """Figures of one simulated logical NeuronCore; all overridable."""
@@ -34,6 +37,17 @@ class DeviceSpec:
     # Beyond one instance the links are the network (EFA), slower: see device/interconnect.py.
     interconnect_gbps: float = 320.0  # assumption: per-rank link bandwidth, GB/s, one way
     interconnect_latency_us: float = 5.0  # assumption: latency of one hop (one ring step)
+
+    def __post_init__(self):
+        """Refuse what the cost model cannot use, naming the field (a zero bandwidth was a
+        ZeroDivisionError, `max_in_flight=0` an IndexError, at the next op)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            positive = f.name in _POSITIVE or "gbps" in f.name or "tflops" in f.name
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or (
+                    v <= 0 if positive else v < 0):
+                raise ValueError(f"DeviceSpec.{f.name} must be a number "
+                                 f"{'above 0' if positive else 'of at least 0'}, got {v!r}")
 
     def launch_us(self, nbytes: int, flops: float, low_precision: bool = False) -> float:
         """Launch overhead + max(bytes / bandwidth, FLOPs / peak), in microseconds."""

@@ -401,3 +401,15 @@ def test_get_device_properties_as_cuda_scripts_read_it():
     # (another core's: tests/test_cores.py, which leaves the process one core again)
     with pytest.raises(RuntimeError, match="neuron:9 does not exist"):
         torch.neuron.get_device_properties(9)
+
+
+@pytest.mark.parametrize("bad", [dict(max_in_flight=0), dict(hbm_bandwidth_gbps=0),
+                                 dict(hbm_bandwidth_gbps="fast"), dict(chip_cores=0),
+                                 dict(launch_overhead_us=-1.0), dict(peak_tflops_bf16=float("nan"))])
+def test_a_device_spec_the_cost_model_cannot_use_is_refused_naming_the_field(bad):
+    """DeviceSpec took anything: a zero bandwidth was a ZeroDivisionError and
+    max_in_flight=0 an IndexError at the next op."""
+    from device.spec import DeviceSpec
+    (name, _), = bad.items()
+    with pytest.raises(ValueError, match=f"DeviceSpec.{name} must be a number"):
+        DeviceSpec(**bad)
