@@ -105,7 +105,11 @@ def main(argv=None) -> int:
     p.add_argument("--md", default="benchmarks/results.md", help="Markdown table to write")
     p.add_argument("--png", default="benchmarks/results.png", help="chart to write")
     args = p.parse_args(argv)
-    res = load(args.json)
+    try:
+        res = load(args.json)
+    except (KeyError, TypeError, ValueError) as e:  # (json's errors are ValueErrors)
+        p.error(f"{args.json} is not pytest-benchmark's JSON of this suite "
+                f"({type(e).__name__}: {e}); make one with --benchmark-json=FILE")
     table = markdown(res)
     host = host_table(args.json)
     if host:

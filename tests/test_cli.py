@@ -149,3 +149,14 @@ def test_report_tables_the_tiny_chain_against_cpu_and_the_floor(tmp_path):
     table = report.host_table(str(path))
     assert "| graph | 25.00 | 31.25 | 12.5x | 2.5x |" in table
     assert report.load(str(path)) == {}  # the chain is no workload of the main table
+
+
+def test_report_on_another_json_says_what_it_needs(tmp_path, capsys):
+    """`report` on `run --json`'s output (or any other JSON) was a bare KeyError traceback."""
+    from adaptive_eager import report
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"modes": {}}))
+    with pytest.raises(SystemExit) as e:
+        report.main([str(path), "--md", str(tmp_path / "r.md"), "--png", str(tmp_path / "r.png")])
+    assert e.value.code == 2
+    assert "is not pytest-benchmark's JSON" in capsys.readouterr().err
