@@ -195,7 +195,7 @@ class Stream:
         return hash(("neuron", self.stream_id))
 
     def __repr__(self):
-        return f"<torch.neuron.Stream device=neuron:0 stream_id={self.stream_id}>"
+        return f"<torch.neuron.Stream device={self.device} stream_id={self.stream_id}>"
 
 
 _default_stream = None  # made by _start_streams once `neuron` is a device type

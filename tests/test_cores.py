@@ -255,3 +255,7 @@ def test_accelerator_device_index_api_follows_the_current_core():
         assert torch.zeros(1, device=N).device == torch.device("neuron:3")
     assert torch.accelerator.current_device_index() == 2
     torch.accelerator.synchronize()
+
+
+def test_a_streams_repr_names_its_core():
+    assert "device=neuron:1 " in repr(torch.neuron.Stream(device=1))  # said neuron:0
