@@ -925,6 +925,9 @@ def _close(n, c, f64: bool) -> str | None:
 # Ops whose result can jump when float64 is computed as float32 (Note [Comparison rules]):
 # data-dependent shapes (what a mask selects) and discontinuous functions of the values.
 _F64_CUT = re.compile(r"nonzero|argwhere|masked_select|\[[^\]]*[<>]|\[[^\]]*[!=]=|%|fmod|"
+                      # one-argument where is nonzero (seed 31003668: float64 sigmoid(-100)
+                      # is 3.7e-44 > 0, computed as float32 it is 0)
+                      r"where\((?:[^,()]|\([^()]*\))*\)|"
                       r"remainder|floor|ceil|round|trunc|frac|sign|unique|//|"
                       # adaptive optimizers step by g / (|g| + eps): near a zero gradient
                       # (rounding noise, 1e-17 in float64, 1e-8 in float32) a jump of lr

@@ -363,6 +363,17 @@ def test_what_is_computed_from_a_float64_comparison_is_checked_by_metadata():
     assert [k for k, _ in fuzzer.compare(prog, ref, (None, wrong))] == ["value"]
 
 
+def test_a_one_argument_where_of_a_float64_comparison_is_free_in_shape():
+    # fuzzer seed 31003668: float64 sigmoid(-100) is 3.7e-44 > 0, computed as float32 it is 0:
+    # what `torch.where(mask)` (nonzero) selects may differ, as for nonzero itself
+    prog = ["torch.manual_seed(0)", "v1 = torch.randn((1, 1, 1), device=dev).double()",
+            "v2 = v1 - 100.0", "v3 = v2.sigmoid()", "v8 = torch.where(v3 > 0)[0]",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert "f64cut" in ref[2]["v8"]
+    assert fuzzer.compare(prog, ref, fuzzer.run_program(prog, "neuron")) == []
+
+
 def test_the_reference_reads_a_value_as_a_device_copy_does():
     # fuzzer seed 8101303: `.cpu()` of a CPU tensor is itself; of a device tensor a copy made
     # through autograd, which refuses a multi-output view whose base changed in place
