@@ -8,6 +8,7 @@ queue is flushed at sync points, boundaries, a full buffer, or when the device r
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import os
 import threading
@@ -430,10 +431,13 @@ class Engine:
         return run_now(self, func, args, kwargs, fallback)
 
 
+@functools.lru_cache(maxsize=None)
 def _package_version() -> str:
+    """Read once per process: every reconfigure salts the disk cache with it, and re-reading
+    the installed metadata while pip rewrote it (a reinstall beside a running program) gave
+    None, a TypeError inside `ae.adaptive(strategy=...)` (fuzzer seed 32000018)."""
     try:
-        from importlib.metadata import version
-        return version("adaptive-eager")
+        return importlib.metadata.version("adaptive-eager") or "0+unknown"
     except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
         return "0+unknown"
 

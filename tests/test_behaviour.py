@@ -463,3 +463,14 @@ def test_an_interrupted_flush_loses_no_handle(monkeypatch):
             with pytest.raises(ae.NeuronRuntimeError, match="KeyboardInterrupt interrupted"):
                 t.cpu()
         assert (x * 3).tolist() == [0.0, 3.0, 6.0, 9.0]
+
+
+def test_mode_switches_do_not_reread_the_installed_metadata(monkeypatch):
+    """Every reconfigure re-read the package's installed version for the disk-cache salt;
+    while pip reinstalled the package beside a running program it read None, and
+    `ae.adaptive(strategy=...)` raised a TypeError (fuzzer seed 32000018)."""
+    import importlib.metadata
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: None)
+    with ae.adaptive(strategy="matmul"):
+        assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]
+    assert ae.strategy() == "graph"
