@@ -139,8 +139,7 @@ def to_copy(eng, func, args, kwargs):
             eng.metrics.ops += 1
             x = args[0]
             kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
-            meta = aten._to_copy.default(torch.empty_strided(
-                x.shape, x.stride(), dtype=x.dtype, device="meta"), **kw)  # CPU's layout
+            meta = _on_stand_ins(aten._to_copy.default, (x,), kw)  # CPU's layout
             out = target.empty(tuple(meta.shape), meta.stride(), meta.dtype)
             core_to_core(x, out)
             return out

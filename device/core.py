@@ -196,7 +196,8 @@ class DeviceRNG:
     `rand`). Swapping its state into the CPU's default generator instead was a race: another
     thread's CPU draws (a data-augmentation thread) ran inside the swap, taking the device's
     numbers and losing their own. The few ops with no generator overload (`native_dropout`,
-    attention's dropout) still swap, under a lock: see README, Known gaps (Threads)."""
+    attention's dropout) still swap (the lock keeps two cores' swaps apart; a CPU thread's
+    draws meanwhile still race: README, Known gaps, Threads)."""
 
     def __init__(self, seed: int = 67280421310721):
         self.gen = torch.Generator()
