@@ -601,6 +601,11 @@ def visible_cores() -> int:
         if bad or not cfg.visible_cores:
             raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={cfg.visible_cores} names cores "
                                f"the chip does not have: it has {chip} (0..{chip - 1})")
+        twice = sorted({c for c in cfg.visible_cores if cfg.visible_cores.count(c) > 1})
+        if twice:
+            raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={cfg.visible_cores} names core"
+                               f"{'s' if len(twice) > 1 else ''} {twice} more than once: "
+                               f"name each core once")
         return len(cfg.visible_cores)
     if cfg.num_cores is not None:
         if not 0 < cfg.num_cores <= chip:

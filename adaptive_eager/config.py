@@ -35,7 +35,10 @@ def _core_list(v: str) -> tuple[int, ...] | None:
     cores = []
     for part in v.split(","):
         lo, _, hi = part.strip().partition("-")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
+        lo, hi = int(lo), int(hi or lo)
+        if hi < lo:
+            raise ValueError(f"the range {part.strip()!r} goes down (write {hi}-{lo})")
+        cores.extend(range(lo, hi + 1))
     return tuple(cores)
 
 
@@ -155,8 +158,8 @@ class Config:
                 continue
             try:
                 kw[f.name] = f.metadata["parse"](raw)
-            except ValueError:
-                raise ValueError(f"{f.metadata['var']}={raw!r} is not valid: "
+            except ValueError as e:
+                raise ValueError(f"{f.metadata['var']}={raw!r} is not valid ({e}): "
                                  f"{f.metadata['doc']}") from None
             try:
                 check(f.name, kw[f.name])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager.config import _core_list
+from adaptive_eager.config import Config, _core_list
 
 N = "neuron"
 
@@ -52,6 +52,14 @@ def test_cores_the_chip_lacks_are_refused():
         torch.neuron.device_count()
     with ae.override(num_cores=9), pytest.raises(RuntimeError, match="NEURON_RT_NUM_CORES=9"):
         torch.neuron.device_count()
+
+
+def test_a_core_named_twice_or_a_falling_range_is_refused():
+    with ae.override(visible_cores=(0, 0)), pytest.raises(RuntimeError, match=r"\[0\] more "):
+        torch.neuron.device_count()
+    with pytest.raises(ValueError, match="NEURON_RT_VISIBLE_CORES='1-0' is not valid.*goes down"):
+        Config.from_env({"NEURON_RT_VISIBLE_CORES": "1-0"})
+    assert Config.from_env({"NEURON_RT_VISIBLE_CORES": "0-1,3"}).visible_cores == (0, 1, 3)
 
 
 def test_env_is_read_at_start_up():
