@@ -37,8 +37,9 @@ _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 def metrics() -> Snapshot:
     """Counters since the last reset_metrics(), totals over every core (see Snapshot for the
-    fields; memory is core 0's, `core_metrics(k)` has each core's)."""
-    return snapshot(_engine.ENGINE.device.hbm)
+    fields; memory in use is summed over the cores, the peak is the largest core's;
+    `core_metrics(k)` has each core's)."""
+    return snapshot([eng.device.hbm for eng in _engine.ENGINES])
 
 
 def core_metrics(device=None) -> dict:

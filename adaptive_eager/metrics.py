@@ -62,8 +62,9 @@ class Snapshot:
         return Snapshot(**vals)
 
 
-def snapshot(hbm) -> Snapshot:
-    """The counters now (device.COUNTERS), with the device memory of `hbm`."""
+def snapshot(hbms) -> Snapshot:
+    """The counters now (device.COUNTERS), with the device memory of the cores' `hbms`: in
+    use now, summed; the peak, the largest core's (each core has its own share of HBM)."""
     c = COUNTERS
     groups = dict(c.group_sizes)
     n = sum(groups.values())
@@ -75,8 +76,8 @@ def snapshot(hbm) -> Snapshot:
         bad_executables=dict(c.bad_executables), cpu_fallbacks=dict(c.cpu_fallbacks),
         h2d_bytes=c.h2d_bytes, d2h_bytes=c.d2h_bytes, d2d_bytes=c.d2d_bytes,
         device_time_us=c.device_time_us,
-        compile_time_us=c.compile_time_us, peak_memory_bytes=hbm.peak,
-        memory_bytes=hbm.used, bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
+        compile_time_us=c.compile_time_us, peak_memory_bytes=max(h.peak for h in hbms),
+        memory_bytes=sum(h.used for h in hbms), bytes_saved=c.bytes_saved, hbm_bytes=c.hbm_bytes,
         mean_group_size=(sum(k * v for k, v in groups.items()) / n) if n else 0.0,
         group_sizes=groups, sync_sites=dict(c.sync_sites),
         compiled_launches=c.compiled_launches,

@@ -126,6 +126,8 @@ def test_each_core_has_its_own_queue_clock_and_memory():
     ae.synchronize()
     ae.reset_metrics()
     used = [torch.neuron.memory_allocated(k) for k in range(4)]
+    for k in range(4):
+        torch.neuron.reset_peak_memory_stats(k)
     x = torch.randn(256, 256, device="neuron:1")
     for _ in range(5):
         x = x @ x / 256
@@ -138,6 +140,10 @@ def test_each_core_has_its_own_queue_clock_and_memory():
     total = ae.metrics()
     assert sum(p["launches"] for p in per) == total.launches  # the totals add up
     assert abs(sum(p["device_time_us"] for p in per) - total.device_time_us) < 1e-6
+    # memory: in use summed over the cores, the peak the largest core's (was core 0's alone)
+    assert total.memory_bytes == sum(torch.neuron.memory_allocated(k) for k in range(4))
+    assert total.peak_memory_bytes == max(p["peak_memory_bytes"] for p in per)
+    assert total.peak_memory_bytes >= per[1]["peak_memory_bytes"] > per[0]["peak_memory_bytes"]
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
