@@ -1,8 +1,8 @@
 """torch.profiler shows the simulated device: each launch as an event named after its
 executable (`neuron::addmm|gelu`) carrying its simulated duration, and the host's compiles
 (`neuron::compile:<name>`), syncs (`neuron::sync:<reason>`) and DMAs (`neuron::h2d`), in
-`key_averages()` (as device time) and in `export_chrome_trace` (a "neuron:0 (simulated)"
-process). The events are the device timeline's own (`ae.save_trace`), so both tell the same
+`key_averages()` (as device time) and in `export_chrome_trace` (a "neuron:k (simulated)"
+process per core). The events are the device timeline's own (`ae.save_trace`), so both tell the same
 story: same names, order and durations.
 
 Note [Profiler hooks]: a Python backend cannot feed Kineto, so we wrap four methods of
@@ -23,7 +23,6 @@ from torch.autograd.profiler_util import FunctionEvent
 from . import _engine
 
 PREFIX = "neuron::"
-_PID = "neuron:0 (simulated)"
 _installed = False
 
 
@@ -35,45 +34,52 @@ def event_name(name: str, kind: str) -> str:
 
 
 def _timeline_start(prof) -> None:
-    eng = _engine.ENGINE
-    dev = eng.device
-    # the timeline's newest event now (its events are fresh tuples: identity marks the spot)
-    prof._neuron = {"device": dev, "last": dev.trace[-1] if dev.trace else None,
-                    "t0": max(dev.host_us, dev.free_at_us), "events": []}
+    # per core: the timeline's newest event now (its events are fresh tuples: identity marks
+    # the spot) and the clock; a core first used inside the profile starts from nothing
+    prof._neuron = {"cores": {eng.index: _mark(eng.device) for eng in _engine.ENGINES},
+                    "events": []}
+
+
+def _mark(dev) -> dict:
+    return {"last": dev.trace[-1] if dev.trace else None,
+            "t0": max(dev.host_us, dev.free_at_us)}
 
 
 def _timeline_stop(prof) -> None:
     st = getattr(prof, "_neuron", None)
     if st is None:
         return
-    eng = _engine.ENGINE
-    try:
-        eng.flush("profiler")  # queued work belongs to the window
-        eng.synchronize()  # (not a user's sync: no sync event)
-    except Exception:
-        pass  # deferred device errors are the user's next sync's to raise
-    trace = list(st["device"].trace)
-    last = st["last"]
-    start = 0
-    for i in range(len(trace) - 1, -1, -1):
-        if trace[i] is last:
-            start = i + 1
-            break
-    st["events"] = trace[start:]  # (all of it if the bounded timeline dropped the mark)
+    events = []
+    for eng in list(_engine.ENGINES):
+        try:
+            eng.flush("profiler")  # queued work belongs to the window
+            eng.synchronize()  # (not a user's sync: no sync event)
+        except Exception:
+            pass  # deferred device errors are the user's next sync's to raise
+        mark = st["cores"].get(eng.index, {"last": None, "t0": 0.0})
+        trace = list(eng.device.trace)
+        start = 0
+        for i in range(len(trace) - 1, -1, -1):
+            if trace[i] is mark["last"]:
+                start = i + 1
+                break
+        # (all of it if the bounded timeline dropped the mark); times from the core's start
+        events += [(eng.index, mark["t0"], e) for e in trace[start:]]
+    st["events"] = events
 
 
 def _function_events(prof) -> list:
     st = getattr(prof, "_neuron", None)
     if not st or not st["events"]:
         return []
-    t0 = st["t0"]
     out = []
-    for i, (name, kind, ts, dur, nbytes, flops) in enumerate(st["events"]):
+    for i, (core, t0, (name, kind, ts, dur, nbytes, flops)) in enumerate(st["events"]):
         start = max(0.0, ts - t0)
+        host = kind in ("compile", "sync")
         fe = FunctionEvent(
             id=-(i + 1), name=event_name(name, kind), thread=0, start_us=start,
-            end_us=start + dur, use_device="neuron",
-            device_type=DeviceType.CPU if kind in ("compile", "sync") else DeviceType.PrivateUse1,
+            end_us=start + dur, use_device="neuron", device_index=0 if host else core,
+            device_type=DeviceType.CPU if host else DeviceType.PrivateUse1,
             flops=int(flops) if flops else None, trace_name=event_name(name, kind), stack=[],
             input_shapes=[], concrete_inputs=[], kwinputs={})
         out.append(fe)
@@ -86,13 +92,16 @@ def chrome_events(prof, anchor_us: float) -> list[dict]:
     if not st:
         return []
     from device.core import TRACK_NAMES, TRACKS
-    t0 = st["t0"]
-    ev = [{"name": "process_name", "ph": "M", "pid": _PID, "args": {"name": _PID}}]
-    ev += [{"name": "thread_name", "ph": "M", "pid": _PID, "tid": t, "args": {"name": n}}
-           for t, n in enumerate(TRACK_NAMES)]
-    for name, kind, ts, dur, nbytes, flops in st["events"]:
+    ev = []
+    for core in sorted({c for c, _, _ in st["events"]}):
+        pid = f"neuron:{core} (simulated)"
+        ev += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": pid}}]
+        ev += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
+               for t, n in enumerate(TRACK_NAMES)]
+    for core, t0, (name, kind, ts, dur, nbytes, flops) in st["events"]:
         ev.append({"name": event_name(name, kind), "cat": "neuron_" + kind, "ph": "X",
-                   "pid": _PID, "tid": TRACKS.get(kind, 0), "ts": anchor_us + max(0.0, ts - t0),
+                   "pid": f"neuron:{core} (simulated)", "tid": TRACKS.get(kind, 0),
+                   "ts": anchor_us + max(0.0, ts - t0),
                    "dur": dur, "args": {"bytes": nbytes, "flops": flops, "simulated": True}})
     return ev
 

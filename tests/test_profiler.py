@@ -92,3 +92,22 @@ def test_profiling_cpu_only_code_is_unchanged():
         torch.randn(8).sin()
     assert not [e for e in prof.key_averages() if e.key.startswith("neuron::")]
     prof.key_averages().table()
+
+
+def test_every_core_shows_its_launches(tmp_path):
+    """A profile of work on neuron:1 shows its launches (it showed neuron:0's alone)."""
+    ae.set_adaptive(True)
+    ae.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x = torch.randn(48, 40).to("neuron:1")
+        torch.nn.functional.gelu(x @ x.T + 1).sum().item()
+        torch.randn(8).to("neuron").sin().sum().item()
+    devs = {(e.device_type, e.device_index) for e in prof.events()
+            if e.key.startswith("neuron::") and e.device_type != torch.autograd.DeviceType.CPU}
+    assert {(torch.autograd.DeviceType.PrivateUse1, 0),
+            (torch.autograd.DeviceType.PrivateUse1, 1)} <= devs
+    prof.export_chrome_trace(str(tmp_path / "prof.json"))
+    pids = {e.get("pid") for e in json.load(open(tmp_path / "prof.json"))["traceEvents"]
+            if e.get("ph") == "X" and "neuron" in str(e.get("pid"))}
+    assert pids == {"neuron:0 (simulated)", "neuron:1 (simulated)"}
+    assert "neuron::" in prof.key_averages().table()
