@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 MODES = {  # mode -> environment of its process
     "eager": {"TORCH_NEURONX_ENABLE_CONCATENATION": "0"},
@@ -231,8 +232,19 @@ def child(argv: list[str]) -> None:
         import atexit
         atexit.register(ae.save_trace, trace)
     sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(path)
+    if not os.path.isfile(path):  # a folder or zip with __main__.py: runpy's own handling
+        runpy.run_path(script, run_name="__main__")
+        return
+    # as `python script.py`: __file__ (and tracebacks) absolute, sys.argv[0] as typed;
+    # run_path would make both what it was given
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = path, __builtins__
+    sys.modules["__main__"] = main  # pickling and multiprocessing find the script's names
+    exec(code, main.__dict__)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,20 @@ def test_run_exit_code_when_the_script_fails(tmp_path):
     assert "failed in: eager" in r.stdout
 
 
+def test_run_gives_the_script_what_python_gives_it(tmp_path):
+    """As `python script.py`: `__file__` absolute, sys.argv[0] as typed, the script's classes
+    picklable (`__main__` is the script), __name__ == "__main__"."""
+    (tmp_path / "s.py").write_text(
+        "import os, pickle, sys\n"
+        "class Box:\n    pass\n"
+        "assert pickle.loads(pickle.dumps(Box())).__class__ is Box\n"
+        "print('FILE', __file__ == os.path.join(os.getcwd(), 's.py'), os.path.isabs(__file__))\n"
+        "print('ARGV', sys.argv, __name__)\n")
+    r = cli("run", "--modes", "eager", "s.py", "a", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "FILE True True" in r.stdout and "ARGV ['s.py', 'a'] __main__" in r.stdout
+
+
 def _result(mode, **kw):
     base = {"mode": mode, "returncode": 0, "ops": 100, "launches": 100, "flushes": {},
             "cpu_fallbacks": {}, "sync_sites": {}, "device_time_us": 2000.0,
