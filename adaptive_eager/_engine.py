@@ -26,7 +26,7 @@ from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 
 from . import config as _config
-from . import errors, results, transfer
+from . import cpu_settings, errors, results, transfer
 from ._tensor import NeuronTensor
 from .errors import _hand_off, _raise_launch_error
 from .fallback import run_now
@@ -220,6 +220,7 @@ class Engine:
         self.tdev = None  # torch.device("neuron", index), made with the first tensor
         self.metrics = COUNTERS  # the one counters object (device/counters.py)
         self.queue: list[Node] = []
+        self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
         self.online = OnlineGroup()
         self.pending_bytes = 0
         self.meta_cache: dict = {}
@@ -381,7 +382,7 @@ class Engine:
         self.online.reset()
         self.pending_bytes = 0
         try:
-            with torch._C._DisableTorchDispatch():
+            with torch._C._DisableTorchDispatch(), cpu_settings.ftz(self.queue_ftz):
                 report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
                                          else self.eager_strategy)
         except BaseException as e:
@@ -623,6 +624,13 @@ def check_core(index: int) -> int:
                            f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
                            f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
     return index
+
+
+def flush_all(reason: str) -> None:
+    """Flush every core's queue (a CPU setting is about to change: Note [CPU settings])."""
+    with _LOCK:
+        for eng in list(ENGINES):
+            eng.flush(reason)
 
 
 def current() -> Engine:

@@ -12,12 +12,19 @@ from device import HOST_CHECK_BYTES
 from fusion.ir import Handle, Node
 
 from . import config as _config
+from . import cpu_settings
 from .source import _source
 
 
 def record(eng, meta, handles, inputs, vbytes):
     """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
+    if cpu_settings.FTZ_USED[0]:  # Note [CPU settings]: one flush-to-zero per queue
+        ftz = cpu_settings.thread_ftz()
+        if ftz != eng.queue_ftz:
+            if eng.queue:
+                eng.flush("settings")
+            eng.queue_ftz = ftz
     op = meta.op
     new_bytes = op.new_total
     hbm = eng.device.hbm

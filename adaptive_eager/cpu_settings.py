@@ -1,0 +1,101 @@
+"""Note [CPU settings]: a queued op computes at its flush, with the host CPU's kernels, and
+those read process settings at that moment: the float32 matmul precision (and the newer
+`fp32_precision` API), oneDNN on or off and its deterministic / TF32 flags, deterministic
+algorithms, the intra-op thread count (how a reduction is split) and, per thread, whether
+denormals flush to zero. On CPU and in eager mode an op computes under the settings of its
+call, so the queue must too:
+- a call that changes a process-wide setting first flushes every core's queue, under the old
+  value; a call that changes nothing flushes nothing (Dynamo restores them after each trace);
+- flush-to-zero is a flag of each thread's CPU with no getter: its setter is tracked per
+  thread, and a queue holds the ops of one setting only (`Engine.queue_ftz`): an op recorded
+  under another flushes the queue first, and a flush runs under its queue's setting, whichever
+  thread flushes.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+
+_LOCAL = threading.local()  # .ftz: this thread's flush-to-zero, as last set through torch
+FTZ_USED = [False]  # whether any thread ever turned it on: until then ops skip the check
+_set_flush_denormal = torch._C.set_flush_denormal  # the unwrapped setter
+
+
+def thread_ftz() -> bool:
+    """Whether this thread's CPU flushes denormals to zero (as set through torch)."""
+    return getattr(_LOCAL, "ftz", False)
+
+
+@contextlib.contextmanager
+def ftz(on: bool):
+    """Run the block with flush-to-zero `on` in this thread, then restore the thread's own."""
+    own = thread_ftz()
+    if on == own:
+        yield
+        return
+    _set_flush_denormal(on)
+    try:
+        yield
+    finally:
+        _set_flush_denormal(own)
+
+
+def install(flush_all) -> None:
+    """Wrap the setters so that a change first runs `flush_all()` (idempotent)."""
+    if getattr(torch._C._set_mkldnn_enabled, "_ae_flushes", False):
+        return
+
+    def flushing(getter, setter, key=lambda *a, **k: a[-1]):
+        """`setter`, flushing first when the value it sets is not `getter`'s now."""
+        @functools.wraps(setter)
+        def call(*args, **kwargs):
+            try:
+                same = getter(*args[:-1]) == key(*args, **kwargs)
+            except Exception:  # a getter that refuses (mixed precision APIs): assume a change
+                same = False
+            if not same:
+                flush_all()
+            return setter(*args, **kwargs)
+        call._ae_flushes = True
+        return call
+
+    C = torch._C
+    wrapped = {
+        "_set_float32_matmul_precision": flushing(C._get_float32_matmul_precision,
+                                                  C._set_float32_matmul_precision),
+        "_set_fp32_precision_setter": flushing(C._get_fp32_precision_getter,
+                                               C._set_fp32_precision_setter),
+        "_set_mkldnn_enabled": flushing(C._get_mkldnn_enabled, C._set_mkldnn_enabled),
+        "_set_mkldnn_deterministic": flushing(C._get_mkldnn_deterministic,
+                                              C._set_mkldnn_deterministic),
+        "_set_onednn_allow_tf32": flushing(C._get_onednn_allow_tf32, C._set_onednn_allow_tf32),
+        "_set_deterministic_algorithms": flushing(
+            lambda: (C._get_deterministic_algorithms(),
+                     C._get_deterministic_algorithms_warn_only()),
+            C._set_deterministic_algorithms,
+            key=lambda mode, warn_only=False: (bool(mode), bool(warn_only))),
+        "set_num_threads": flushing(C.get_num_threads, C.set_num_threads),
+    }
+    for name, fn in wrapped.items():
+        setattr(C, name, fn)
+    torch.set_num_threads = wrapped["set_num_threads"]
+    # the torch.backends properties (`torch.backends.mkldnn.enabled = False`) hold the setters
+    # they were made with
+    from torch.backends import ContextProp
+    for cls in (type(torch.backends), type(torch.backends.mkldnn)):
+        for name, prop in list(vars(cls).items()):
+            if isinstance(prop, ContextProp):
+                setattr(cls, name, ContextProp(prop.getter, flushing(
+                    lambda *_, g=prop.getter: g(), prop.setter)))
+
+    def set_flush_denormal(mode: bool) -> bool:
+        ok = _set_flush_denormal(mode)
+        if ok:
+            _LOCAL.ftz = bool(mode)
+            FTZ_USED[0] = FTZ_USED[0] or bool(mode)
+        return ok
+    set_flush_denormal.__doc__ = _set_flush_denormal.__doc__
+    C.set_flush_denormal = torch.set_flush_denormal = set_flush_denormal

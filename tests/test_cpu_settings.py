@@ -1,0 +1,108 @@
+"""Note [CPU settings]: a queued op computes under the CPU settings of its call, not of its
+flush (each case failed in adaptive mode before: the flush read the settings then)."""
+import threading
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.int32),
+                                              b.view(-1).view(torch.int32))
+
+
+def test_matmul_precision_changed_before_the_sync(mode):
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256), torch.randn(256, 64)
+    ref = a @ b
+    out = a.to("neuron") @ b.to("neuron")  # queued under "highest"
+    torch.set_float32_matmul_precision("medium")  # bf16 passes in oneDNN
+    try:
+        got = out.cpu()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    _same_bits(got, ref)
+
+
+def test_onednn_flags_block_closed_before_the_sync(mode):
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+    with torch.backends.mkldnn.flags(enabled=False):
+        ref = torch.nn.functional.conv2d(x, w)
+        out = torch.nn.functional.conv2d(x.to("neuron"), w.to("neuron"))
+    _same_bits(out.cpu(), ref)  # the block has closed: oneDNN is on again
+
+
+def test_thread_count_changed_before_the_sync(mode):
+    torch.manual_seed(0)
+    x = torch.randn(1 << 20)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = x.sum()
+        out = x.to("neuron").sum()
+        torch.set_num_threads(1)  # a reduction splits by thread count
+        got = out.cpu()
+    finally:
+        torch.set_num_threads(n)
+    _same_bits(got, ref)
+
+
+def test_flush_to_zero_changed_before_the_sync(mode):
+    x = torch.tensor([1e-39])
+    ref = x * 0.5
+    out = x.to("neuron") * 0.5
+    assert torch.set_flush_denormal(True)
+    try:
+        mid = x.to("neuron") * 0.5  # recorded under flush-to-zero
+        got, got_mid = out.cpu(), mid.cpu()
+    finally:
+        torch.set_flush_denormal(False)
+    _same_bits(got, ref)
+    assert got_mid.item() == 0.0
+
+
+def test_flush_to_zero_of_the_recording_thread(mode):
+    """Flush-to-zero is per thread: a thread's queued op computes under its setting even when
+    another thread's sync runs it."""
+    x = torch.tensor([1e-39])
+    out, queued, synced = {}, threading.Event(), threading.Event()
+
+    def work():
+        torch.set_flush_denormal(True)
+        try:
+            out["cpu"] = x * 0.5
+            out["neuron"] = x.to("neuron") * 0.5
+            queued.set()
+            synced.wait(60)
+        finally:
+            torch.set_flush_denormal(False)
+
+    t = threading.Thread(target=work)
+    t.start()
+    queued.wait(60)
+    mine = x.to("neuron") * 0.5  # this thread's, without flush-to-zero, in the same queue
+    torch.neuron.synchronize()
+    synced.set()
+    t.join()
+    _same_bits(out["neuron"].cpu(), out["cpu"])
+    _same_bits(mine.cpu(), x * 0.5)
+    assert out["cpu"].item() == 0.0 and (x * 0.5).item() > 0
+
+
+def test_a_call_that_changes_nothing_flushes_nothing():
+    with ae.adaptive(strategy="graph"):
+        x = torch.randn(8).to("neuron") + 1
+        before = ae.metrics().flushes.get("settings", 0)
+        torch.set_float32_matmul_precision(torch.get_float32_matmul_precision())
+        torch.set_num_threads(torch.get_num_threads())
+        torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled
+        torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled())
+        assert ae.metrics().flushes.get("settings", 0) == before
+        torch.set_num_threads(torch.get_num_threads() % 2 + 1)  # a change flushes
+        assert ae.metrics().flushes.get("settings", 0) == before + 1
+        torch.set_num_threads(torch.get_num_threads() % 2 + 1)
