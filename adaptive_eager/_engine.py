@@ -509,7 +509,17 @@ def _host_indices(eng, func, args, kwargs):
     return eng._dispatch(func, args, kwargs)
 
 
+def _is_pinned(eng, func, args, kwargs):
+    return False  # device memory is never pinned host memory (CUDA's answer; no sync)
+
+
+def _pin_memory(eng, func, args, kwargs):
+    raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
+
+
 _SPECIAL = {
+    aten.is_pinned.default: _is_pinned,
+    aten._pin_memory.default: _pin_memory,
     aten.index.Tensor: _host_indices,
     aten._unsafe_index.Tensor: _host_indices,
     aten.index_put_.default: _host_indices,

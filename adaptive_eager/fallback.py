@@ -14,7 +14,7 @@ from fusion.ops import RANDOM, device_kernel, op_class
 
 from . import config as _config
 from ._tensor import NeuronTensor
-from .errors import NeuronFallbackError, _sparse_error
+from .errors import NeuronFallbackError, _raise_launch_error, _sparse_error
 from .meta import _extent_bytes
 from .results import resize_out
 from .source import _source, _user_stacklevel
@@ -71,6 +71,9 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     with torch._C._DisableTorchDispatch():
         c_args = [on_host(a, view) for a in args]
         c_kwargs = {k: on_host(v, view) for k, v in kwargs.items()}
+        for v in views.values():  # Note [Poison] in fusion/program.py: as a host read
+            if v._handle.poison is not None:
+                _raise_launch_error(v._handle.poison)
         nbytes_in = sum(v.numel() * v.element_size() for v in views.values())
         result = {}
 

@@ -134,6 +134,24 @@ def test_deferred_error_poisons_only_its_dependents(mode):
     assert (x + 1).tolist() == [1., 2., 3., 4., 5.]  # the engine keeps working
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ops_that_read_data_now_raise_a_poisoned_inputs_error(mode):
+    """Data-dependent and CPU-fallback ops read a poisoned buffer's (never written) memory
+    and returned garbage once its error had been seen; pinning a device tensor made a copy."""
+    w = torch.arange(1., 13.).reshape(4, 3).to(N)
+    p = torch.nn.functional.embedding(torch.tensor([0, 9]).to(N), w)  # out of range
+    with pytest.raises(ae.NeuronRuntimeError, match="embedding"):
+        ae.synchronize()
+    for read in (lambda: p[p > 0], lambda: p.nonzero(), lambda: p.unique(),
+                 lambda: torch.equal(p, p), lambda: torch.allclose(p, w[:2]),
+                 lambda: torch.linalg.det(torch.cat([p, p[:1]]))):
+        with pytest.raises(ae.NeuronRuntimeError, match="embedding"):
+            read()
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        w.pin_memory()
+    assert not w.is_pinned() and (w[0] * 2).tolist() == [2., 4., 6.]
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
