@@ -25,10 +25,16 @@ _ENUMS = ((torch.dtype, "dt"), (torch.device, "dev"), (torch.layout, "lay"),
           (torch.memory_format, "mf"))
 
 
+_SHAPE_SCALARS = frozenset({"aten::arange", "aten::range"})
+
+
 @functools.lru_cache(maxsize=None)
 def scalar_positions(func) -> tuple[frozenset, frozenset]:
     """(positional indices, kwarg names) where a Python number is a runtime input: `Scalar`
-    arguments, and `Tensor` ones (`x * 0.5` reaches `mul.Tensor` with a plain float)."""
+    arguments, and `Tensor` ones (`x * 0.5` reaches `mul.Tensor` with a plain float). None
+    for ops whose Scalars decide the output's shape (`arange(n, out=t)`): those are static."""
+    if func._schema.name in _SHAPE_SCALARS:
+        return frozenset(), frozenset()
     pos, names = set(), set()
     for i, a in enumerate(func._schema.arguments):
         t = str(a.type)  # an optional one prints as "Optional[number]" (clamp's min and max)

@@ -152,6 +152,19 @@ def test_ops_that_read_data_now_raise_a_poisoned_inputs_error(mode):
     assert not w.is_pinned() and (w[0] * 2).tolist() == [2., 4., 6.]
 
 
+def test_arange_into_an_out_takes_each_calls_length(mode):
+    """arange(n, out=t)'s n is part of its signature (it was a runtime scalar: the first
+    call's length stuck, showing never-written memory or dropping elements), as in the
+    windows built on it."""
+    for n in (8, 5, 9):
+        o = torch.arange(n, out=torch.empty(0, device=N))
+        assert o.cpu().tolist() == list(range(n))
+        assert torch.arange(0., n / 2, 0.5, out=torch.empty(0, device=N)).shape == (n,)
+    torch.hann_window(7, device=N)
+    assert torch.equal(torch.hann_window(7, periodic=False, device=N).cpu(),
+                       torch.hann_window(7, periodic=False))
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
