@@ -57,3 +57,19 @@ def test_norm_backward_of_an_input_without_grad(mode, make, shape):
     with _disable_current_modes():
         ref = grads("cpu")
     assert all(torch.equal(a, b) for a, b in zip(grads(N), ref))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_fallback_kernel_sees_one_tensor_passed_twice_as_one(mode):
+    """MultiheadAttention's inference fast path (a CPU fallback) fuses the q/k/v projection
+    when query, key and value are one tensor; the fallback gave each argument its own host
+    view, so CPU's kernel took the separate projections (an ulp off)."""
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        with _disable_current_modes():
+            ref = m(x, x, x, need_weights=False)[0]
+        xn = x.to(N)
+        out = m.to(N)(xn, xn, xn, need_weights=False)[0]
+    assert torch.equal(out.cpu(), ref)
