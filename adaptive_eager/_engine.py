@@ -379,6 +379,7 @@ class Engine:
         if not self.queue:
             return
         nodes, self.queue = self.queue, []
+        self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
         self.online.reset()
         self.pending_bytes = 0
         try:
@@ -562,22 +563,31 @@ class FlushInterrupted(Exception):
 def _interrupted(eng, nodes, e: BaseException) -> None:
     """A flush raised (Ctrl-C lands in the Python that runs the device's work): the values
     it had not computed yet stay unreadable with an error saying so, instead of handles
-    with no buffer (AttributeError on a later read, and on any op reading them). Values it
-    computed, and buffers it had updated in place, stay as they are, as on CPU when an
-    eager step is interrupted."""
-    err = FlushInterrupted(f"{type(e).__name__} interrupted the flush that computes this "
-                           f"value, so it was never computed: compute it again")
-    for n in nodes:
-        launch = None  # the op (and source line) that would have made the value
-        for r in n.refs or ():
+    with no buffer (AttributeError on a later read, and on any op reading them). So do the
+    buffers its unrun ops update in place (an optimizer step's parameters): on CPU every
+    update that returned was applied, and here some were not, or only partly; reading them
+    raises instead of giving the old value. Values computed before the interrupt stay."""
+    why = f"{type(e).__name__} interrupted the flush that"
+    new = FlushInterrupted(f"{why} computes this value, so it was never computed: compute it "
+                           f"again")
+    updated = FlushInterrupted(f"{why} updates this tensor in place, so the update was not "
+                               f"applied, or only partly: restore its value (from a "
+                               f"checkpoint) or compute it again")
+    done = eng.runner.done if eng.runner is not None else 0
+    for i, n in enumerate(nodes):
+        launches = {}  # the op (and source line) that would have made or updated the value
+        for li, r in enumerate(n.refs or ()):
             h = r() if type(r) is weakref.ref else r
-            if h is not None and h.pending:
-                if launch is None:
-                    launch = Launch(n.name, None, 0, 0.0, context=[n])
-                    launch.error = err
+            if h is None or not (h.pending or (i >= done and li in n.writes)):
+                continue
+            kind = "new" if h.pending else "updated"
+            if kind not in launches:
+                launches[kind] = Launch(n.name, None, 0, 0.0, context=[n])
+                launches[kind].error = new if h.pending else updated
+            if h.pending:
                 h.buffer = eng.device.alloc(h.nbytes, torch.UntypedStorage(h.nbytes))
                 h.pending = False
-                h.poison = launch
+            h.poison = h.poison or launches[kind]
 
 
 def _after_fork_in_child() -> None:

@@ -90,6 +90,7 @@ class Runner:
         self.plans: collections.OrderedDict[tuple, Plan] = collections.OrderedDict()
         self.max_plans = max_plans
         self.compile_hook = None  # tests: called with each Program compiled; may raise
+        self.done = 0  # nodes of the running flush whose group has run (an interrupted one)
 
     def compile(self, program: Program) -> Executable:
         if self.compile_hook is not None:
@@ -105,6 +106,7 @@ class Runner:
         return exe
 
     def run(self, nodes: list[Node], reason: str, strategy: Strategy) -> FlushReport:
+        self.done = 0
         canon: dict[int, int] = {}
         handles: list[Handle | None] = []
         shape = []
@@ -246,6 +248,7 @@ class Runner:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
                     h.poison = bad.get(gp.slots[s])
+            self.done = gp.end
         return compiled
 
 

@@ -465,6 +465,35 @@ def test_an_interrupted_flush_loses_no_handle(monkeypatch):
         assert (x * 3).tolist() == [0.0, 3.0, 6.0, 9.0]
 
 
+def test_an_interrupted_flush_leaves_no_in_place_update_silently_undone(monkeypatch):
+    """In-place updates queued after the interrupt point (an optimizer step's `add_`) were
+    dropped, and the tensor read its old value with no error; CPU applies every update
+    that returned. Now those tensors raise; updates that ran before the interrupt stay."""
+    from device import Device
+    submit, seen = Device.submit, []
+
+    def interrupting(self, launch):
+        seen.append(launch.name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        return submit(self, launch)
+    with ae.override(queue_low_threshold=0), ae.adaptive(strategy="none"):
+        early, w = torch.zeros(2, device="neuron"), torch.zeros(2, device="neuron")
+        ae.synchronize()
+        early.add_(1.0)  # launch 1: ran
+        early.add_(1.0)  # launch 2: ran
+        w.add_(1.0)  # launch 3: interrupted
+        w.add_(1.0)
+        monkeypatch.setattr(Device, "submit", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            torch.neuron.synchronize()
+        monkeypatch.setattr(Device, "submit", submit)
+        assert early.tolist() == [2.0, 2.0]
+        with pytest.raises(ae.NeuronRuntimeError, match="updates this tensor in place"):
+            w.cpu()
+        assert (early * 3).tolist() == [6.0, 6.0]
+
+
 def test_mode_switches_do_not_reread_the_installed_metadata(monkeypatch):
     """Every reconfigure re-read the package's installed version for the disk-cache salt;
     while pip reinstalled the package beside a running program it read None, and
