@@ -24,6 +24,7 @@ from fusion.flush import Runner
 from fusion.ir import Handle, Node, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
+from fusion.program import cpu_kernels
 
 from . import config as _config
 from . import cpu_settings, errors, results, transfer
@@ -383,7 +384,7 @@ class Engine:
         self.online.reset()
         self.pending_bytes = 0
         try:
-            with torch._C._DisableTorchDispatch(), cpu_settings.ftz(self.queue_ftz):
+            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.queue_ftz):
                 report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
                                          else self.eager_strategy)
         except BaseException as e:

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from device import Launch, LaunchError
 from fusion.ir import Handle, written_arguments
 from fusion.ops import RANDOM, device_kernel, op_class
+from fusion.program import cpu_kernels
 
 from . import config as _config
 from ._tensor import NeuronTensor
@@ -70,7 +71,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             host[id(v)] = buffer_view(v)
         return host[id(v)]
 
-    with torch._C._DisableTorchDispatch():
+    with torch._C._DisableTorchDispatch(), cpu_kernels():  # Note [CPU kernels inside dispatch]
         c_args = [on_host(a, view) for a in args]
         c_kwargs = {k: on_host(v, view) for k, v in kwargs.items()}
         for v in views.values():  # Note [Poison] in fusion/program.py: as a host read
@@ -131,6 +132,9 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             continue
         if leaf.layout != torch.strided:
             raise _sparse_error(name, leaf.layout)
+        if leaf.is_conj() or leaf.is_neg():  # a lazy view (`solve(left=False)`'s): its
+            with torch._C._DisableTorchDispatch():  # storage holds the unconjugated values
+                leaf = leaf.resolve_conj().resolve_neg()
         owner = by_storage.get(leaf.untyped_storage().data_ptr()) if leaf.numel() else None
         if owner is not None:
             same = next((v for v in views.values() if v._handle is owner._handle

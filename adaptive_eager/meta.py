@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig
 from fusion.ops import CONTRACTION, RANDOM, VIEW, device_kernel, op_class
+from fusion.program import cpu_kernels
 
 from .source import DEVICE_TYPE, _user_stacklevel
 
@@ -175,7 +176,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
 
         rng = torch.random.fork_rng(devices=[]) if random and gen_op is None \
             else contextlib.nullcontext()
-        with torch._C._DisableTorchDispatch(), warnings.catch_warnings(), rng:
+        with torch._C._DisableTorchDispatch(), cpu_kernels(), warnings.catch_warnings(), rng:
             warnings.simplefilter("ignore")
             try:
                 c_args = [twin(v, t) for v, t in zip(args, args_t)]

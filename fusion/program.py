@@ -12,6 +12,22 @@ from torch.utils._pytree import tree_leaves
 from device import LaunchError
 
 from .ir import Node, from_json, to_json, _DECODE_ENUM
+
+# Note [CPU kernels inside dispatch]: inside `__torch_dispatch__` PyTorch excludes the keys
+# above Python, the Conjugate and Negative fallbacks among them. A CPU kernel run there that
+# makes a lazy conjugate view and hands it to another op (pinv's `U.mH()`, `solve(left=
+# False)`) then read it unconjugated: silently wrong complex results. The CPU's kernels run
+# with those keys back on (and ZeroTensor's), as they run on CPU; autograd stays off.
+_VIEW_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
+              | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)
+              | torch._C.DispatchKeySet(torch._C.DispatchKey.ZeroTensor))
+
+
+def cpu_kernels():
+    """A context that runs CPU kernels with the conjugate / negative view keys on."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           exclude - _VIEW_KEYS)
 from .ops import BARRIER, RANDOM, device_kernel, op_class
 
 _CPU = torch.device("cpu")  # host tensors made here: never the default device
@@ -238,7 +254,9 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         if dtype is torch.float64:  # Note [float64 policy]: values carry float32 precision
             r = r.to(torch.float32)
         if (r.dtype is not dtype or r.storage_offset() != 0 or r.stride() != stride
-                or r.shape != size):
+                or r.shape != size or dtype.is_complex and (r.is_conj() or r.is_neg())):
+            # (a conjugate view, `solve(left=False)`'s: its storage holds the unconjugated
+            # values; copy_ writes the values the view shows)
             e = torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
             e.copy_(r)
             r = e

@@ -73,3 +73,27 @@ def test_a_fallback_kernel_sees_one_tensor_passed_twice_as_one(mode):
         xn = x.to(N)
         out = m.to(N)(xn, xn, xn, need_weights=False)[0]
     assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_complex_kernels_that_make_conjugate_views_inside(mode):
+    """Inside __torch_dispatch__ the Conjugate key is excluded: CPU kernels that conjugate
+    lazily inside (pinv's U.mH(), solve(left=False), lstsq's residuals) read the views
+    unconjugated (errors of order 1), and `solve(left=False)`'s conjugate-view result was
+    stored unconjugated (Note [CPU kernels inside dispatch])."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    b = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    c = torch.randn(5, 3, dtype=torch.complex64, generator=g)
+    d = torch.randn(5, 2, dtype=torch.complex64, generator=g)
+
+    def run(x, y, z, w):
+        lu, piv = torch.linalg.lu_factor(x)
+        return [torch.linalg.solve(x, y, left=False), torch.linalg.lu_solve(lu, piv, y, left=False),
+                torch.linalg.pinv(x), torch.linalg.lstsq(z, w, driver="gelsd").residuals,
+                (x.mH @ y).conj()]
+    with _disable_current_modes():
+        ref = run(a, b, c, d)
+    got = run(*(v.to(N) for v in (a, b, c, d)))
+    for i, (r, o) in enumerate(zip(ref, got)):
+        assert torch.equal(o.cpu(), r), (i, (o.cpu() - r).abs().max())
