@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor, _refuse_sharing
 from .source import DEVICE_TYPE
-from . import _engine, attention, autocast, compile, cores, cpu_settings, distributed, errors, hooks, linalg, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
+from . import _engine, _storage, attention, autocast, compile, cores, cpu_settings, distributed, errors, hooks, linalg, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -44,6 +44,7 @@ def register() -> None:
     ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
     hooks.install()  # Note [Hooks that raise]
     _route_accelerator_api()
+    _storage.refuse_device_storages()
     cpu_settings.install(lambda: _engine.flush_all("settings"))  # Note [CPU settings]
     pinned.register()
     serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])

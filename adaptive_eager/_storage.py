@@ -127,3 +127,23 @@ class NeuronStorage:
     def __repr__(self):
         return (f"<neuron storage of {self._handle.nbytes} bytes at "
                 f"{self.data_ptr():#x} on {self.device}>")
+
+
+def refuse_device_storages() -> None:
+    """`torch.UntypedStorage(n, device="neuron")` (and TypedStorage, `_new_shared`) asked the
+    C++ allocator of PrivateUse1, which a Python backend has none of: the process died
+    (segmentation fault). It raises now; device memory is made through tensors."""
+    if getattr(torch.UntypedStorage.__new__, "_neuron", False):
+        return
+    make = torch._C.StorageBase.__new__
+
+    def __new__(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == DEVICE_TYPE:
+            raise RuntimeError(
+                f"torch.UntypedStorage(..., device={str(device)!r}) is not supported: neuron "
+                f"memory is made through tensors (torch.empty(n, dtype=torch.uint8, "
+                f"device={str(device)!r}); its untyped_storage() is the buffer)")
+        return make(cls, *args, **kwargs)
+    __new__._neuron = True
+    torch.UntypedStorage.__new__ = __new__

@@ -134,3 +134,20 @@ def test_untyped_storage_copies_and_queries_as_cpu(mode):
         return (s.element_size(), s.is_pinned(), s.is_shared(), s.cpu().tolist(), s.tolist(),
                 c.tolist(), c.data_ptr() != s.data_ptr(), s.cpu().device.type)
     assert run(N) == run("cpu")
+
+
+def test_a_device_storage_constructor_raises_instead_of_crashing():
+    """torch.UntypedStorage(n, device="neuron") reached PrivateUse1's missing C++ allocator:
+    a segmentation fault (run in a child process, so the old crash fails only this test)."""
+    import subprocess
+    import sys
+    code = ("import torch, warnings\nwarnings.simplefilter('ignore')\n"
+            "for make in (lambda: torch.UntypedStorage(4, device='neuron'),\n"
+            "             lambda: torch.TypedStorage(4, device='neuron', dtype=torch.float32),\n"
+            "             lambda: torch.UntypedStorage(4)._new_shared(4, device='neuron')):\n"
+            "    try:\n        make()\n    except RuntimeError as e:\n"
+            "        assert 'made through tensors' in str(e), e\n"
+            "print(torch.UntypedStorage(3).nbytes(), torch.UntypedStorage([1, 2]).nbytes())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["3", "2"], out.stderr[-2000:]
