@@ -189,7 +189,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
                     return first.with_traceback(None)
                 if first is not None:  # a value check or a data-dependent shape (a mask's
                     return None  # count), not a user error: let the device find it
-                first = e
+                first = e.with_traceback(None)  # (no traceback: no cycle through this frame)
     return None
 
 
@@ -250,20 +250,26 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
                                                                        kwargs_t)}
         warnings.simplefilter("always")
+        # (flags, not the exceptions: a local holding one whose traceback holds this frame
+        # is a cycle keeping the caller's frames, and their tensors' device memory, alive
+        # until the garbage collector runs)
         try:
             out = func(*m_args, **m_kwargs)
-        except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
-            meta_error = e
+        except Exception:  # no meta kernel, data-dependent shapes, or a user error
+            meta_failed = True
         else:
-            meta_error = None
+            meta_failed = False
     cls = op_class(func)
     probe = None
-    if meta_error is not None or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
+    if meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
         probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             probe._ae_user_error = True
-            raise probe
-    if meta_error is not None:
+            try:
+                raise probe
+            finally:
+                probe = None
+    if meta_failed:
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
     storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}

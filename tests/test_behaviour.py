@@ -503,3 +503,35 @@ def test_mode_switches_do_not_reread_the_installed_metadata(monkeypatch):
     with ae.adaptive(strategy="matmul"):
         assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]
     assert ae.strategy() == "graph"
+
+
+def test_a_failed_op_keeps_no_frame_alive(mode):
+    """Meta inference kept the exception it caught in a local: a cycle through its frame
+    kept the caller's frames, and their tensors' device memory, until the garbage collector
+    ran ("catch the error, free memory, retry smaller" got nothing back; a householder
+    orthogonal parametrization failed on its extra references)."""
+    import gc
+
+    def step(k):
+        big = torch.zeros(256, 256 + k, device="neuron")  # a fresh signature per call
+        x = torch.arange(6.0 + k, device="neuron")
+        try:
+            big @ big
+        except RuntimeError:
+            pass
+        return x[x > 2].sum().item()
+    step(0)  # (the first arange imports torch._dynamo, whose import leaves cycles of its own)
+    ae.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        base = torch.neuron.memory_allocated()
+        step(1)
+        step(2)
+        assert torch.neuron.memory_allocated() == base
+    finally:
+        gc.enable()
+    m = torch.nn.Linear(5, 4).to("neuron")
+    torch.nn.utils.parametrizations.orthogonal(m, "weight", orthogonal_map="householder",
+                                               use_trivialization=False)
+    assert m.weight.shape == (4, 5)
