@@ -439,7 +439,10 @@ def test_a_default_device_of_neuron(mode):
         out = [loss.item(), bool(loss > 0), x.tolist(), net.weight.grad, t,
                torch.load(_saved({"x": x[1:]}))["x"],  # save/load (host copies)
                torch.linalg.det(torch.eye(3) * 2),  # a CPU fallback
-               torch.nn.init.trunc_normal_(torch.empty(3, 3)), x.pin_memory()]
+               torch.nn.init.trunc_normal_(torch.empty(3, 3)), x.cpu().pin_memory()]
+        if x.device.type == "neuron":  # CUDA's rule: device memory is never pinned
+            with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+                x.pin_memory()
         return text, out
     with torch.device("neuron"):
         text, got = work()
