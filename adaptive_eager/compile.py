@@ -266,6 +266,11 @@ def register() -> None:
         builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
     for module in _never_traced():
         trace_rules.add(module)
+    # an effectful op in a graph (linalg.inv's `_linalg_check_errors`) is wrapped in the
+    # with_effects HOP, which asks for a rule per tensor subclass: run it as on the CPU
+    from torch._higher_order_ops.effects import with_effects, with_effects_dense
+    if NeuronTensor not in with_effects.python_key_table:
+        with_effects.py_impl(NeuronTensor)(with_effects_dense)
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,

@@ -414,3 +414,20 @@ def test_compiled_attention_takes_cpus_kernel():
                           backend="neuron")
         assert torch.equal(g(*[t.detach() for t in n]).cpu(),
                            F.scaled_dot_product_attention(*qkv))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("op", ["inv", "solve", "cholesky"])
+def test_effectful_linalg_ops_compile(op):
+    """linalg.inv / solve / cholesky carry `_linalg_check_errors`, an effectful op the graph
+    wraps in the with_effects HOP: it had no rule for the neuron tensor (NotImplementedError)."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 4)
+    a = a @ a.T + 4 * torch.eye(4)
+    b = torch.randn(4, 2)
+    fns = {"inv": lambda a, b: torch.linalg.inv(a) + 1,
+           "solve": lambda a, b: torch.linalg.solve(a, b) * 2,
+           "cholesky": lambda a, b: torch.linalg.cholesky(a).sum(0)}
+    want = torch.compile(fns[op], backend="aot_eager")(a, b)
+    got = torch.compile(fns[op], backend="neuron")(a.to("neuron"), b.to("neuron"))
+    assert torch.equal(got.cpu(), want)
