@@ -259,11 +259,13 @@ def _copy_from(src, dst, non_blocking=False):
     return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
-# Factories whose default kernels write through a resizing `out=`: computed on the host and
+# Factories whose default kernels write through a resizing `out=`, or call a CPU-only kernel
+# stub (kaiser_window: an internal assert on any other device): computed on the host and
 # copied in (random ones draw from the device generator, so seeds behave as on the device).
 _HOST_FACTORIES = ["arange", "arange.start", "arange.start_step", "linspace", "logspace",
                    "eye", "eye.m", "randperm", "randperm.generator", "tril_indices",
-                   "triu_indices", "range", "range.step"]
+                   "triu_indices", "range", "range.step", "kaiser_window",
+                   "kaiser_window.periodic", "kaiser_window.beta"]
 
 
 def _host_factory(name):

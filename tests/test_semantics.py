@@ -165,6 +165,12 @@ def test_arange_into_an_out_takes_each_calls_length(mode):
                        torch.hann_window(7, periodic=False))
 
 
+def test_kaiser_window_on_the_device():
+    """Its kernel is a CPU-only stub: an internal assert ("DispatchStub: missing kernel")."""
+    for args in [(7,), (7, False), (8, True, 5.0)]:
+        assert torch.equal(torch.kaiser_window(*args, device=N).cpu(), torch.kaiser_window(*args))
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
