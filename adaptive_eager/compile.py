@@ -172,12 +172,27 @@ class _RefuseInductor(metaclass=_Refusing):
 
 
 def _wrap_neuron_tensor(builder, value):
-    """Dynamo meets a neuron tensor: a plain tensor for backend 'neuron'; any other backend
-    (Inductor) cannot run it, so say so before it tries."""
+    """Dynamo meets a neuron tensor: a plain tensor. Inductor cannot run it, so say so before
+    it tries; backends that run the captured graph's ATen ops as they are (`eager`,
+    `aot_eager`, `torch._dynamo.explain`'s) run them on the device."""
     from torch._dynamo.variables.builder import VariableBuilder
-    if not _is_neuron_backend(builder.tx.output.compiler_fn):
+    if _is_inductor_backend(builder.tx.output.compiler_fn):
         raise NeuronInductorError(_INDUCTOR_MESSAGE)
     return VariableBuilder.wrap_tensor(builder, value)
+
+
+def _is_inductor_backend(fn) -> bool:
+    """Through Dynamo's and torch.compile's wrappers, is the backend TorchInductor?"""
+    for _ in range(8):
+        if fn is None or fn is neuron_backend:
+            return False
+        if (isinstance(fn, torch._TorchCompileInductorWrapper)
+                or getattr(fn, "__module__", "").startswith("torch._inductor")
+                or getattr(fn, "__name__", None) == "inductor"):
+            return True
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None)
+              or getattr(fn, "compiler_fn", None))
+    return False
 
 
 def _refusing_neuron_graphs(call):
@@ -206,18 +221,6 @@ def _plain_tensor_type(infer):
         return None if type(value) is NeuronTensor else infer(value)
     infer_subclass_type._neuron = True
     return infer_subclass_type
-
-
-def _is_neuron_backend(fn) -> bool:
-    """Through Dynamo's and torch.compile's wrappers, is the backend ours?"""
-    for _ in range(8):
-        if fn is None:
-            return False
-        if fn is neuron_backend:
-            return True
-        fn = (getattr(fn, "_torchdynamo_orig_backend", None)
-              or getattr(fn, "compiler_fn", None))
-    return False
 
 
 _registered = False

@@ -431,3 +431,20 @@ def test_effectful_linalg_ops_compile(op):
     want = torch.compile(fns[op], backend="aot_eager")(a, b)
     got = torch.compile(fns[op], backend="neuron")(a.to("neuron"), b.to("neuron"))
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_backends_that_run_aten_ops_as_they_are_run_on_the_device(backend):
+    """Only Inductor is refused: `eager`, `aot_eager` and torch._dynamo.explain run the
+    graph's ATen ops, which reach the engine (they were refused with Inductor's error)."""
+    def f(x, w):
+        return (x @ w).sin().sum()
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True)
+    want = torch.compile(f, backend=backend)(x, w)
+    want.backward()
+    wn = w.detach().to("neuron").requires_grad_()
+    got = torch.compile(f, backend=backend)(x.to("neuron"), wn)
+    got.backward()
+    assert torch.equal(got.cpu(), want.detach()) and torch.equal(wn.grad.cpu(), w.grad)
+    assert torch._dynamo.explain(f)(x.to("neuron"), wn).graph_count == 1
