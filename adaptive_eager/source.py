@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 
@@ -35,11 +36,17 @@ def _ours(code) -> bool:
     if skip is None:
         if len(_OURS) >= 10_000:  # code made at run time (exec, lambdas in loops): bounded
             _OURS.clear()
+            _FX_CODES.clear()
         skip = _OURS[code] = code.co_filename.startswith(_SKIP_FILES)
+        if code.co_filename.startswith("<eval_with_key>"):
+            _FX_CODES.add(code)
     return skip
 
 
 _OURS: dict = {}
+_FX_CODES: set = set()  # the code of FX graph modules (compiled graphs, make_fx)
+_FX_LINES: dict = {}  # (code, line) -> the user's (file, line) its graph node was traced at
+_FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _source():
@@ -52,6 +59,32 @@ def _source():
     stack = None
     if _config.config.stack_trace:
         stack = "".join(traceback.format_stack(f))
+    if f.f_code in _FX_CODES:  # a compiled graph's generated code: the line it was traced at
+        where = _fx_line(f)
+        if where is not None:
+            return where + (stack,)
     return (f.f_code.co_filename, f.f_lineno, stack)
+
+
+def _fx_line(f):
+    """The user's (file, line) that the graph node running in FX frame `f` was traced at
+    (the node's stack_trace, innermost frame outside torch and us), or None."""
+    key = (f.f_code, f.f_lineno)
+    if key not in _FX_LINES:
+        if len(_FX_LINES) >= 10_000:
+            _FX_LINES.clear()
+        where = None
+        gm = f.f_locals.get("self")
+        lines = getattr(gm, "_lineno_map", None)
+        if lines:
+            i = lines.get(f.f_lineno - getattr(gm, "_prologue_start", 0))
+            nodes = list(gm.graph.nodes) if i is not None else ()
+            trace = nodes[i].meta.get("stack_trace") if i is not None and i < len(nodes) else None
+            for file, line in reversed(_FRAME_LINE.findall(trace or "")):
+                if not file.startswith(_SKIP_FILES):
+                    where = (file, int(line))
+                    break
+        _FX_LINES[key] = where
+    return _FX_LINES[key]
 
 

@@ -448,3 +448,17 @@ def test_backends_that_run_aten_ops_as_they_are_run_on_the_device(backend):
     got.backward()
     assert torch.equal(got.cpu(), want.detach()) and torch.equal(wn.grad.cpu(), w.grad)
     assert torch._dynamo.explain(f)(x.to("neuron"), wn).graph_count == 1
+
+
+def _embed_twice(w, idx):
+    return torch.nn.functional.embedding(idx, w) * 2  # the failing op: its line is named
+
+
+def test_a_deferred_error_in_a_compiled_graph_names_the_users_line(mode):
+    """It named the graph's generated code (`<eval_with_key>.1 ...`, line 5)."""
+    import inspect
+    line = inspect.getsourcelines(_embed_twice)[1] + 1
+    w = torch.arange(12.0).reshape(4, 3).to("neuron")
+    out = torch.compile(_embed_twice, backend="neuron")(w, torch.tensor([0, 7]).to("neuron"))
+    with pytest.raises(ae.NeuronRuntimeError, match=rf'embedding.*test_compile.py", line {line}'):
+        out.cpu()
