@@ -144,6 +144,12 @@ class NeuronTensor(torch.Tensor):
         return NeuronStorage(self._handle, self._engine)
 
     def _typed_storage(self):  # Tensor.storage(), and what share_memory_ and collate reach
+        if torch.utils.data.get_worker_info() is not None:  # a DataLoader worker's collate
+            raise RuntimeError(
+                f"A DataLoader worker made {DEVICE_TYPE} tensors, which cannot be sent to the "
+                f"main process (their buffers live in this process's device memory). Return "
+                f"CPU tensors from the Dataset and move each batch with .to('{DEVICE_TYPE}') "
+                f"in the training loop (pin_memory=True and non_blocking=True overlap it).")
         raise RuntimeError(
             f"A {DEVICE_TYPE} tensor has no TypedStorage (its bytes live in the device's "
             f"memory, not in a host storage): use t.untyped_storage() for its buffer's "

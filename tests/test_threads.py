@@ -163,6 +163,24 @@ def test_a_forked_child_has_its_own_locks_and_counters():
     assert r.returncode == 0 and r.stdout.split() == ["2016.0", "0"], r.stderr[-2000:]
 
 
+class _DeviceDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i), device="neuron")
+
+
+def test_a_dataloader_worker_making_device_tensors_says_what_to_do():
+    """The worker's collate asked for a TypedStorage and said only that a neuron tensor has
+    none; CUDA's users get told to keep device work in the main process."""
+    dl = torch.utils.data.DataLoader(_DeviceDataset(), batch_size=2, num_workers=1,
+                                     timeout=120)
+    with pytest.raises(RuntimeError, match=r"Return CPU tensors from the Dataset"):
+        next(iter(dl))
+    assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]
+
+
 def test_exit_with_a_daemon_thread_running_neuron_ops():
     """The interpreter's shutdown stopped such a thread inside PyTorch's C++ dispatcher frames:
     "terminate called without an active exception" (plain CPU PyTorch aborts so every time).
