@@ -22,7 +22,7 @@ from device import COUNTERS, Device, Launch, LaunchError
 from .cache import ExecutableCache
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
-from .program import CompileError, Executable, Program, build_program, run_instr
+from .program import CompileError, Executable, Program, build_program, run_instr, skip
 
 log = logging.getLogger("adaptive_eager.fusion")
 _LOW_PRECISION = ("bfloat16", "float16")
@@ -202,12 +202,14 @@ class Runner:
             exe = gp.exe
             st = [None] * exe.program.n_slots
             poisoned, origin = set(), None
+            causes = {}  # slot -> the failed launch, or (instr, LaunchError), poisoning it
             for s in range(exe.program.n_inputs):
                 c = gp.slots[s]
                 st[s] = env[c] if c in env else handles[c].buffer.storage
                 why = bad.get(c) or (handles[c].poison if handles[c] is not None else None)
                 if why is not None:  # Note [Poison]
                     poisoned.add(s)
+                    causes[s] = why
                     origin = origin or why
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
@@ -216,11 +218,14 @@ class Runner:
                     compiled.append(False)
                 for k, n in enumerate(members):
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
-                                                                  poisoned),
+                                                                  poisoned, causes),
                                                n.in_bytes + n.out_bytes, n.flops, context=[n]))
-                    origin = origin or (launch if launch.error is not None else None)
+                    if launch.error is not None:
+                        origin = origin or launch
+                        for s in exe.instrs[k].out_slots:
+                            causes[s] = launch
             else:
-                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned)
+                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes)
                 ran = False
                 # Note [Executors] in fusion/executors/tiered.py: fused groups only (single
                 # ops stay as eager), and only with valid inputs (poison is the interpreter's)
@@ -237,11 +242,20 @@ class Runner:
                 if st[s] is None:  # never written (its op failed or was skipped): poisoned
                     st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)
                 env[c] = st[s]
+            own = {}  # a later failed op of the group: a launch record of its own
             for s in poisoned:
                 c = gp.slots[s]
-                bad[c] = origin
+                why = causes.get(s) or origin
+                if type(why) is tuple:
+                    k, err = why
+                    why = own.get(k)
+                    if why is None:
+                        why = own[k] = Launch(members[k].name, None, 0, 0.0,
+                                              context=[members[k]])
+                        why.error, why.internal = err.cause, err.internal
+                bad[c] = why
                 if handles[c] is not None and not handles[c].pending:
-                    handles[c].poison = origin  # an existing buffer updated in place
+                    handles[c].poison = why  # an existing buffer updated in place
             for s in gp.outputs:
                 h = handles[gp.slots[s]]
                 if h is not None and h.pending:
@@ -259,11 +273,11 @@ class OneByOne(Executable):
         super().__init__(program)
         self.reason = reason  # why its compile failed (explain() shows it)
 
-    def runner(self, k, st, inputs, rng, poisoned):
+    def runner(self, k, st, inputs, rng, poisoned, causes=None):
         def run():
             ins = self.instrs[k]
             if poisoned and not poisoned.isdisjoint(ins.in_slots):
-                poisoned.update(ins.out_slots)  # Note [Poison] in fusion/program.py
+                skip(ins, poisoned, causes)  # Note [Poison] in fusion/program.py
                 return
             try:
                 run_instr(ins, st, inputs[k], rng, [None] * self.n_views)

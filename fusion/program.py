@@ -190,29 +190,47 @@ class Executable:
             ins.bind_outputs(vids)
         self.n_views = len(vids)
 
-    def run(self, st: list, inputs: list[list], rng, poisoned: set) -> None:
+    def run(self, st: list, inputs: list[list], rng, poisoned: set,
+            causes: dict | None = None) -> None:
         """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i.
 
         Note [Poison]: `poisoned` holds the slots whose values are invalid (on entry: inputs
         poisoned by an earlier failure). An instr that reads one is skipped and poisons what
         it writes; an instr that raises poisons what it writes too. Independent instrs still
         run, so one failed op never corrupts values that do not depend on it. The first
-        error is raised at the end, tagged with its instr index."""
+        error is raised at the end, tagged with its instr index; `causes` (slot -> what
+        poisoned it) gets the later ones, (instr index, LaunchError), so that each value
+        names its own failed op."""
         views = [None] * self.n_views
         first = None
         for k, ins in enumerate(self.instrs):
             if poisoned and not poisoned.isdisjoint(ins.in_slots):
-                poisoned.update(ins.out_slots)
+                skip(ins, poisoned, causes)
                 continue
             try:
                 run_instr(ins, st, inputs[k], rng, views)
             except Exception as e:
                 poisoned.update(ins.out_slots)
+                err = e if isinstance(e, LaunchError) else LaunchError(e, internal=True)
                 if first is None:
-                    first = e if isinstance(e, LaunchError) else LaunchError(e, internal=True)
+                    first = err
                     first.cause.instr_index = k  # the engine maps it to the op and source line
+                elif causes is not None:
+                    for s in ins.out_slots:
+                        causes[s] = (k, err)
         if first is not None:
             raise first
+
+
+def skip(ins, poisoned: set, causes: dict | None) -> None:
+    """Note [Poison]: `ins` reads a poisoned slot: it does not run, and what it writes is
+    poisoned by the same cause."""
+    poisoned.update(ins.out_slots)
+    if causes:
+        why = next((causes[s] for s in ins.in_slots if s in causes), None)
+        if why is not None:
+            for s in ins.out_slots:
+                causes.setdefault(s, why)
 
 
 def _slots(templates: tuple) -> tuple:

@@ -171,6 +171,26 @@ def test_kaiser_window_on_the_device():
         assert torch.equal(torch.kaiser_window(*args, device=N).cpu(), torch.kaiser_window(*args))
 
 
+def test_two_failed_ops_in_one_group_each_name_their_own(mode):
+    """Every value poisoned in a fused group named the group's first failed op: the second
+    failure's value (and its dependents) reported the first's error and line."""
+    w = torch.arange(12.0).reshape(4, 3).to(N)
+    g1 = torch.gather(w, 1, torch.tensor([[5]] * 4).to(N))
+    g2 = torch.nn.functional.embedding(torch.tensor([10]).to(N), w)
+    g3 = g2 * 2 + g1.sum()
+    g4 = g2 * 3
+    with pytest.raises(ae.NeuronRuntimeError, match="gather"):
+        ae.synchronize()
+    with pytest.raises(ae.NeuronRuntimeError, match="gather"):
+        g1.cpu()
+    for t in (g2, g4):
+        with pytest.raises(ae.NeuronRuntimeError, match="embedding"):
+            t.cpu()
+    with pytest.raises(ae.NeuronRuntimeError):
+        g3.cpu()
+    assert (w[0] + 1).tolist() == [1.0, 2.0, 3.0]
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
