@@ -7,10 +7,18 @@ user porting GPU code gets the dtypes CUDA gives. Lower-precision ops run in the
 dtype (BF16 by default: Neuron's native low precision), the fp32 list (losses, norms,
 softmax, exp, ...) in float32, the promote list in the widest input dtype, and
 binary_cross_entropy is refused as on CUDA. A tensor is cast only if it is a floating neuron
-tensor other than float64 (C++'s `is_eligible`, torch.amp's `_cast`). Unlike C++ there is
-no cast cache: a weight is cast again at each use (same values, more casts).
+tensor other than float64 (C++'s `is_eligible`, torch.amp's `_cast`).
+
+Note [Autocast cast cache]: as C++'s `cached_cast`, the low-precision copy of a float32 leaf
+that requires grad (a weight) is made once and reused until the outermost autocast region
+exits (`torch.clear_autocast_cache`), unless `cache_enabled=False`. This is a semantic, not
+only a saving: an optimizer step inside the region leaves later forwards on the cached copy,
+as on CPU and CUDA (a training loop written inside one region trained differently before).
 """
 from __future__ import annotations
+
+import collections.abc
+import weakref
 
 import torch
 from torch.amp.autocast_mode import _cast  # C++'s eligibility: device, floating, not float64
@@ -60,11 +68,45 @@ def _eligible(t):
             and t.is_floating_point() and t.dtype is not torch.float64)
 
 
+# Note [Autocast cast cache]: id(leaf) -> (weakref to the leaf, its low-precision copy)
+_CACHE: dict[int, tuple] = {}
+
+
+def _cast_low(value, dt):
+    """torch.amp's `_cast` to the low-precision dtype `dt`, through the cast cache."""
+    if isinstance(value, torch.Tensor):
+        if not _eligible(value) or value.dtype is dt:
+            return value
+        if (value.dtype is torch.float32 and value.requires_grad and value.is_leaf
+                and not value._is_view() and torch.is_autocast_cache_enabled()):
+            hit = _CACHE.get(id(value))
+            if hit is not None and hit[0]() is value:
+                return hit[1]
+            out = value.to(dt)
+            _CACHE[id(value)] = (weakref.ref(value), out)
+            return out
+        return value.to(dt)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_low(v, dt) for v in value)
+    if isinstance(value, collections.abc.Mapping):
+        return {k: _cast_low(v, dt) for k, v in value.items()}
+    return value
+
+
+def _clearing(clear):
+    def clear_autocast_cache():
+        _CACHE.clear()
+        return clear()
+    clear_autocast_cache.__doc__ = clear.__doc__
+    clear_autocast_cache._neuron = True
+    return clear_autocast_cache
+
+
 def _low(op):
     def k(*args, **kwargs):
         dt = torch.get_autocast_dtype(DEVICE)
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
-            return op(*_cast(args, DEVICE, dt), **_cast(kwargs, DEVICE, dt))
+            return op(*_cast_low(args, dt), **_cast_low(kwargs, dt))
     return k
 
 
@@ -108,6 +150,8 @@ def _promote(op):
             elif t.dtype != low:  # float16 under bfloat16 autocast, or the other way
                 raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
+            if dt == low:  # C++ caches casts to the low-precision dtype only
+                return op(*_cast_low(args, dt), **_cast_low(kwargs, dt))
             return op(*_cast(args, DEVICE, dt), **_cast(kwargs, DEVICE, dt))
     return k
 
@@ -136,3 +180,5 @@ def register(libs: list) -> None:
     lib.impl("binary_cross_entropy", _banned, key)
     libs.extend([fallthrough, lib])
     torch.set_autocast_dtype(DEVICE, torch.bfloat16)
+    if not getattr(torch.clear_autocast_cache, "_neuron", False):
+        torch.clear_autocast_cache = _clearing(torch.clear_autocast_cache)

@@ -245,6 +245,34 @@ def test_autocast_runs_matmuls_in_bf16(mode):
     assert torch.equal(y.cpu(), ref)
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_autocast_caches_a_weights_cast_within_the_region(mode, cache):
+    """Note [Autocast cast cache]: a training loop inside one autocast region keeps using the
+    weights' first low-precision copies on CPU and CUDA (C++'s cached_cast); with no cache,
+    neuron's losses moved after each step while CPU's stayed put."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def train(dev):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 1)).to(dev)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, y = torch.randn(16, 8).to(dev), torch.randn(16, 1).to(dev)
+        losses = []
+        with torch.autocast(dev, dtype=torch.bfloat16, cache_enabled=cache):
+            for _ in range(3):
+                loss = torch.nn.functional.mse_loss(m(x).float(), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+    with _disable_current_modes():
+        want = train("cpu")
+    assert train("neuron") == want
+    assert (want[0] == want[2]) == cache
+
+
 def test_autocast_follows_cudas_policy(mode):
     """torch.autocast(device_type="neuron") gives the dtypes CUDA's autocast gives (the
     lists of ATen/autocast_mode.h): losses, norms, softmax and sums in float32, attention and
