@@ -181,6 +181,19 @@ def _wrap_neuron_tensor(builder, value):
     return VariableBuilder.wrap_tensor(builder, value)
 
 
+def _run_and_save_rng_state(op, *args, **kwargs):
+    return torch.neuron.get_rng_state(), op(*args, **kwargs)
+
+
+def _run_with_rng_state(rng_state, op, *args, **kwargs):
+    now = torch.neuron.get_rng_state()
+    torch.neuron.set_rng_state(rng_state.cpu())
+    try:
+        return op(*args, **kwargs)
+    finally:
+        torch.neuron.set_rng_state(now)
+
+
 def _is_inductor_backend(fn) -> bool:
     """Through Dynamo's and torch.compile's wrappers, is the backend TorchInductor?"""
     for _ in range(8):
@@ -274,6 +287,12 @@ def register() -> None:
     from torch._higher_order_ops.effects import with_effects, with_effects_dense
     if NeuronTensor not in with_effects.python_key_table:
         with_effects.py_impl(NeuronTensor)(with_effects_dense)
+    # activation checkpointing's recomputation replays the device's RNG state around each
+    # random op (sdpa's included, dropout or not), as CUDA's rules do with its generator
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    if NeuronTensor not in run_and_save_rng_state.python_key_table:
+        run_and_save_rng_state.py_impl(NeuronTensor)(_run_and_save_rng_state)
+        run_with_rng_state.py_impl(NeuronTensor)(_run_with_rng_state)
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,

@@ -462,3 +462,29 @@ def test_a_deferred_error_in_a_compiled_graph_names_the_users_line(mode):
     out = torch.compile(_embed_twice, backend="neuron")(w, torch.tensor([0, 7]).to("neuron"))
     with pytest.raises(ae.NeuronRuntimeError, match=rf'embedding.*test_compile.py", line {line}'):
         out.cpu()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_checkpointed_random_ops_compile(p):
+    """Activation checkpointing under compile wraps random ops (sdpa's, dropout or not) in
+    AOTAutograd's run_and_save_rng_state / run_with_rng_state HOPs, which had no rule for the
+    neuron tensor (NotImplementedError: every Transformers model with SDPA and gradient
+    checkpointing under compile)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def f(x, w):
+        def block(t):
+            h = F.dropout(t @ w, p, training=True)
+            return F.scaled_dot_product_attention(h[None], h[None], h[None], is_causal=True)
+        return checkpoint(block, x, use_reentrant=False).sin().sum()
+
+    def run(dev, backend):
+        torch.manual_seed(0)
+        x = torch.randn(8, 8).to(dev).requires_grad_()
+        w = torch.randn(8, 8).to(dev)
+        torch.manual_seed(1)
+        y = torch.compile(f, backend=backend)(x, w)
+        y.backward()
+        return y.detach().cpu(), x.grad.cpu()
+    want, got = run("cpu", "aot_eager"), run("neuron", "neuron")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
