@@ -316,7 +316,9 @@ class Engine:
         if dtype == torch.float64 and "f64" not in self._warned:
             self._warned.add("f64")
             warnings.warn("float64 is not supported on Neuron: it is computed as float32 "
-                          "(results may differ from CPU). Use float32 to silence this.",
+                          "(results may differ from CPU). Use float32 to silence this; where "
+                          "PyTorch's own code makes float64 (GradScaler's unscale_), filter "
+                          "it: warnings.filterwarnings('ignore', 'float64 is not supported')",
                           stacklevel=_user_stacklevel())
 
     # -- dispatch --------------------------------------------------------------------

@@ -273,6 +273,32 @@ def test_autocast_caches_a_weights_cast_within_the_region(mode, cache):
     assert (want[0] == want[2]) == cache
 
 
+def test_gradscalers_float64_warning_says_how_to_silence_it():
+    """GradScaler's unscale_ computes in float64 itself: the warning's only advice was "Use
+    float32", which the user cannot follow; the filter it now names silences it."""
+    import warnings
+
+    from adaptive_eager import _engine
+    m = torch.nn.Linear(4, 4).to("neuron")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("neuron")
+
+    def step():
+        with torch.autocast("neuron", dtype=torch.float16):
+            loss = m(torch.randn(2, 4, device="neuron")).float().sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    _engine.ENGINE._warned.discard("f64")
+    with pytest.warns(UserWarning, match="filterwarnings.'ignore', 'float64 is not supported'"):
+        step()
+    _engine.ENGINE._warned.discard("f64")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "float64 is not supported")
+        step()
+
+
 def test_autocast_follows_cudas_policy(mode):
     """torch.autocast(device_type="neuron") gives the dtypes CUDA's autocast gives (the
     lists of ATen/autocast_mode.h): losses, norms, softmax and sums in float32, attention and
