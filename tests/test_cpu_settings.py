@@ -100,7 +100,10 @@ def test_a_call_that_changes_nothing_flushes_nothing():
         before = ae.metrics().flushes.get("settings", 0)
         torch.set_float32_matmul_precision(torch.get_float32_matmul_precision())
         torch.set_num_threads(torch.get_num_threads())
-        torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled
+        with torch.backends.mkldnn.flags(enabled=torch.backends.mkldnn.enabled,
+                                         deterministic=torch.backends.mkldnn.deterministic,
+                                         allow_tf32=torch.backends.mkldnn.allow_tf32):
+            pass
         torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled())
         assert ae.metrics().flushes.get("settings", 0) == before
         torch.set_num_threads(torch.get_num_threads() % 2 + 1)  # a change flushes
