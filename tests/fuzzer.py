@@ -135,7 +135,7 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "errors"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "errors"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -527,6 +527,21 @@ class Gen:
                                      f"F.linear({a}.to(torch.{dt}), {a}.to(torch.{dt}))"
                                      if self.ns[a].dim() >= 1 else f"{a}.to(torch.{dt}).neg()"])
 
+    def f_settings(self):
+        """CPU settings the host's kernels read, changed between ops (Note [CPU settings]):
+        a queued op must compute under the settings of its call. Values near the denormal
+        range make flush-to-zero show."""
+        r = self.r
+        # (not of float64: computed as float32 there, 1e-39 would be denormal on the device
+        # only, the documented float64 policy)
+        a = self.pick(lambda t: t.is_floating_point() and t.dtype != self.torch.float64)
+        if a is not None and r.random() < 0.3:
+            return f"{self.fresh()} = {a} * 1e-39"
+        return r.choice(["torch.set_flush_denormal(True)", "torch.set_flush_denormal(False)",
+                         "torch.set_num_threads(1)", "torch.set_num_threads(2)",
+                         "torch.set_float32_matmul_precision('medium')",
+                         "torch.set_float32_matmul_precision('highest')"])
+
     def f_sync(self):
         a = self.pick()
         return self.r.choice(["torch.neuron.synchronize()"] + (
@@ -575,9 +590,18 @@ def generate(seed: int, families=None, exclude=()) -> list[str]:
 
 # --------------------------------------------------------------------------- running
 
+_THREADS = []  # the worker's intra-op thread count at start
+
+
 def _namespace(dev):
-    """A program's globals; every run starts from seed 0 (PRELUDE), as the snippet does."""
+    """A program's globals; every run starts from seed 0 (PRELUDE), as the snippet does, and
+    from the default CPU settings (the "settings" family changes them)."""
     import torch
+    if not _THREADS:
+        _THREADS.append(torch.get_num_threads())
+    torch.set_flush_denormal(False)
+    torch.set_num_threads(_THREADS[0])
+    torch.set_float32_matmul_precision("highest")
     torch.manual_seed(0)
     import torch.nn.functional as F
     import adaptive_eager as ae
