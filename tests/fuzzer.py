@@ -135,7 +135,7 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "settings", "errors"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "complex", "errors"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -527,6 +527,35 @@ class Gen:
                                      f"F.linear({a}.to(torch.{dt}), {a}.to(torch.{dt}))"
                                      if self.ns[a].dim() >= 1 else f"{a}.to(torch.{dt}).neg()"])
 
+    def f_complex(self):
+        """complex64: conjugate views (materialized on the device) and CPU kernels that
+        conjugate lazily inside (Note [CPU kernels inside dispatch])."""
+        r, v, torch = self.r, self.fresh(), self.torch
+        z = self.pick(lambda t: t.is_complex())
+        if z is None or r.random() < 0.25:
+            a = self.pick(lambda t: t.is_floating_point() and t.dtype != torch.float64)
+            if a is None:
+                return None
+            return f"{v} = " + r.choice([f"{a}.to(torch.complex64)", f"{a} * 1j + {a}",
+                                         f"torch.complex({a}, {a}.neg())"])
+        t = self.ns[z]
+        # (never a bare conjugate view as a variable: on the device it is a copy, not a view
+        # to write through, a documented gap; resolve_conj() is a copy on both)
+        ops = [f"{z}.conj().resolve_conj()", f"{z}.conj().abs()", f"{z}.angle()",
+               f"{z} * {z}.conj()",
+               f"({z}.conj() + 1).imag", f"torch.view_as_real({z}.conj().resolve_conj())",
+               f"{z}.conj().sum()", f"torch.where({z}.real > 0, {z}, {z}.conj())"]
+        if t.dim() >= 1:
+            ops += [f"torch.fft.fft({z})", f"{z}.conj().flip(0)"]
+        if t.dim() == 2:
+            n = t.shape[0]
+            ops += [f"{z}.mH @ {z}", f"{z} @ {z}.mH", f"torch.linalg.pinv({z})",
+                    f"{z}.mH.resolve_conj()"]
+            if t.shape[0] == t.shape[1]:
+                ops += [f"torch.linalg.solve({z} + 3 * torch.eye({n}, device=dev), {z}, "
+                        f"left=False)"]
+        return f"{v} = " + r.choice(ops)
+
     def f_settings(self):
         """CPU settings the host's kernels read, changed between ops (Note [CPU settings]):
         a queued op must compute under the settings of its call. Values near the denormal
@@ -913,6 +942,9 @@ def _bits_equal(a, b) -> bool:
     import torch
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.is_complex():  # as two floats each (nan != nan in torch.equal)
+        return _bits_equal(torch.view_as_real(a.resolve_conj()),
+                           torch.view_as_real(b.resolve_conj()))
     if a.is_floating_point():
         na, nb = a.isnan(), b.isnan()
         if not torch.equal(na, nb):
@@ -936,7 +968,7 @@ def _close(n, c, f64: bool) -> str | None:
                 # (a mean of four 8.5e37s is inf) and inf arithmetic gives NaN (gelu(inf))
                 n = torch.where(~n.isfinite() & (c.abs() >= _F32_EDGE), c, n)
             torch.testing.assert_close(n, c, rtol=1e-3, atol=1e-3, equal_nan=True)
-        elif n.is_floating_point():
+        elif n.is_floating_point() or n.is_complex():
             torch.testing.assert_close(n, c, equal_nan=True)
         elif not torch.equal(n, c):
             return "values differ"
