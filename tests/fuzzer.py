@@ -987,7 +987,14 @@ _F64_CUT = re.compile(r"nonzero|argwhere|masked_select|\[[^\]]*[<>]|\[[^\]]*[!=]
                       r"remainder|floor|ceil|round|trunc|frac|sign|unique|//|"
                       # adaptive optimizers step by g / (|g| + eps): near a zero gradient
                       # (rounding noise, 1e-17 in float64, 1e-8 in float32) a jump of lr
-                      r"optim\.(Adam|AdamW|RMSprop|Adagrad)\(")
+                      r"optim\.(Adam|AdamW|RMSprop|Adagrad)\(|"
+                      # the gradient of an elementwise max/min splits at a tie: x.float() and
+                      # its float64 source tie once float64 is float32 (seed 34006051)
+                      r"maximum|minimum|fmax|fmin|"
+                      # a foreach op on float32 twins takes the fused kernel where CPU's mixed
+                      # dtypes take the per-tensor path, which order writes to an internally
+                      # overlapping view (unfold) differently (seed 34012598)
+                      r"_foreach_\w+_\(")
 
 
 def compare_reading(var, n, c, taint, evenly=False) -> list[tuple[str, str]]:
