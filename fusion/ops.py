@@ -65,6 +65,11 @@ _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "r
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes).
 _BARRIER_EXTRA = {"mkldnn_rnn_layer"}
+# Ops that read only their first argument's layout, never its values (Note [Poison] in
+# program.py: a poisoned input does not poison what they make).
+LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"))
 
 
 @functools.lru_cache(maxsize=None)

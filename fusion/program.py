@@ -28,7 +28,7 @@ def cpu_kernels():
     exclude = torch._C._dispatch_tls_local_exclude_set()
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                            exclude - _VIEW_KEYS)
-from .ops import BARRIER, RANDOM, device_kernel, op_class
+from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
 
 _CPU = torch.device("cpu")  # host tensors made here: never the default device
 
@@ -157,7 +157,8 @@ class Instr:
                         if a.alias_info is not None and a.alias_info.is_write]
         # Note [Poison]: the slots an instr reads, and those it writes (new outputs and
         # mutated arguments), so a failed op invalidates exactly what depends on it.
-        self.in_slots = frozenset(_slots(self.args) + _slots(tuple(self.kwargs.values())))
+        read = self.args[1:] if self.op._schema.name in LAYOUT_ONLY else self.args
+        self.in_slots = frozenset(_slots(read) + _slots(tuple(self.kwargs.values())))
         names = [a.name for a in self.op._schema.arguments]
         mut = [self.args[i] for i in self.mutated if i < len(self.args)]
         mut += [v for k, v in self.kwargs.items() if names.index(k) in self.mutated]

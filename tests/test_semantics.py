@@ -147,6 +147,11 @@ def test_ops_that_read_data_now_raise_a_poisoned_inputs_error(mode):
                  lambda: torch.linalg.det(torch.cat([p, p[:1]]))):
         with pytest.raises(ae.NeuronRuntimeError, match="embedding"):
             read()
+    # ops that read only its layout make good values (they raised its error)
+    assert torch.zeros_like(p).tolist() == [[0.0] * 3] * 2
+    assert torch.full_like(p, 3).tolist() == [[3.0] * 3] * 2 and p.new_ones(2).tolist() == [1, 1]
+    with pytest.raises(ae.NeuronRuntimeError, match="embedding"):
+        (p + 1).cpu()
     with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
         w.pin_memory()
     assert not w.is_pinned() and (w[0] * 2).tolist() == [2., 4., 6.]
