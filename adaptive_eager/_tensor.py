@@ -92,6 +92,16 @@ class NeuronTensor(torch.Tensor):
         engine = a._engine if type(a) is NeuronTensor else engine_of(args, kwargs)
         return engine.dispatch(func, args, kwargs or {})
 
+    def new_tensor(self, data, *, dtype=None, device=None, requires_grad=False, **kwargs):
+        """On this tensor's core unless told otherwise: PyTorch places it through the C++
+        device guard set to this tensor's device, which a Python backend's guard ignores
+        (it landed on neuron:0)."""
+        if device is None or torch.device(device).type == DEVICE_TYPE \
+                and torch.device(device).index is None:
+            device = self.device
+        return torch.Tensor.new_tensor(self, data, dtype=dtype, device=device,
+                                       requires_grad=requires_grad, **kwargs)
+
     # Note [Hooks that raise] in hooks.py
     def register_hook(self, hook):
         return torch.Tensor.register_hook(self, hooks.guarded(hook))
