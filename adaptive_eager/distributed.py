@@ -27,6 +27,7 @@ from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE
 from . import _engine
 from ._tensor import NeuronTensor
 from .errors import _raise_launch_error
+from .templates import _two_devices
 from .transfer import buffer_view, on_host
 
 DEVICE_TYPE = "neuron"
@@ -121,11 +122,14 @@ def _route_work_results() -> None:
 def collective(eng, func, args, kwargs):
     """One c10d op on neuron tensors: a boundary, then gloo over the device buffers, then a
     costed collective launch (Note [Collectives]). Runs under the engine lock."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, NeuronTensor)]
+    for t in tensors:  # CUDA's rule (another core's queue was not flushed: garbage was sent)
+        if t._engine is not eng:
+            raise _two_devices(eng, t.device, func)
     eng.metrics.ops += 1
     eng.device.advance_host(eng.spec.host_op_overhead_us)
     eng.flush("collective")
     pattern, size_arg = _COLLECTIVES[func._schema.name.split("::")[1]]
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, NeuronTensor)]
     for t in tensors:
         if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
             eng.synchronize()  # the earliest deferred error first, then this value's

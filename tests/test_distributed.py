@@ -195,6 +195,18 @@ def test_collective_on_poisoned_input_raises_device_error(world_of_one):
     assert z.cpu().tolist() == [1.0, 1.0]
 
 
+def test_a_collective_over_two_cores_raises_cudas_error(world_of_one):
+    """It flushed one core's queue only: gloo sent another core's pending value's never
+    written memory, or its value before a queued in-place write (adaptive mode)."""
+    with ae.adaptive(strategy="graph"):
+        out = torch.zeros(4, device="neuron:0")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            dist.all_gather_into_tensor(out, torch.arange(4.0).to("neuron:1") * 2)
+        t = torch.arange(4.0).to("neuron:0") * 2
+        dist.all_gather_into_tensor(out, t)  # one core: fine
+        assert out.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
 def test_collective_trace_row(world_of_one, tmp_path):
     dist.all_reduce(torch.ones(2, device="neuron"))
     ae.save_trace(str(tmp_path / "t.json"))
