@@ -29,7 +29,7 @@ def template(eng, func, args, kwargs):
                 inputs.append(a)
                 out.append(("S", len(inputs) - 1, t.__name__))
             elif t in _PLAIN and i not in spos:
-                out.append(a)
+                out.append(encode_static(a) if t is float else a)
             else:
                 break
         else:

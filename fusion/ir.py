@@ -16,6 +16,7 @@ signature) never depends on which buffers it touched.
 from __future__ import annotations
 
 import functools
+import math
 import itertools
 from typing import Any
 
@@ -58,7 +59,11 @@ def written_arguments(func) -> tuple[frozenset, frozenset]:
 
 
 def encode_static(v: Any) -> Any:
-    """Template form of a non-tensor, non-runtime-scalar argument."""
+    """Template form of a non-tensor, non-runtime-scalar argument. -0.0 and NaN are tagged:
+    as keys, -0.0 == 0.0 (nan_to_num(nan=-0.0) reused nan=0.0's executable) and NaN equals
+    nothing (a cache miss at every call)."""
+    if type(v) is float and (v != v or v == 0.0 and math.copysign(1.0, v) < 0):
+        return ("F", repr(v))
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, tuple)):

@@ -115,6 +115,8 @@ def _bind(t, smap, vids):
             return t
         if tag in _DECODE_ENUM:
             return ("C", _DECODE_ENUM[tag](t[1]))
+        if tag == "F":  # -0.0 or NaN (encode_static)
+            return ("C", float(t[1]))
         raise BadProgram(f"unknown template tag {tag!r}")
     if t is None or type(t) in (bool, int, float, str):
         return t

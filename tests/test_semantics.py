@@ -170,6 +170,25 @@ def test_arange_into_an_out_takes_each_calls_length(mode):
                        torch.hann_window(7, periodic=False))
 
 
+def test_a_negative_zero_or_nan_argument_is_its_own_signature(mode):
+    """A float argument's -0.0 keyed as 0.0 (nan_to_num(nan=-0.0) reused nan=0.0's
+    executable, normal_(mean=-0.0)), and NaN keyed as nothing (a miss at every call)."""
+    x = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    for z in (-0.0, 0.0, -0.0):
+        got = torch.nan_to_num(x.to(N), nan=z, posinf=z, neginf=z).cpu()
+        assert got.signbit().tolist() == [z < 0 or str(z) == "-0.0"] * 3
+    torch.manual_seed(0)
+    want = [torch.empty(6).normal_(mean=m, std=0.0) for m in (0.0, -0.0)]
+    torch.manual_seed(0)
+    got = [torch.empty(6, device=N).normal_(mean=m, std=0.0).cpu() for m in (0.0, -0.0)]
+    assert [g.signbit().tolist() for g in got] == [w.signbit().tolist() for w in want]
+    y = torch.tensor([1.0, float("nan")], device=N)
+    before = len(ae._engine.ENGINE.meta_cache)
+    for _ in range(3):
+        torch.nan_to_num(y, nan=float("nan"))
+    assert len(ae._engine.ENGINE.meta_cache) <= before + 1
+
+
 def test_kaiser_window_on_the_device():
     """Its kernel is a CPU-only stub: an internal assert ("DispatchStub: missing kernel")."""
     for args in [(7,), (7, False), (8, True, 5.0)]:
