@@ -8,7 +8,7 @@ import torch
 
 from ._tensor import NeuronTensor, _refuse_sharing
 from .source import DEVICE_TYPE
-from . import _engine, _storage, attention, autocast, compile, cores, cpu_settings, distributed, errors, hooks, linalg, neuron, pinned, profiler, rnn, serialization, transfer  # noqa: F401,E501
+from . import _engine, _storage, attention, autocast, compile, cores, cpu_settings, distributed, errors, hooks, linalg, neuron, pinned, profiler, results, rnn, serialization, transfer  # noqa: F401,E501
 
 _done = False
 _lib = None
@@ -238,12 +238,16 @@ def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
     size = tuple(int(s) for s in size)
     stride = torch.empty(size, device="meta",
                          memory_format=memory_format or torch.contiguous_format).stride()
-    return cores.engine(device).empty(size, stride, dtype)
+    out = cores.engine(device).empty(size, stride, dtype)
+    results.fill_uninitialized(out)
+    return out
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return cores.engine(device).empty(tuple(int(s) for s in size),
-                                      tuple(int(s) for s in stride), dtype)
+    out = cores.engine(device).empty(tuple(int(s) for s in size),
+                                     tuple(int(s) for s in stride), dtype)
+    results.fill_uninitialized(out)
+    return out
 
 
 def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):

@@ -75,15 +75,33 @@ def inplace_view(eng, func, args, kwargs):
     func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
          **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
     need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
-    if need > t._handle.nbytes:
+    old = t._handle.nbytes
+    if need > old:
         if func.overloadpacket is not aten.resize_:
-            _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype,
-                           t._handle.nbytes)
+            _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype, old)
         grow(eng, t, need)
     with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
         aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
     t._set_layout()
+    if need > old:
+        fill_uninitialized(t, old // t.element_size())
     return t
+
+
+def fill_uninitialized(t, start: int = 0) -> None:
+    """CPU's fill of new memory under `torch.use_deterministic_algorithms(True)` (with
+    `torch.utils.deterministic.fill_uninitialized_memory`, on by default): NaN for floating
+    and complex dtypes, the largest value for the others; elements from `start` on."""
+    if not (torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory):
+        return
+    if t.is_floating_point() or t.is_complex():
+        value = float("nan")
+    else:
+        value = True if t.dtype is torch.bool else torch.iinfo(t.dtype).max
+    n = t._handle.nbytes // t.element_size() - start
+    if n > 0:
+        t.as_strided((n,), (1,), start).fill_(value)
 
 
 def resize_out(eng, t, size, stride) -> None:

@@ -189,6 +189,23 @@ def test_a_negative_zero_or_nan_argument_is_its_own_signature(mode):
     assert len(ae._engine.ENGINE.meta_cache) <= before + 1
 
 
+def test_deterministic_mode_fills_new_memory_as_cpu():
+    """With torch.use_deterministic_algorithms(True), CPU fills new memory (NaN, or the
+    largest integer); neuron's empty, empty_strided and a growing resize_ showed whatever
+    bytes were there."""
+    def made(dev):
+        return [torch.empty(3, device=dev), torch.empty(3, dtype=torch.int32, device=dev),
+                torch.ones(2, device=dev).resize_(4), torch.empty(2, dtype=torch.bool, device=dev),
+                torch.empty_strided((2, 2), (1, 2), device=dev),
+                torch.ones(2, device=dev).new_empty(3)]
+    torch.use_deterministic_algorithms(True)
+    try:
+        for g, w in zip(made(N), made("cpu")):
+            assert torch.equal(g.cpu().nan_to_num(7.0), w.nan_to_num(7.0)), (g, w)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_kaiser_window_on_the_device():
     """Its kernel is a CPU-only stub: an internal assert ("DispatchStub: missing kernel")."""
     for args in [(7,), (7, False), (8, True, 5.0)]:
