@@ -435,29 +435,34 @@ def test_report_turns_benchmark_json_into_table_and_chart(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_an_interrupted_flush_loses_no_handle(monkeypatch):
-    """Ctrl-C lands in the Python that runs a flush: values it never computed had handles
-    with no buffer (AttributeError 'NoneType' has no attribute 'storage' on every later
-    read, and on ops reading them). Now: what it computed is readable, the rest raises an
-    error saying so, and the engine goes on."""
+def _sync_interrupted_at_launch(n, monkeypatch):
+    """torch.neuron.synchronize(), with Ctrl-C landing as the flush submits its n-th launch."""
     from device import Device
     submit, seen = Device.submit, []
 
     def interrupting(self, launch):
         seen.append(launch.name)
-        if len(seen) == 3:
+        if len(seen) == n:
             raise KeyboardInterrupt
         return submit(self, launch)
+    monkeypatch.setattr(Device, "submit", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        torch.neuron.synchronize()
+    monkeypatch.setattr(Device, "submit", submit)
+
+
+def test_an_interrupted_flush_loses_no_handle(monkeypatch):
+    """Ctrl-C lands in the Python that runs a flush: values it never computed had handles
+    with no buffer (AttributeError 'NoneType' has no attribute 'storage' on every later
+    read, and on ops reading them). Now: what it computed is readable, the rest raises an
+    error saying so, and the engine goes on."""
     x = torch.arange(4.0, device="neuron")
     with ae.override(queue_low_threshold=0), ae.adaptive(strategy="none"):
         a = x + 1
         b = a * 2
         c = b - 3
         d = c.exp()
-        monkeypatch.setattr(Device, "submit", interrupting)
-        with pytest.raises(KeyboardInterrupt):
-            torch.neuron.synchronize()
-        monkeypatch.setattr(Device, "submit", submit)
+        _sync_interrupted_at_launch(3, monkeypatch)
         assert a.tolist() == [1.0, 2.0, 3.0, 4.0] and b.tolist() == [2.0, 4.0, 6.0, 8.0]
         for t in (c, d, c + 1):
             with pytest.raises(ae.NeuronRuntimeError, match="KeyboardInterrupt interrupted"):
@@ -469,14 +474,6 @@ def test_an_interrupted_flush_leaves_no_in_place_update_silently_undone(monkeypa
     """In-place updates queued after the interrupt point (an optimizer step's `add_`) were
     dropped, and the tensor read its old value with no error; CPU applies every update
     that returned. Now those tensors raise; updates that ran before the interrupt stay."""
-    from device import Device
-    submit, seen = Device.submit, []
-
-    def interrupting(self, launch):
-        seen.append(launch.name)
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-        return submit(self, launch)
     with ae.override(queue_low_threshold=0), ae.adaptive(strategy="none"):
         early, w = torch.zeros(2, device="neuron"), torch.zeros(2, device="neuron")
         ae.synchronize()
@@ -484,10 +481,7 @@ def test_an_interrupted_flush_leaves_no_in_place_update_silently_undone(monkeypa
         early.add_(1.0)  # launch 2: ran
         w.add_(1.0)  # launch 3: interrupted
         w.add_(1.0)
-        monkeypatch.setattr(Device, "submit", interrupting)
-        with pytest.raises(KeyboardInterrupt):
-            torch.neuron.synchronize()
-        monkeypatch.setattr(Device, "submit", submit)
+        _sync_interrupted_at_launch(3, monkeypatch)
         assert early.tolist() == [2.0, 2.0]
         with pytest.raises(ae.NeuronRuntimeError, match="updates this tensor in place"):
             w.cpu()

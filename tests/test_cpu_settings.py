@@ -96,7 +96,7 @@ def test_flush_to_zero_of_the_recording_thread(mode):
 
 def test_a_call_that_changes_nothing_flushes_nothing():
     with ae.adaptive(strategy="graph"):
-        x = torch.randn(8).to("neuron") + 1
+        pending = torch.randn(8).to("neuron") + 1  # queued: a flush would have work
         before = ae.metrics().flushes.get("settings", 0)
         torch.set_float32_matmul_precision(torch.get_float32_matmul_precision())
         torch.set_num_threads(torch.get_num_threads())
@@ -109,3 +109,4 @@ def test_a_call_that_changes_nothing_flushes_nothing():
         torch.set_num_threads(torch.get_num_threads() % 2 + 1)  # a change flushes
         assert ae.metrics().flushes.get("settings", 0) == before + 1
         torch.set_num_threads(torch.get_num_threads() % 2 + 1)
+        assert pending.shape == (8,)
