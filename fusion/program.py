@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from device import LaunchError
 
 from .ir import Node, from_json, to_json, _DECODE_ENUM
+from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
 
 # Note [CPU kernels inside dispatch]: inside `__torch_dispatch__` PyTorch excludes the keys
 # above Python, the Conjugate and Negative fallbacks among them. A CPU kernel run there that
@@ -28,7 +29,7 @@ def cpu_kernels():
     exclude = torch._C._dispatch_tls_local_exclude_set()
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                            exclude - _VIEW_KEYS)
-from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
+
 
 _CPU = torch.device("cpu")  # host tensors made here: never the default device
 
