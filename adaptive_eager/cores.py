@@ -33,45 +33,7 @@ def current() -> int:
 
 
 def set_current(device) -> None:
-    k = check(device)
-    if k:
-        _route_unindexed()
-    _engine.set_current(k)
-
-
-# Note [Unindexed devices]: "neuron" with no index means the current core. PyTorch's C++
-# resolves it through the device guard, which for a Python backend always answers core 0:
-# after `torch.neuron.set_device(1)`, `.to("neuron")` (and Module.to) landed on neuron:0
-# (factories such as torch.empty come to us unresolved and were right). Once a core other
-# than 0 is made current, Tensor.to names the core. `torch.tensor(..., device="neuron")`
-# still lands on neuron:0 (README, Known gaps).
-_ROUTED = []
-
-
-def _named(device):
-    """`device` with the current core's index if it is "neuron" with none."""
-    if isinstance(device, (str, torch.device)):
-        d = torch.device(device)
-        if d.type == "neuron" and d.index is None:
-            return torch.device("neuron", current())
-    return device
-
-
-def _route_unindexed() -> None:
-    if _ROUTED:
-        return
-    _ROUTED.append(True)
-    to = torch.Tensor.to
-
-    def to_named(self, *args, **kwargs):
-        if args:
-            args = (_named(args[0]),) + args[1:]
-        if "device" in kwargs:
-            kwargs["device"] = _named(kwargs["device"])
-        return to(self, *args, **kwargs)
-    to_named.__doc__ = to.__doc__
-    torch.Tensor.to = to_named  # (Dynamo calls tensor methods by name: compiled code is
-    # unchanged; wrapping torch.tensor too would put our code inside traced frames)
+    _engine.set_current(check(device))
 
 
 def check(device) -> int:
