@@ -29,18 +29,24 @@ def thread_ftz() -> bool:
     return getattr(_LOCAL, "ftz", False)
 
 
-@contextlib.contextmanager
+_SAME = contextlib.nullcontext()
+
+
 def ftz(on: bool):
-    """Run the block with flush-to-zero `on` in this thread, then restore the thread's own."""
-    own = thread_ftz()
-    if on == own:
-        yield
-        return
-    _set_flush_denormal(on)
-    try:
-        yield
-    finally:
-        _set_flush_denormal(own)
+    """A context running its block with flush-to-zero `on` in this thread, then restoring
+    the thread's own (per flush: nothing to make when they agree, the common case)."""
+    return _SAME if not FTZ_USED[0] or on == thread_ftz() else _Ftz(on)
+
+
+class _Ftz:
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        _set_flush_denormal(self.on)
+
+    def __exit__(self, *exc):
+        _set_flush_denormal(thread_ftz())
 
 
 def install(flush_all) -> None:

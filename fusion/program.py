@@ -6,6 +6,8 @@ bit-for-bit those of eager mode; fusion changes what the device *costs*, not wha
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -24,8 +26,15 @@ _VIEW_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
               | torch._C.DispatchKeySet(torch._C.DispatchKey.ZeroTensor))
 
 
+_CONJUGATE = torch._C.DispatchKey.Conjugate
+_NO_GUARD = contextlib.nullcontext()
+
+
 def cpu_kernels():
-    """A context that runs CPU kernels with the conjugate / negative view keys on."""
+    """A context that runs CPU kernels with the conjugate / negative view keys on (none
+    needed outside dispatch: the flush of a sync)."""
+    if not torch._C._dispatch_tls_is_dispatch_key_excluded(_CONJUGATE):
+        return _NO_GUARD
     exclude = torch._C._dispatch_tls_local_exclude_set()
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                            exclude - _VIEW_KEYS)
