@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
@@ -147,8 +148,15 @@ class adaptive(TorchDispatchMode):
         the mode off while it captures and on again while the compiled graphs run."""
         return True
 
+    # Higher-order operators (torch.cond, map, while_loop, scan, and what compiled graphs
+    # hold) come here with this mode already off the stack; its settings still hold
+    # (they are scopes, not the stack), so they run as outside it.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if not _dispatch_mode_stack() and types == (NeuronTensor,):
             # The only mode: go straight to the engine (what func() would reach anyway).
             # Under other modes, redispatch so that they see the op too.

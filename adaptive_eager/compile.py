@@ -289,6 +289,16 @@ def register() -> None:
         with_effects.py_impl(NeuronTensor)(with_effects_dense)
     # activation checkpointing's recomputation replays the device's RNG state around each
     # random op (sdpa's included, dropout or not), as CUDA's rules do with its generator
+    # control flow (torch.cond, map, while_loop, scan) runs its dense rule: Python control
+    # flow over device ops, a predicate read from the device (a sync, as on CUDA)
+    from torch._higher_order_ops.cond import cond_op, cond_op_dense
+    from torch._higher_order_ops.map import map_dense, map_impl
+    from torch._higher_order_ops.scan import scan_op, scan_op_dense
+    from torch._higher_order_ops.while_loop import while_loop_dense, while_loop_op
+    for hop, dense in ((cond_op, cond_op_dense), (map_impl, map_dense),
+                       (while_loop_op, while_loop_dense), (scan_op, scan_op_dense)):
+        if NeuronTensor not in hop.python_key_table:
+            hop.py_impl(NeuronTensor)(dense)
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
     if NeuronTensor not in run_and_save_rng_state.python_key_table:
         run_and_save_rng_state.py_impl(NeuronTensor)(_run_and_save_rng_state)

@@ -488,3 +488,49 @@ def test_checkpointed_random_ops_compile(p):
         return y.detach().cpu(), x.grad.cpu()
     want, got = run("cpu", "aot_eager"), run("neuron", "neuron")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _cond(x):
+    return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+
+def _map(xs, y):
+    from torch._higher_order_ops.map import map as hop_map
+    return hop_map(lambda x, y: x * y + 1, xs, y)
+
+
+def _while(i, x):
+    from torch._higher_order_ops.while_loop import while_loop
+    return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (i, x))
+
+
+def _scan(init, xs):
+    from torch._higher_order_ops.scan import scan
+    return scan(lambda c, x: (c + x, (c * x).clone()), init, xs)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("how", ["eager", "graph", "scoped", "compile"])
+def test_control_flow_operators_run_on_the_device(how):
+    """torch.cond, map, while_loop and scan had no rule for the neuron tensor or the
+    `ae.adaptive` mode (NotImplementedError in every mode)."""
+    torch.manual_seed(0)
+    x, xs = torch.randn(4), torch.randn(3, 4)
+    for fn, args in ((_cond, (x,)), (_cond, (-x.abs(),)), (_map, (xs, x)),
+                     (_while, (torch.tensor(0), x)), (_scan, (x, xs))):
+        want = fn(*args)
+        dev = [a.to("neuron") for a in args]
+        if how == "compile":
+            got = torch.compile(fn, backend="neuron")(*dev)
+        else:
+            scope = {"eager": contextlib.nullcontext(),  # graph: a setting; scoped: a mode
+                     "graph": ae.override(adaptive=True, strategy="graph"),
+                     "scoped": ae.adaptive(strategy="graph")}[how]
+            with scope:
+                got = fn(*dev)
+        flat = torch.utils._pytree.tree_leaves
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(flat(got), flat(want)))
+    a, b = x.clone().requires_grad_(), x.to("neuron").requires_grad_()
+    _cond(a).sum().backward()
+    _cond(b).sum().backward()
+    assert torch.equal(b.grad.cpu(), a.grad)
