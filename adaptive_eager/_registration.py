@@ -227,6 +227,12 @@ def _register_fused_rnn_cells():
     lib.impl("linalg_eigvalsh", linalg.eigvalsh, "AutogradPrivateUse1")
     for name in ("gru", "rnn_tanh", "rnn_relu"):
         lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
+    # Conjugate and negative views are materialized on the device (README, Known gaps), so
+    # autograd must not take them for views either: it rebased a later in-place change of
+    # the base onto them, and `resolve_conj()` (a copy on CPU, the tensor itself here) took
+    # its gradient away (fuzzer seed 40003841: a gradient of 0 for CPU's 1)
+    lib.impl("_conj", lambda self: torch.conj_physical(self), "AutogradPrivateUse1")
+    lib.impl("_neg_view", lambda self: torch.neg(self), "AutogradPrivateUse1")
     _LIBS.append(lib)
 
 

@@ -97,3 +97,21 @@ def test_complex_kernels_that_make_conjugate_views_inside(mode):
     got = run(*(v.to(N) for v in (a, b, c, d)))
     for i, (r, o) in enumerate(zip(ref, got)):
         assert torch.equal(o.cpu(), r), (i, (o.cpu() - r).abs().max())
+
+
+def test_a_conjugate_is_no_autograd_view_of_its_base(mode):
+    """Conjugates are materialized on the device, but autograd took `conj()` for a view:
+    an in-place change of the base was rebased onto it, and `resolve_conj()` (a copy on
+    CPU, the tensor itself here) lost its gradient: 0 where CPU gives 1 (fuzzer seed
+    40003841)."""
+    def run(dev):
+        v2 = torch.zeros((), dtype=torch.float32, device=dev).requires_grad_()
+        v4 = torch.complex(v2, v2.neg())
+        v5 = torch.view_as_real(v4.conj().resolve_conj())
+        v4.zero_()
+        F.logsigmoid(v5).sum().backward()
+        return v5.detach().cpu(), v2.grad.cpu()
+    with _disable_current_modes():
+        want = run("cpu")
+    got = run(N)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
