@@ -69,8 +69,16 @@ def metrics_report() -> str:
     return _report(metrics())
 
 
+def _check_on(on) -> None:
+    if not isinstance(on, bool):
+        raise TypeError(f"adaptive takes True or False, got {on!r}"
+                        + (" (a strategy is named with strategy=...)" if isinstance(on, str)
+                           else ""))
+
+
 def set_adaptive(on: bool) -> None:
     """Turn adaptive eager on or off for the process, on every core (flushes)."""
+    _check_on(on)
     with _engine._LOCK:
         for eng in _engine.ENGINES:
             eng.set_adaptive(on)
@@ -93,8 +101,22 @@ def strategy() -> str:
 
 def set_device_spec(spec: DeviceSpec) -> None:
     """Replace the simulated device's figures, on every core (flushes and synchronizes
-    first)."""
+    first). Checked before anything changes: a wrong type, or HBM smaller than what a core
+    holds now, is refused and leaves the device as it was."""
+    if not isinstance(spec, DeviceSpec):
+        raise TypeError(f"set_device_spec() takes an ae.DeviceSpec, got "
+                        f"{type(spec).__name__} ({spec!r}); e.g. "
+                        f"dataclasses.replace(ae.DeviceSpec(), hbm_bytes=...)")
     with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.flush("device spec")
+            eng.synchronize()
+            used = eng.device.hbm.used
+            if spec.hbm_bytes < used:
+                raise ValueError(
+                    f"DeviceSpec(hbm_bytes={spec.hbm_bytes}) is smaller than the "
+                    f"{used} bytes neuron:{eng.index} holds now: free tensors first "
+                    f"(del, then torch.neuron.empty_cache())")
         for eng in _engine.ENGINES:
             eng.reconfigure(spec)
 
@@ -125,6 +147,7 @@ class adaptive(TorchDispatchMode):
 
     def __init__(self, on: bool = True, strategy: str | None = None):
         super().__init__()
+        _check_on(on)
         self.on = on
         self.strategy = strategy
         self._tokens = []

@@ -184,7 +184,12 @@ def configure_logging() -> None:
     log.setLevel({0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO}.get(
         config.log_level, logging.DEBUG))
     if not log.handlers:
-        h = logging.FileHandler(config.log_file) if config.log_file else logging.StreamHandler()
+        try:
+            h = logging.FileHandler(config.log_file) if config.log_file \
+                else logging.StreamHandler()
+        except OSError as e:
+            raise ValueError(f"TORCH_NEURONX_LOG_FILE={config.log_file!r} cannot be opened "
+                             f"({e.strerror}): name a file in an existing folder") from None
         h.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
         log.addHandler(h)
         log.propagate = False

@@ -96,6 +96,8 @@ def main(argv=None) -> int:
                    help="also run torch.compile(model, backend=\"neuron\") (its first step "
                         "pays Dynamo's capture)")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     strategies = ["graph", "matmul"] if args.strategy == "all" else [args.strategy]
     print(f"Training a 2-layer GPT (d=64, seq=32, batch=4) for {args.steps} steps per mode on "
           f"the simulated NeuronCore.\n")

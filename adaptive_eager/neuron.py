@@ -253,6 +253,7 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         _E().flush("event")
         self.time_us = _E().device.free_at_us
+        self.core = _E().index
 
     def wait(self, stream: Stream | None = None) -> None:
         _E().flush("event")
@@ -269,6 +270,9 @@ class Event:
             raise RuntimeError("Both events must be recorded before calling elapsed_time()")
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events need enable_timing=True for elapsed_time()")
+        if self.core != end.core:  # each core has its own clock
+            raise ValueError(f"Both events must be recorded on the same device: neuron:"
+                             f"{self.core} and neuron:{end.core}")
         return (end.time_us - self.time_us) / 1e3
 
 

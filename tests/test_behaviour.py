@@ -529,3 +529,33 @@ def test_a_failed_op_keeps_no_frame_alive(mode):
     torch.nn.utils.parametrizations.orthogonal(m, "weight", orthogonal_map="householder",
                                                use_trivialization=False)
     assert m.weight.shape == (4, 5)
+
+
+def test_misused_settings_are_refused_and_change_nothing(capsys):
+    """set_device_spec("trn2") installed the string (every later op failed); a spec with
+    less HBM than in use made free memory negative; ae.adaptive("matmul") and
+    set_adaptive("0") turned adaptive mode on; events on two cores gave a difference of two
+    clocks; demo --steps 0 divided by zero."""
+    import dataclasses
+
+    from adaptive_eager import demo
+    x = torch.ones(1024, 1024, device="neuron")
+    mode = ae.is_adaptive()
+    with pytest.raises(TypeError, match="takes an ae.DeviceSpec"):
+        ae.set_device_spec("trn2")
+    with pytest.raises(ValueError, match="smaller than the"):
+        ae.set_device_spec(dataclasses.replace(ae.DeviceSpec(), hbm_bytes=2**20))
+    assert torch.neuron.mem_get_info()[0] >= 0 and (x + 1).sum().item() == 2 * 2**20
+    for bad in (lambda: ae.adaptive("matmul"), lambda: ae.set_adaptive("0")):
+        with pytest.raises(TypeError, match="True or False"):
+            bad()
+    assert ae.is_adaptive() == mode
+    a, b = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    a.record()
+    with torch.neuron.device(1):
+        b.record()
+    with pytest.raises(ValueError, match="same device"):
+        a.elapsed_time(b)
+    with pytest.raises(SystemExit):
+        demo.main(["--steps", "0"])
+    assert "--steps must be at least 1" in capsys.readouterr().err

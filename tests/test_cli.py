@@ -123,6 +123,13 @@ def test_run_gives_the_script_what_python_gives_it(tmp_path):
     assert "FILE True True" in r.stdout and "ARGV ['s.py', 'a'] __main__" in r.stdout
 
 
+def test_a_log_file_that_cannot_be_opened_names_its_variable(tmp_path):
+    env = dict(ENV, TORCH_NEURONX_LOG_FILE=str(tmp_path / "missing" / "log"))
+    r = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode != 0 and "TORCH_NEURONX_LOG_FILE=" in r.stderr, r.stderr[-2000:]
+
+
 def _result(mode, **kw):
     base = {"mode": mode, "returncode": 0, "ops": 100, "launches": 100, "flushes": {},
             "cpu_fallbacks": {}, "sync_sites": {}, "device_time_us": 2000.0,
