@@ -160,3 +160,19 @@ def _cpu_rnn(name, step):
 gru = _cpu_rnn("gru", _gru_step)
 rnn_tanh = _cpu_rnn("rnn_tanh", _simple_step(torch.tanh))
 rnn_relu = _cpu_rnn("rnn_relu", _simple_step(torch.relu))
+
+
+# nn.LSTMCell / nn.GRUCell: ATen's cells check `is_privateuseone()` and take the fused
+# kernels on any such device (a few ulps off CPU, gradients more); on neuron they are CPU's
+# composition, op for op (RNN.cpp's LSTMCell / GRUCell), as the layers above.
+def lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    F = torch.nn.functional
+    gates = F.linear(hx[0], w_hh, b_hh).add_(F.linear(input, w_ih, b_ih))
+    i, f, g, o = gates.unsafe_chunk(4, 1)
+    i, f, g, o = i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
+    cy = (f * hx[1]).add_(i * g)
+    return o * cy.tanh(), cy
+
+
+def gru_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    return _gru_step(torch.nn.functional.linear(input, w_ih, b_ih), hx, w_hh, b_hh)
