@@ -57,8 +57,7 @@ def reset_metrics() -> None:
     launched first, so that every later launch is counted with its ops: the counters after a
     reset describe only what was issued after it."""
     with _engine._LOCK:
-        for eng in _engine.ENGINES:
-            eng.flush("metrics reset")
+        _engine.flush_all("metrics reset")
         COUNTERS.reset()
         for eng in _engine.ENGINES:
             eng.device.stats.clear()

@@ -282,27 +282,25 @@ def register() -> None:
         builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
     for module in _never_traced():
         trace_rules.add(module)
-    # an effectful op in a graph (linalg.inv's `_linalg_check_errors`) is wrapped in the
-    # with_effects HOP, which asks for a rule per tensor subclass: run it as on the CPU
-    from torch._higher_order_ops.effects import with_effects, with_effects_dense
-    if NeuronTensor not in with_effects.python_key_table:
-        with_effects.py_impl(NeuronTensor)(with_effects_dense)
-    # activation checkpointing's recomputation replays the device's RNG state around each
-    # random op (sdpa's included, dropout or not), as CUDA's rules do with its generator
-    # control flow (torch.cond, map, while_loop, scan) runs its dense rule: Python control
-    # flow over device ops, a predicate read from the device (a sync, as on CUDA)
+    # Higher-order operators ask for a rule per tensor subclass; the neuron tensor's is the
+    # CPU's own (dense) rule: an effectful op in a graph (linalg.inv's error check, wrapped
+    # in with_effects) runs as on the CPU, and control flow (torch.cond, map, while_loop,
+    # scan) is Python control flow over device ops, its predicate read from the device (a
+    # sync, as on CUDA). Activation checkpointing's recomputation replays the device's RNG
+    # state around each random op (sdpa's included, dropout or not), as CUDA's rules do.
     from torch._higher_order_ops.cond import cond_op, cond_op_dense
+    from torch._higher_order_ops.effects import with_effects, with_effects_dense
     from torch._higher_order_ops.map import map_dense, map_impl
     from torch._higher_order_ops.scan import scan_op, scan_op_dense
     from torch._higher_order_ops.while_loop import while_loop_dense, while_loop_op
-    for hop, dense in ((cond_op, cond_op_dense), (map_impl, map_dense),
-                       (while_loop_op, while_loop_dense), (scan_op, scan_op_dense)):
-        if NeuronTensor not in hop.python_key_table:
-            hop.py_impl(NeuronTensor)(dense)
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-    if NeuronTensor not in run_and_save_rng_state.python_key_table:
-        run_and_save_rng_state.py_impl(NeuronTensor)(_run_and_save_rng_state)
-        run_with_rng_state.py_impl(NeuronTensor)(_run_with_rng_state)
+    for hop, rule in ((with_effects, with_effects_dense), (cond_op, cond_op_dense),
+                      (map_impl, map_dense), (while_loop_op, while_loop_dense),
+                      (scan_op, scan_op_dense),
+                      (run_and_save_rng_state, _run_and_save_rng_state),
+                      (run_with_rng_state, _run_with_rng_state)):
+        if NeuronTensor not in hop.python_key_table:
+            hop.py_impl(NeuronTensor)(rule)
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())
     inductor_codegen.register_backend_for_device("neuron", _RefuseInductor, _RefuseInductor,
