@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 import weakref
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -21,7 +22,7 @@ from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
-from fusion.ir import Handle, Node, written_arguments
+from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 from fusion.program import cpu_kernels
@@ -221,6 +222,10 @@ class Engine:
         self.tdev = None  # torch.device("neuron", index), made with the first tensor
         self.metrics = COUNTERS  # the one counters object (device/counters.py)
         self.queue: list[Node] = []
+        # The queued segment's buffers, by index (Node.uids): a handle, or a weakref to a
+        # pending one; `seg` is the segment's token (Handle.seg), replaced at each flush.
+        self.refs: list = []
+        self.seg = object()
         self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
         self.online = OnlineGroup()
         self.pending_bytes = 0
@@ -326,13 +331,12 @@ class Engine:
         USERS.add(_get_ident())  # Note [Threads] at exit
         try:
             with self.lock:
-                special = _SPECIAL.get(func)
-                if special is not None:
-                    return special(self, func, args, kwargs)
-                key = composite_key(func)  # Note [Composite ops in inference mode]
-                if key is not None:
-                    return _composite(func, key, args, kwargs)
-                return self._dispatch(func, args, kwargs)
+                route = _ROUTES.get(func._op) or _route(func)
+                if route.special is not None:
+                    return route.special(self, func, args, kwargs)
+                if route.composite is not None:  # Note [Composite ops in inference mode]
+                    return _composite(func, route.composite, args, kwargs)
+                return self._dispatch(func, args, kwargs, route)
         except BaseException as e:
             # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
             # device thread, or the caller's own thread once backward runs single-threaded,
@@ -343,19 +347,22 @@ class Engine:
                 raise e.with_traceback(None) from None
             raise
 
-    def _dispatch(self, func, args, kwargs):
+    def _dispatch(self, func, args, kwargs, route=None):
         """Every op the engine does not handle specially (`_SPECIAL`)."""
         self.metrics.ops += 1
         self.device.advance_host(self.spec.host_op_overhead_us)
-        cls = op_class(func)
+        if route is None:
+            route = _ROUTES.get(func._op) or _route(func)
+        cls = route.cls
         if cls is None:
             return run_now(self, func, args, kwargs, fallback=True)
         if cls == BARRIER:
             return run_now(self, func, args, kwargs, fallback=False)
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
-        args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs)
-        key = (func, args_t, kwargs_t, _global_state())
+        args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs,
+                                                             route.scalars)
+        key = (func._op, args_t, kwargs_t, _global_state())  # (OpOverload hashes in Python)
         meta = self.meta_cache.get(key)
         if meta is None:
             meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
@@ -382,15 +389,16 @@ class Engine:
         if not self.queue:
             return
         nodes, self.queue = self.queue, []
+        refs, self.refs, self.seg = self.refs, [], object()
         self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
         self.online.reset()
         self.pending_bytes = 0
         try:
             with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.queue_ftz):
-                report = self.runner.run(nodes, reason, self.strategy if self.is_lazy()
+                report = self.runner.run(nodes, refs, reason, self.strategy if self.is_lazy()
                                          else self.eager_strategy)
         except BaseException as e:
-            _interrupted(self, nodes, e)
+            _interrupted(self, nodes, refs, e)
             raise
         self.last_report = report
         m = self.metrics
@@ -552,6 +560,26 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
             assert _op._schema.arguments[0].alias_info.is_write, _op
             _SPECIAL[_op] = _bumps_versions
 
+class _Route(NamedTuple):
+    """How `Engine.dispatch` routes one op, looked up once per op overload."""
+
+    special: Callable | None  # the engine's own handler (`_SPECIAL`)
+    composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
+    cls: str | None  # fusion.ops.op_class
+    scalars: tuple  # fusion.ir.scalar_positions
+
+
+# keyed by `func._op`, the C++ operator behind an OpOverload: an OpOverload hashes through a
+# Python __hash__, and this lookup runs per op
+_ROUTES: dict = {}
+
+
+def _route(func) -> _Route:
+    r = _ROUTES[func._op] = _Route(_SPECIAL.get(func), composite_key(func), op_class(func),
+                                   scalar_positions(func))
+    return r
+
+
 ENGINE = Engine()  # neuron:0
 _OVERRIDES = Scopes(_read_setting, lambda values: _apply_settings(values))
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
@@ -563,7 +591,7 @@ class FlushInterrupted(Exception):
     """The flush that computes a value stopped before it did (KeyboardInterrupt, ...)."""
 
 
-def _interrupted(eng, nodes, e: BaseException) -> None:
+def _interrupted(eng, nodes, refs, e: BaseException) -> None:
     """A flush raised (Ctrl-C lands in the Python that runs the device's work): the values
     it had not computed yet stay unreadable with an error saying so, instead of handles
     with no buffer (AttributeError on a later read, and on any op reading them). So do the
@@ -579,7 +607,8 @@ def _interrupted(eng, nodes, e: BaseException) -> None:
     done = eng.runner.done if eng.runner is not None else 0
     for i, n in enumerate(nodes):
         launches = {}  # the op (and source line) that would have made or updated the value
-        for li, r in enumerate(n.refs or ()):
+        for li, ci in enumerate(n.uids):
+            r = refs[ci]
             h = r() if type(r) is weakref.ref else r
             if h is None or not (h.pending or (i >= done and li in n.writes)):
                 continue

@@ -105,14 +105,20 @@ def _cpu_shaped(func, m_args, m_kwargs, out):
 
 
 def _global_state() -> tuple:
-    """The global state that meta execution (and so a cached MetaResult) depends on."""
+    """The global state that meta execution (and so a cached MetaResult) depends on. (The C
+    functions themselves: this runs per op.)"""
     return (
-        torch.get_default_dtype(),  # `int_tensor / 2`, factories without dtype=
-        torch.is_grad_enabled(),  # ops that branch on grad mode (batch norm stats, ...)
-        torch.is_inference_mode_enabled(),  # inference tensors behave differently
-        torch.are_deterministic_algorithms_enabled(),  # kernels that refuse or change
-        torch.is_autocast_enabled("neuron"),  # autocast state seen by composite ops
+        _default_dtype(),  # `int_tensor / 2`, factories without dtype=
+        _grad_enabled(),  # ops that branch on grad mode (batch norm stats, ...)
+        _inference_mode(),  # inference tensors behave differently
+        _deterministic(),  # kernels that refuse or change
+        _any_autocast() and torch.is_autocast_enabled("neuron"),  # seen by composite ops
     )
+
+
+_default_dtype, _grad_enabled = torch.get_default_dtype, torch.is_grad_enabled
+_inference_mode, _deterministic = torch.is_inference_mode_enabled, torch._C._get_deterministic_algorithms
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 # Note [CPU probe]: meta kernels are not CPU's kernels. Some lay out or type outputs unlike

@@ -34,23 +34,33 @@ def record(eng, meta, handles, inputs, vbytes):
     new = [Handle(b, pending=True) for b in op.new_bytes]
     if meta.f64:
         eng._check_dtype(torch.float64)
-    uids = tuple([h.uid for h in handles] + [h.uid for h in new])
-    node = Node(op, uids, inputs, tuple(vbytes) + op.new_bytes, _source())
+    # Frames known to be ours: this, Engine._dispatch (our code's only entry here) and its
+    # caller (Engine.dispatch or one of the engine's op handlers).
+    node = Node(op, None, inputs, tuple(vbytes) + op.new_bytes, _source(3))
     cfg = _config.config
     lazy = eng.is_lazy()
     if lazy:  # eager flushes every op: no open group to track
-        cut = eng.online.cut(eng.strategy, node) if eng.queue else "start"
+        bufs = handles + new
+        cut = eng.online.cut(eng.strategy, node, bufs) if eng.queue else "start"
         low = cfg.queue_low_threshold  # 0: purely lazy, never flush for idling
         if cut is not None and eng.queue and low > 0 and eng.device.in_flight() <= low:
             eng.flush("device idle")
-        eng.online.add(node, cut)
-    # Only now (a flush above may have written pending inputs back): hold values in HBM
-    # strongly, pending ones weakly (Handle's docstring).
-    node.refs = [weakref.ref(h) if h.pending else h for h in handles]
-    if cfg.skip_intermediate:
-        node.refs += [weakref.ref(h) for h in new]
-    else:  # every value is written back: the queue keeps it alive until the flush
-        node.refs += new
+        eng.online.add(node, cut, bufs)
+    # Only now (a flush above may have started a new segment and written pending inputs
+    # back): number the buffers in the queued segment, which holds values in HBM strongly,
+    # pending ones weakly (Handle's docstring).
+    seg, refs, uids = eng.seg, eng.refs, []
+    for h in handles:
+        if h.seg is not seg:
+            h.seg, h.ci = seg, len(refs)
+            refs.append(weakref.ref(h) if h.pending else h)
+        uids.append(h.ci)
+    weak = cfg.skip_intermediate  # else every value is written back: held until the flush
+    for h in new:
+        h.seg, h.ci = seg, len(refs)
+        refs.append(weakref.ref(h) if weak else h)
+        uids.append(h.ci)
+    node.uids = tuple(uids)
     eng.queue.append(node)
     eng.pending_bytes += new_bytes
     if not lazy:

@@ -84,8 +84,8 @@ def _host_copy(t) -> torch.UntypedStorage:
     if entry is not None:
         ref, buf, writers = entry
         host = ref()
-        if host is not None and buf is h.buffer and writers == _writers(dev) and not any(
-                h.uid in n.uids for n in eng.queue):
+        if host is not None and buf is h.buffer and writers == _writers(dev) and not (
+                h.seg is eng.seg and eng.queue):  # no queued op uses the buffer
             return host
     eng.sync("pickle")  # queued work launches first (it may write this buffer)...
     whole = eng.wrap(h, (h.nbytes,), (1,), 0, torch.uint8)

@@ -49,9 +49,11 @@ _FX_LINES: dict = {}  # (code, line) -> the user's (file, line) its graph node w
 _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-def _source():
-    """(file, line, stack) of the user's code that issued the op."""
-    f = sys._getframe(2)
+def _source(ours: int = 1):
+    """(file, line, stack) of the user's code that issued the op. `ours`: how many frames
+    above the caller are known to be ours (skipped without looking: Python 3.11 makes a
+    frame object for every frame a walk steps through, and this runs per op)."""
+    f = sys._getframe(1 + ours)
     while f is not None and _ours(f.f_code):
         f = f.f_back
     if f is None:

@@ -15,10 +15,10 @@ from .source import DEVICE_TYPE
 aten = torch.ops.aten
 
 
-def template(eng, func, args, kwargs):
+def template(eng, func, args, kwargs, scalars=None):
     """Note [Templates] in fusion/ir.py: tensors -> ("T", ...), Scalars -> ("S", ...). Every
-    neuron tensor must be on `eng`'s core."""
-    spos, snames = scalar_positions(func)
+    neuron tensor must be on `eng`'s core. `scalars`: scalar_positions(func), if known."""
+    spos, snames = scalars or scalar_positions(func)
     if not kwargs:  # the common case, inlined (this runs per op): tensors, numbers, statics
         handles, where, vbytes, out, inputs = [], {}, [], [], []
         for i, a in enumerate(args):

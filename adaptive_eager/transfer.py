@@ -38,7 +38,7 @@ def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
 def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
     """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
     h = dst._handle
-    if any(h.uid in n.uids for n in eng.queue):
+    if h.seg is eng.seg and eng.queue:  # a queued op uses dst's buffer
         eng.flush("h2d")  # the copy must land after queued readers/writers of dst
     src = src.detach()
     if src.dtype == torch.float64:

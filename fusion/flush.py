@@ -33,7 +33,7 @@ class GroupPlan:
     start: int  # node indices [start, end) of the segment
     end: int
     exe: Executable
-    slots: list[int]  # canonical buffer index held by each slot
+    slots: list[int]  # segment buffer index (Node.uids) held by each slot
     outputs: list[int]  # slots written back
     nbytes: int
     flops: float
@@ -105,31 +105,25 @@ class Runner:
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
 
-    def run(self, nodes: list[Node], reason: str, strategy: Strategy) -> FlushReport:
+    def run(self, nodes: list[Node], refs: list, reason: str, strategy: Strategy
+            ) -> FlushReport:
+        """Run a queued segment: its nodes, and its buffers by index (Node.uids: numbered by
+        first use, so equal segments have equal numbers), each a handle or a weakref to a
+        pending one (None once its tensors are gone: never written back)."""
         self.done = 0
-        canon: dict[int, int] = {}
-        handles: list[Handle | None] = []
-        shape = []
-        for n in nodes:
-            idx = []
-            for u, r in zip(n.uids, n.refs):
-                c = canon.get(u)
-                if c is None:
-                    c = canon[u] = len(handles)
-                    handles.append(r() if type(r) is weakref.ref else r)
-                idx.append(c)
-            shape.append(tuple(idx))
+        handles: list[Handle | None] = [r() if type(r) is weakref.ref else r for r in refs]
         live = tuple([h is not None for h in handles])
         # Nodes of one signature share one OpSig object (the engine caches it): identity
         # stands for the whole signature and hashes in O(1).
-        sig = (strategy.key, tuple([n.op for n in nodes]), tuple(shape), live)
+        sig = (strategy.key, tuple([n.op for n in nodes]), tuple([n.uids for n in nodes]),
+               live)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
             self.plans.move_to_end(sig)
             COUNTERS.plan_hits += 1  # no executable was looked up: no cache hit is counted
         else:
-            plan = self._plan(nodes, canon, handles, strategy)
+            plan = self._plan(nodes, handles, strategy)
             self.plans[sig] = plan
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
@@ -143,7 +137,7 @@ class Runner:
         COUNTERS.bytes_saved += plan.skipped_bytes
         return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled)
 
-    def _plan(self, nodes, canon, handles, strategy) -> Plan:
+    def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
         groups, reasons = partition(nodes, graph, strategy)
         last_read = {}
@@ -151,18 +145,18 @@ class Runner:
             for i in g:
                 n = nodes[i]
                 for li in n.reads:
-                    last_read[canon[n.uids[li]]] = gi
+                    last_read[n.uids[li]] = gi
         plans, skipped = [], 0
         for gi, g in enumerate(groups):
             members = [nodes[i] for i in g]
             created = {n.uids[li] for n in members for li in n.writes if n.is_new(li)}
             keep = {u for u in created
-                    if handles[canon[u]] is not None or last_read.get(canon[u], -1) > gi}
+                    if handles[u] is not None or last_read.get(u, -1) > gi}
             skipped += sum(n.vbytes[li] for n in members for li in n.writes
                            if n.uids[li] in created and n.uids[li] not in keep)
             program, slot_uids = build_program(members, keep)
             exe, level = self._executable(program)
-            slots = [canon[u] for u in slot_uids]
+            slots = slot_uids  # segment buffer indices
             ext_bytes = {}
             for n in members:
                 for li in n.reads:
@@ -195,7 +189,7 @@ class Runner:
 
     def _execute(self, nodes, plan: Plan, handles) -> list[bool] | None:
         env: dict[int, torch.UntypedStorage] = {}
-        bad: dict[int, Launch] = {}  # canonical buffer -> the failed launch that poisoned it
+        bad: dict[int, Launch] = {}  # segment buffer -> the failed launch that poisoned it
         dev = self.device
         compiled = [] if self.executor is not None else None
         for gp in plan.groups:

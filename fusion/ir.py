@@ -133,12 +133,13 @@ class OpSig:
 class Node:
     """One queued ATen op: its signature's shared data, and this call's buffers and values."""
 
-    __slots__ = ("op", "uids", "refs", "inputs", "vbytes", "in_bytes", "out_bytes", "source")
+    __slots__ = ("op", "uids", "inputs", "vbytes", "in_bytes", "out_bytes", "source")
 
     def __init__(self, op: OpSig, uids, inputs, vbytes, source):
         self.op = op
-        self.uids = uids  # buffer uid per local buffer index
-        self.refs = None  # handle (or weakref to a pending handle) per local buffer index
+        # Per local buffer index, the buffer's index in its queued segment (Handle.seg): its
+        # identity within the segment, numbered by first use (the plan cache's numbering).
+        self.uids = uids
         self.inputs = inputs  # runtime scalar / host tensor values
         self.vbytes = vbytes  # bytes of the views touched, per local buffer index
         self.in_bytes = sum(vbytes[:len(op.reads)])  # reads are the argument buffers, in order
@@ -167,11 +168,15 @@ class Handle:
     weakly, so a value whose tensors were all freed before the flush is never written back.
     """
 
-    __slots__ = ("uid", "nbytes", "buffer", "pending", "poison", "__weakref__")
+    __slots__ = ("uid", "nbytes", "buffer", "pending", "poison", "seg", "ci", "__weakref__")
     _uids = itertools.count(1)
 
     def __init__(self, nbytes: int, buffer=None, pending: bool = False):
         self.uid = next(Handle._uids)
+        # The queued segment that uses it (a token the engine replaces at each flush), and
+        # its index there (Node.uids): set when an op using it is queued.
+        self.seg = None
+        self.ci = 0
         self.nbytes = nbytes
         self.buffer = buffer  # device.Buffer once the value is in HBM
         self.pending = pending

@@ -178,28 +178,31 @@ class OnlineGroup:
         self.reads: set[int] = set()
         self.writes: set[int] = set()
 
-    def cut(self, strategy: Strategy, n: Node) -> str | None:
+    def cut(self, strategy: Strategy, n: Node, bufs: list) -> str | None:
+        """Why a boundary falls before `n` (to be added next; `bufs`: its buffers' handles,
+        by local index), or None. Plain loops: this and `add` run per op."""
         if not self.state.size:
             return None
         # New buffers are fresh: only argument buffers can meet the group's (reads are all
-        # arguments; in-place writes are among them). Plain loops: this runs per op.
-        uids, op = n.uids, n.op
-        dependent = False
+        # arguments; in-place writes are among them).
+        op = n.op
+        writes = self.writes
         for li in op.reads:
-            if uids[li] in self.writes:
-                dependent = True
-                break
-        else:
-            for li in op.arg_writes:
-                if uids[li] in self.reads:
-                    dependent = True
-                    break
-        return strategy.cut(self.state, n, dependent)
+            if bufs[li].uid in writes:
+                return strategy.cut(self.state, n, True)
+        reads = self.reads
+        for li in op.arg_writes:
+            if bufs[li].uid in reads:
+                return strategy.cut(self.state, n, True)
+        return strategy.cut(self.state, n, False)
 
-    def add(self, n: Node, reason: str | None) -> None:
+    def add(self, n: Node, reason: str | None, bufs: list) -> None:
         if reason is not None:
             self.reset()
         self.state.add(n)
-        uids, op = n.uids, n.op
-        self.reads.update([uids[li] for li in op.reads])
-        self.writes.update([uids[li] for li in op.writes])
+        op = n.op
+        reads, writes = self.reads, self.writes
+        for li in op.reads:
+            reads.add(bufs[li].uid)
+        for li in op.writes:
+            writes.add(bufs[li].uid)

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from device import LaunchError
 
+from .codegen import generate
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
 
@@ -202,6 +203,7 @@ class Executable:
         for ins in self.instrs:
             ins.bind_outputs(vids)
         self.n_views = len(vids)
+        self.generated = generate(self.instrs, self.n_views, run_instr)  # Note [Generated runs]
 
     def run(self, st: list, inputs: list[list], rng, poisoned: set,
             causes: dict | None = None) -> None:
@@ -215,8 +217,17 @@ class Executable:
         poisoned it) gets the later ones, (instr index, LaunchError), so that each value
         names its own failed op."""
         views = [None] * self.n_views
-        first = None
-        for k, ins in enumerate(self.instrs):
+        first, start = None, 0
+        if not poisoned:  # Note [Generated runs]: the same steps, generated once
+            failed = self.generated(st, inputs, rng, views)
+            if failed is None:
+                return
+            start, first = failed
+            poisoned.update(self.instrs[start].out_slots)
+            first.cause.instr_index = start
+            start += 1
+        for k in range(start, len(self.instrs)):
+            ins = self.instrs[k]
             if poisoned and not poisoned.isdisjoint(ins.in_slots):
                 skip(ins, poisoned, causes)
                 continue

@@ -102,10 +102,10 @@ def test_python_error_in_backward_op_is_raised_not_aborted():
         import torch, adaptive_eager
         from adaptive_eager import _engine
         real = _engine.Engine._dispatch
-        def broken(self, func, args, kwargs):
+        def broken(self, func, args, kwargs, *route):
             if func is torch.ops.aten.mse_loss_backward.default:
                 raise ValueError("boom in backward")
-            return real(self, func, args, kwargs)
+            return real(self, func, args, kwargs, *route)
         _engine.Engine._dispatch = broken
         x = torch.randn(3, device="neuron", requires_grad=True)
         l = torch.nn.functional.mse_loss(x, torch.zeros(3, device="neuron"))

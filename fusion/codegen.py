@@ -1,0 +1,124 @@
+"""Note [Generated runs]: an Executable's instrs, as one generated Python function.
+
+The interpreter (`Executable.run`'s loop over `run_instr`) decodes every instr's templates
+on every run: per op, about as much host time again as the CPU kernel itself. A program is
+fixed once built, so its run is generated once instead, as TorchInductor's wrapper code and
+tinygrad's generated runners are: each op one line that calls its kernel on the tensors it
+reads, held in the run's `views` list, as `run_instr` would make them.
+
+The generated function runs only when no input is poisoned (Note [Poison] in program.py: the
+interpreter skips what depends on one). It does exactly what `run_instr` does, instr by
+instr, with the same objects: a view made at its first read and reused after, a result
+tensor reused by the ops that read its exact view, the same output checks. Instrs it does
+not specialize (random ones, the float64 policy's, results of several tensors) call
+`run_instr` itself. It returns None, or, if an instr raised, `(index, LaunchError)` (the
+kernel's own error, or an internal one, told apart as `run_instr` tells them) with every
+earlier instr done: the interpreter goes on from the next instr.
+"""
+from __future__ import annotations
+
+import torch
+
+from device import LaunchError
+
+_CPU = torch.device("cpu")
+
+
+def generate(instrs, n_views: int, run_instr):
+    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`."""
+    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view,
+          "_fix": _fix, "I": tuple(instrs)}
+    made: set[int] = set()  # view ids this run has made by the time an instr runs
+    body = []
+    for i, ins in enumerate(instrs):
+        if ins.random or ins.f64 or not _simple_outs(ins):
+            body += [f"k = {3 * i}", f"run_instr(I[{i}], st, inputs[{i}], rng, views)"]
+            made.update(_vids((ins.args, tuple(ins.kwargs.values()))))
+            made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
+            continue
+        body.append(f"k = {3 * i}")
+        exprs = [_expr(a, i, j, ns, made, body) for j, a in enumerate(ins.args)]
+        exprs += [f"{name}={_expr(v, i, f'k{name}', ns, made, body)}"
+                  for name, v in ins.kwargs.items()]
+        ns[f"K{i}"] = ins.kernel
+        body += [f"k = {3 * i + 1}", f"r = K{i}({', '.join(exprs)})", f"k = {3 * i + 2}"]
+        o = next((o for o in ins.outs if o is not None), None) if ins.any_out else None
+        if o is not None:
+            s, size, stride, dtype, vid = o
+            ns[f"o{i}"] = o
+            body.append(f"if r.dtype is not o{i}[3] or r.storage_offset() "
+                        f"or r.stride() != o{i}[2] or r.shape != o{i}[1]: r = _fix(r, o{i})")
+            body.append(f"st[{s}] = r.untyped_storage()")
+            if vid is not None:
+                body.append(f"views[{vid}] = r")
+                made.add(vid)
+    src = ["def run(st, inputs, rng, views):", "    k = 0", "    try:"]
+    src += [f"        {line}" for line in body] or ["        pass"]
+    src += ["    except Exception as e:",
+            "        if not isinstance(e, LaunchError):",
+            "            e = LaunchError(e, internal=k % 3 != 1)",
+            "        return k // 3, e",
+            "    return None"]
+    exec(compile("\n".join(src), f"<generated run of {len(instrs)} ops>", "exec"), ns)
+    return ns["run"]
+
+
+def _simple_outs(ins) -> bool:
+    """One result tensor of a dtype with no special storage rule, or none (`run_instr`'s
+    output loop, specialized)."""
+    if not ins.any_out:
+        return True
+    returns = ins.op._schema.returns
+    if len(returns) != 1 or str(returns[0].type) != "Tensor":  # a list, a tuple
+        return False
+    outs = [o for o in ins.outs if o is not None]
+    return (len(ins.outs) == 1 and len(outs) == 1
+            and outs[0][3] is not torch.float64 and not outs[0][3].is_complex)
+
+
+def _expr(t, i, j, ns, made, body) -> str:
+    """The expression of bound template `t` (argument `j` of instr `i`): as `_value` makes
+    it. A view's first read makes it (a line of `body`), later ones reuse it."""
+    if type(t) is tuple:
+        tag = t[0]
+        if tag == "T":
+            vid = t[1]
+            if vid not in made:
+                made.add(vid)
+                body.append(f"_view(st, views, {vid}, {t[2]}, {t[3]!r}, {t[4]!r}, {t[5]}, "
+                            f"c{i}_{j})")
+                ns[f"c{i}_{j}"] = t[6]
+            return f"views[{vid}]"
+        if tag == "L":
+            return "[" + ", ".join(_expr(x, i, f"{j}_{n}", ns, made, body)
+                                   for n, x in enumerate(t[1:])) + "]"
+        if tag in ("S", "H"):
+            return f"inputs[{i}][{t[1]}]"
+        ns[f"c{i}_{j}"] = t[1]  # "C": an enum or a special float, as an object
+        return f"c{i}_{j}"
+    ns[f"c{i}_{j}"] = t
+    return f"c{i}_{j}"
+
+
+def _vids(templates) -> list[int]:
+    out = []
+    for t in templates:
+        if type(t) is tuple and t:
+            if t[0] == "T":
+                out.append(t[1])
+            elif t[0] == "L":
+                out += _vids(t[1:])
+    return out
+
+
+def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:
+    """`_value`'s first read of a view: a CPU tensor over the slot's storage."""
+    views[vid] = torch.empty(0, dtype=dtype, device=_CPU).set_(st[slot], offset, size, stride)
+
+
+def _fix(r, o):
+    """A result laid out unlike the op's signature says: copied into that layout (as
+    `run_instr`)."""
+    e = torch.empty_strided(o[1], o[2], dtype=o[3], device=_CPU)
+    e.copy_(r)
+    return e
