@@ -32,7 +32,8 @@ from . import cpu_settings, errors, results, transfer
 from ._tensor import NeuronTensor
 from .errors import _hand_off, _raise_launch_error
 from .fallback import run_now
-from .meta import _RUN_NOW, _extent_bytes, _global_state, check_conversions, infer
+from .meta import (_RUN_NOW, _deterministic, _extent_bytes, _global_state, check_conversions,
+                   infer)
 from .queue import record
 from .source import _user_stacklevel
 from .templates import template
@@ -291,7 +292,7 @@ class Engine:
         # The reference disables adaptive eager under deterministic algorithms; under
         # NEURON_LAUNCH_BLOCKING=1 every op runs (and raises) at its call, so nothing queues.
         return (self.adaptive and not self.device.blocking
-                and not torch.are_deterministic_algorithms_enabled())
+                and not _deterministic())
 
     # -- tensors ---------------------------------------------------------------------
     def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:

@@ -117,7 +117,8 @@ def _global_state() -> tuple:
 
 
 _default_dtype, _grad_enabled = torch.get_default_dtype, torch.is_grad_enabled
-_inference_mode, _deterministic = torch.is_inference_mode_enabled, torch._C._get_deterministic_algorithms
+_inference_mode = torch.is_inference_mode_enabled
+_deterministic = torch._C._get_deterministic_algorithms  # torch.are_deterministic_algorithms_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 
 

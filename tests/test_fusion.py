@@ -239,6 +239,60 @@ def test_identical_step_reuses_plan_and_compiles_nothing():
     assert ex.report.plan_hit
 
 
+def test_generated_run_calls_kernels_directly():
+    """Note [Generated runs]: a fused pointwise chain runs as one generated function calling
+    each op's kernel, not through the interpreter's per-op decoding."""
+    x = rand(16)
+    out, ex, _ = lazy(lambda: ((x * 2 + 1).relu() - 0.5).abs())
+    exe = ex.report.plan.groups[0].exe
+    code = exe.generated.__code__
+    assert "run_instr" not in code.co_names
+    assert sorted(n for n in code.co_names if n.startswith("K")) == ["K0", "K1", "K2", "K3",
+                                                                    "K4"]
+    torch.testing.assert_close(out.cpu(), ((x.cpu() * 2 + 1).relu() - 0.5).abs(),
+                               rtol=0, atol=0)
+    calls, gen = [], exe.generated
+    exe.generated = lambda *a: calls.append(1) or gen(*a)
+    try:  # the same step again: its plan, and so this executable, is reused and run
+        again, _, m = lazy(lambda: ((x * 2 + 1).relu() - 0.5).abs())
+    finally:
+        exe.generated = gen
+    assert m.plan_hits == 1 and calls == [1] and torch.equal(again.cpu(), out.cpu())
+
+
+def test_generated_run_stops_at_a_failed_op_as_the_interpreter_does(monkeypatch):
+    """A kernel error in the middle of a generated run: the ops before it ran, the failed
+    op's dependents are poisoned (reading them raises the op's error), independent ops
+    after it still run; the interpreter (forced by a poisoned entry) agrees."""
+    from fusion import program
+
+    def run(force_interpreter):
+        x = torch.arange(5.).to("neuron")
+        idx = torch.tensor([7]).to("neuron")
+        a = x * 2
+        bad = x.index_select(0, idx) * 3  # out of range: fails at run time
+        ok = a + 1  # independent of the failure, after it in the group
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+            torch.neuron.synchronize()
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+            bad.cpu()
+        return a.cpu().tolist(), ok.cpu().tolist()
+
+    with ae.override(queue_low_threshold=0), ae.adaptive(strategy="graph"):
+        generated = run(False)
+        real = program.Executable.run
+
+        def interpreted(self, st, inputs, rng, poisoned, causes=None):
+            poisoned.add(-1)  # no slot is -1: the interpreter runs, nothing is skipped
+            try:
+                return real(self, st, inputs, rng, poisoned, causes)
+            finally:
+                poisoned.discard(-1)
+        monkeypatch.setattr(program.Executable, "run", interpreted)
+        interp = run(True)
+    assert generated == interp == ([0., 2., 4., 6., 8.], [1., 3., 5., 7., 9.])
+
+
 def test_runtime_scalars_do_not_recompile():
     x = rand(16)
     lazy(lambda: x * 0.5 + 1)
