@@ -29,10 +29,15 @@ class NeuronTensor(torch.Tensor):
         # The wrapper's own (data-less) storage is made as large as can be, so that in-place
         # resizes (resize_, out= of another shape) can restride it; the engine checks every
         # view against the real buffer (`_handle.nbytes`) instead.
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, size, strides=stride, storage_offset=offset, dtype=dtype,
-            device=engine.tdev or _device(engine), requires_grad=requires_grad,
-            storage_size=_UNBOUNDED)
+        if offset or requires_grad:
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, size, strides=stride, storage_offset=offset, dtype=dtype,
+                device=engine.tdev or _device(engine), requires_grad=requires_grad,
+                storage_size=_UNBOUNDED)
+        else:  # (the defaults, not passed: each keyword costs time, and this runs per op)
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, size, strides=stride, dtype=dtype, device=engine.tdev or _device(engine),
+                storage_size=_UNBOUNDED)
         t._engine = engine
         t._handle = handle
         if info is None:

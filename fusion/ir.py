@@ -143,7 +143,9 @@ class Node:
         self.inputs = inputs  # runtime scalar / host tensor values
         self.vbytes = vbytes  # bytes of the views touched, per local buffer index
         self.in_bytes = sum(vbytes[:len(op.reads)])  # reads are the argument buffers, in order
-        self.out_bytes = sum([vbytes[li] for li in op.writes])
+        # (vbytes of the new buffers are the signature's new_bytes)
+        self.out_bytes = op.new_total + sum([vbytes[li] for li in op.arg_writes]) \
+            if op.arg_writes else op.new_total
         self.source = source  # (filename, lineno, stack or None) of the user's call
 
     # The signature's data, read through the node (the partitioner and codegen use these).
