@@ -24,34 +24,56 @@ from device import LaunchError
 _CPU = torch.device("cpu")
 
 
-def generate(instrs, n_views: int, run_instr):
-    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`."""
+def generate(instrs, n_views: int, outputs, run_instr):
+    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`. Slots of
+    `outputs` (written back) get their storage in `st`, as does any slot a later op reads
+    through another view; a view is dropped after its last read, so the memory of a chain's
+    dead intermediates is reused as on CPU (the interpreter keeps every one to the end)."""
     ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view,
           "_fix": _fix, "I": tuple(instrs)}
+    fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
+    last: dict[int, int] = {}  # view id -> the last instr reading it
+    stored = set(outputs)  # slots whose storage must be in `st`
+    for i, ins in enumerate(instrs):
+        for t in _tensors(ins.args + tuple(ins.kwargs.values())):
+            last[t[1]] = i
+            if not fast[i]:
+                stored.add(t[2])  # run_instr may make its view from the slot's storage
     made: set[int] = set()  # view ids this run has made by the time an instr runs
+    for i, ins in enumerate(instrs):  # a view made from a slot's storage needs it stored
+        for t in _tensors(ins.args + tuple(ins.kwargs.values())):
+            if t[1] not in made:
+                made.add(t[1])
+                stored.add(t[2])
+        made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
+    made = set()
     body = []
     for i, ins in enumerate(instrs):
-        if ins.random or ins.f64 or not _simple_outs(ins):
+        if not fast[i]:
             body += [f"k = {3 * i}", f"run_instr(I[{i}], st, inputs[{i}], rng, views)"]
-            made.update(_vids((ins.args, tuple(ins.kwargs.values()))))
+            made.update(_vids(ins.args + tuple(ins.kwargs.values())))
             made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
-            continue
-        body.append(f"k = {3 * i}")
-        exprs = [_expr(a, i, j, ns, made, body) for j, a in enumerate(ins.args)]
-        exprs += [f"{name}={_expr(v, i, f'k{name}', ns, made, body)}"
-                  for name, v in ins.kwargs.items()]
-        ns[f"K{i}"] = ins.kernel
-        body += [f"k = {3 * i + 1}", f"r = K{i}({', '.join(exprs)})", f"k = {3 * i + 2}"]
-        o = next((o for o in ins.outs if o is not None), None) if ins.any_out else None
-        if o is not None:
-            s, size, stride, dtype, vid = o
-            ns[f"o{i}"] = o
-            body.append(f"if r.dtype is not o{i}[3] or r.storage_offset() "
-                        f"or r.stride() != o{i}[2] or r.shape != o{i}[1]: r = _fix(r, o{i})")
-            body.append(f"st[{s}] = r.untyped_storage()")
-            if vid is not None:
-                body.append(f"views[{vid}] = r")
-                made.add(vid)
+        else:
+            body.append(f"k = {3 * i}")
+            exprs = [_expr(a, i, j, ns, made, body) for j, a in enumerate(ins.args)]
+            exprs += [f"{name}={_expr(v, i, f'k{name}', ns, made, body)}"
+                      for name, v in ins.kwargs.items()]
+            ns[f"K{i}"] = ins.kernel
+            body += [f"k = {3 * i + 1}", f"r = K{i}({', '.join(exprs)})", f"k = {3 * i + 2}"]
+            o = next((o for o in ins.outs if o is not None), None) if ins.any_out else None
+            if o is not None:
+                s, size, stride, dtype, vid = o
+                ns[f"o{i}"] = o
+                body.append(f"if r.dtype is not o{i}[3] or r.storage_offset() "
+                            f"or r.stride() != o{i}[2] or r.shape != o{i}[1]: r = _fix(r, o{i})")
+                if s in stored:
+                    body.append(f"st[{s}] = r.untyped_storage()")
+                if vid is not None and last.get(vid, -1) > i:
+                    body.append(f"views[{vid}] = r")
+                    made.add(vid)
+        dead = [v for v, j in last.items() if j == i]
+        if dead:
+            body.append("; ".join(f"views[{v}] = None" for v in dead))
     src = ["def run(st, inputs, rng, views):", "    k = 0", "    try:"]
     src += [f"        {line}" for line in body] or ["        pass"]
     src += ["    except Exception as e:",
@@ -100,15 +122,20 @@ def _expr(t, i, j, ns, made, body) -> str:
     return f"c{i}_{j}"
 
 
-def _vids(templates) -> list[int]:
+def _tensors(templates) -> list[tuple]:
+    """The bound tensor templates ("T", view id, slot, ...) among `templates`, in lists too."""
     out = []
     for t in templates:
         if type(t) is tuple and t:
             if t[0] == "T":
-                out.append(t[1])
+                out.append(t)
             elif t[0] == "L":
-                out += _vids(t[1:])
+                out += _tensors(t[1:])
     return out
+
+
+def _vids(templates) -> list[int]:
+    return [t[1] for t in _tensors(templates)]
 
 
 def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:

@@ -231,7 +231,7 @@ class Runner:
                                            gp.low_precision, context=members))
                 if launch.error is not None:
                     origin = launch
-            for s in range(exe.program.n_inputs, exe.program.n_slots):
+            for s in gp.outputs:  # (only these leave the group: later groups read them)
                 c = gp.slots[s]
                 if st[s] is None:  # never written (its op failed or was skipped): poisoned
                     st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)

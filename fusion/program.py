@@ -203,7 +203,8 @@ class Executable:
         for ins in self.instrs:
             ins.bind_outputs(vids)
         self.n_views = len(vids)
-        self.generated = generate(self.instrs, self.n_views, run_instr)  # Note [Generated runs]
+        # Note [Generated runs]
+        self.generated = generate(self.instrs, self.n_views, program.outputs, run_instr)
 
     def run(self, st: list, inputs: list[list], rng, poisoned: set,
             causes: dict | None = None) -> None:
