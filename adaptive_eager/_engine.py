@@ -28,7 +28,7 @@ from fusion.partition import STRATEGIES, OnlineGroup
 from fusion.program import cpu_kernels
 
 from . import config as _config
-from . import cpu_settings, errors, results, transfer
+from . import cpu_settings, errors, replay, results, transfer
 from ._tensor import NeuronTensor
 from .errors import _hand_off, _raise_launch_error
 from .fallback import run_now
@@ -227,6 +227,16 @@ class Engine:
         # pending one; `seg` is the segment's token (Handle.seg), replaced at each flush.
         self.refs: list = []
         self.seg = object()
+        # Note [Replay] (replay.py): the trace being recorded (its nodes; per node, its
+        # meta result and cut), the one expected, whether a node of this segment was
+        # replayed (the online group is behind), the plan that ended the last trace, and
+        # traces by the plan flushed before them.
+        self.tnodes: list = []
+        self.tsteps: list = []
+        self.expect = None
+        self.replayed = False
+        self.last_plan = None
+        self.traces: dict = {}
         self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
         self.online = OnlineGroup()
         self.pending_bytes = 0
@@ -247,6 +257,7 @@ class Engine:
     @_locked
     def reconfigure(self, spec: DeviceSpec | None = None) -> None:
         cfg = _config.config
+        replay.forget(self)
         if spec is not None and spec != self.spec:
             self.flush("config")
             self.synchronize()
@@ -277,6 +288,7 @@ class Engine:
     def set_adaptive(self, on: bool) -> None:
         if on != self.adaptive:
             self.flush("mode switch")
+            replay.forget(self)
         self.adaptive = bool(on)
 
     @_locked
@@ -354,6 +366,11 @@ class Engine:
         self.device.advance_host(self.spec.host_op_overhead_us)
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
+        else:  # Engine.dispatch's plain route: the op may be the expected trace's
+            if self.expect is not None and not kwargs:
+                out = replay.step(self, func, args)
+                if out is not replay.MISS:
+                    return out
         cls = route.cls
         if cls is None:
             return run_now(self, func, args, kwargs, fallback=True)
@@ -367,6 +384,8 @@ class Engine:
         meta = self.meta_cache.get(key)
         if meta is None:
             meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
+            if meta is not _RUN_NOW:
+                meta.gstate = key[3]
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
@@ -391,17 +410,21 @@ class Engine:
             return
         nodes, self.queue = self.queue, []
         refs, self.refs, self.seg = self.refs, [], object()
+        self.replayed = False  # the online group is reset below
+        lazy = self.is_lazy()
         self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
         self.online.reset()
         self.pending_bytes = 0
         try:
             with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.queue_ftz):
-                report = self.runner.run(nodes, refs, reason, self.strategy if self.is_lazy()
+                report = self.runner.run(nodes, refs, reason, self.strategy if lazy
                                          else self.eager_strategy)
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
+            replay.forget(self)
             raise
         self.last_report = report
+        replay.remember(self, report.plan, reason, lazy)
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes

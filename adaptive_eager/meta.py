@@ -25,7 +25,8 @@ _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op r
 class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
-    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks")
+    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks", "gstate",
+                 "replay")
 
     def __init__(self, leaves, spec, op, resize=(), checks=()):
         self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
@@ -37,6 +38,8 @@ class MetaResult:
         # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
         # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
         self.spec = spec
+        self.gstate = None  # the global state it was computed under (the engine sets it)
+        self.replay = None  # Note [Replay]: how its calls' arguments look (replay.spec)
 
 
 

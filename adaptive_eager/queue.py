@@ -13,6 +13,7 @@ from fusion.ir import Handle, Node
 
 from . import config as _config
 from . import cpu_settings
+from .replay import catch_up
 from .source import _source
 
 
@@ -34,18 +35,22 @@ def record(eng, meta, handles, inputs, vbytes):
     new = [Handle(b, pending=True) for b in op.new_bytes]
     if meta.f64:
         eng._check_dtype(torch.float64)
-    # Frames known to be ours: this, Engine._dispatch (our code's only entry here) and its
-    # caller (Engine.dispatch or one of the engine's op handlers).
-    node = Node(op, None, inputs, tuple(vbytes) + op.new_bytes, _source(3))
+    if eng.expect is not None or eng.replayed:  # Note [Replay]: the slow path takes over
+        catch_up(eng)
+    # Frames known to be ours: this, Engine._dispatch (our code's only entry here), its
+    # caller (Engine.dispatch or one of the engine's op handlers) and that one's caller (a
+    # __torch_dispatch__, Engine.dispatch, or a kernel of ours that copies).
+    node = Node(op, None, inputs, tuple(vbytes) + op.new_bytes, _source(4))
     cfg = _config.config
     lazy = eng.is_lazy()
+    cut = None
     if lazy:  # eager flushes every op: no open group to track
-        bufs = handles + new
-        cut = eng.online.cut(eng.strategy, node, bufs) if eng.queue else "start"
+        ids = [h.uid for h in handles] + [h.uid for h in new]
+        cut = eng.online.cut(eng.strategy, node, ids) if eng.queue else "start"
         low = cfg.queue_low_threshold  # 0: purely lazy, never flush for idling
         if cut is not None and eng.queue and low > 0 and eng.device.in_flight() <= low:
             eng.flush("device idle")
-        eng.online.add(node, cut, bufs)
+        eng.online.add(node, cut, ids)
     # Only now (a flush above may have started a new segment and written pending inputs
     # back): number the buffers in the queued segment, which holds values in HBM strongly,
     # pending ones weakly (Handle's docstring).
@@ -62,6 +67,8 @@ def record(eng, meta, handles, inputs, vbytes):
         uids.append(h.ci)
     node.uids = tuple(uids)
     eng.queue.append(node)
+    eng.tnodes.append(node)  # Note [Replay]: the trace being recorded
+    eng.tsteps.append((meta, cut))
     eng.pending_bytes += new_bytes
     if not lazy:
         eng.flush("eager")

@@ -54,7 +54,12 @@ def _source(ours: int = 1):
     above the caller are known to be ours (skipped without looking: Python 3.11 makes a
     frame object for every frame a walk steps through, and this runs per op)."""
     f = sys._getframe(1 + ours)
-    while f is not None and _ours(f.f_code):
+    while f is not None:  # (_ours, inlined: this runs per op)
+        skip = _OURS.get(f.f_code)
+        if skip is None:
+            skip = _ours(f.f_code)
+        if not skip:
+            break
         f = f.f_back
     if f is None:
         return None

@@ -148,6 +148,15 @@ class Node:
             if op.arg_writes else op.new_total
         self.source = source  # (filename, lineno, stack or None) of the user's call
 
+    def again(self, inputs, source) -> "Node":
+        """This node's op on the same buffers, with another call's runtime values and source
+        line (Note [Replay] in adaptive_eager/replay.py)."""
+        n = Node.__new__(Node)
+        n.op, n.uids, n.vbytes = self.op, self.uids, self.vbytes
+        n.in_bytes, n.out_bytes = self.in_bytes, self.out_bytes
+        n.inputs, n.source = inputs, source
+        return n
+
     # The signature's data, read through the node (the partitioner and codegen use these).
     func = property(lambda self: self.op.func)
     name = property(lambda self: self.op.name)

@@ -178,8 +178,8 @@ class OnlineGroup:
         self.reads: set[int] = set()
         self.writes: set[int] = set()
 
-    def cut(self, strategy: Strategy, n: Node, bufs: list) -> str | None:
-        """Why a boundary falls before `n` (to be added next; `bufs`: its buffers' handles,
+    def cut(self, strategy: Strategy, n: Node, ids: list) -> str | None:
+        """Why a boundary falls before `n` (to be added next; `ids`: its buffers' identities,
         by local index), or None. Plain loops: this and `add` run per op."""
         if not self.state.size:
             return None
@@ -188,21 +188,21 @@ class OnlineGroup:
         op = n.op
         writes = self.writes
         for li in op.reads:
-            if bufs[li].uid in writes:
+            if ids[li] in writes:
                 return strategy.cut(self.state, n, True)
         reads = self.reads
         for li in op.arg_writes:
-            if bufs[li].uid in reads:
+            if ids[li] in reads:
                 return strategy.cut(self.state, n, True)
         return strategy.cut(self.state, n, False)
 
-    def add(self, n: Node, reason: str | None, bufs: list) -> None:
+    def add(self, n: Node, reason: str | None, ids: list) -> None:
         if reason is not None:
             self.reset()
         self.state.add(n)
         op = n.op
         reads, writes = self.reads, self.writes
         for li in op.reads:
-            reads.add(bufs[li].uid)
+            reads.add(ids[li])
         for li in op.writes:
-            writes.add(bufs[li].uid)
+            writes.add(ids[li])

@@ -1,0 +1,254 @@
+"""Note [Replay]: a steady-state loop queues the same ops again and again: the same ops on
+tensors of the same layouts, their buffers numbered the same way in their segments, cut and
+flushed at the same places. The nodes queued between two flushes other than "device idle"
+(a step between syncs, or one op in eager mode) are kept as a trace: per node, the op's
+cached meta result and its online-grouping cut. A trace is filed under the plan flushed
+just before it; after such a flush, the trace filed under that flush's plan is expected
+next. While every op matches the expected one at its position, the engine skips the work
+whose answer the trace already holds:
+
+- the argument templates and the meta-cache lookup: an op matches when it is the same op
+  overload with the same arguments as the template sees them (each neuron tensor's layout,
+  buffers distinct; each runtime scalar's type; each static argument's type and value)
+  under the same global state: exactly what makes the slow path find the same cache key,
+  checked without building it; and each buffer has the trace's index in its segment;
+- online grouping: with every node since the trace began equal (op, buffer numbering,
+  bytes, segment boundaries), the open group is the trace's, and so is the cut.
+
+Everything that depends on this call is done as `queue.record` does it, in its order:
+runtime scalars and their conversion checks, memory admission, the flush policy (a flush on
+the way checks the op again, against the new segment), new buffers, the source line,
+results. The first op that does not match, or takes another path (kwargs, host tensors),
+goes the slow way; ops that queue nothing (views) leave the replay on, but the first node
+queued the slow way ends it for the rest of the trace, and the online group is rebuilt from
+the queued nodes (`catch_up`).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from device import HOST_CHECK_BYTES
+from fusion.ir import Handle, encode_static
+
+from . import config as _config
+from . import cpu_settings
+from ._tensor import NeuronTensor
+from .meta import _global_state, check_conversions
+from .results import results
+from .source import _source
+
+MISS = object()  # the op does not match the trace: take the slow path
+_SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
+_TENSOR, _SCALAR, _STATIC, _INTS = range(4)
+_MAX_TRACES = 1024
+
+
+def spec(meta):
+    """How an op's arguments must look to find `meta` again (per argument: a tensor's
+    layout and local buffer index, a runtime scalar's type, a static value), from the
+    templates of its signature; False where replay does not apply (kwargs, host tensors,
+    tensor lists, a buffer passed twice...). Cached on the meta result."""
+    if meta.replay is not None:
+        return meta.replay
+    out, li = [], 0
+    for t in meta.op.sig[2] if not meta.op.sig[3] else (None,):
+        if type(t) is tuple and t and type(t[0]) is str:
+            tag = t[0]
+            if tag == "T" and len(t) == 6 and t[1] == li:
+                out.append((_TENSOR, t[2:6], li))
+                li += 1
+            elif tag == "S" and type(t[2]) is str:
+                out.append((_SCALAR, _SCALARS[t[2]]))
+            elif tag == "F":
+                out.append((_STATIC, float, t))
+            elif tag == "L" and all(type(x) is int for x in t[1:]):
+                out.append((_INTS, t[1:]))
+            else:
+                break
+        elif t is None or type(t) in (int, float, bool, str):
+            out.append((_STATIC, type(t), t))
+        else:
+            break
+    else:
+        meta.replay = tuple(out)
+        return meta.replay
+    meta.replay = False
+    return False
+
+
+class Trace:
+    """The nodes queued between two flushes other than "device idle", and per node its
+    (meta result, cut); the policy the cuts were made under (lazy or not, the strategy)."""
+
+    __slots__ = ("nodes", "steps", "lazy", "key")
+
+    def __init__(self, nodes, steps, lazy, key):
+        self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
+
+
+def step(eng, func, args):
+    """Note [Replay]: queue op `func(*args)` (no kwargs) from the expected trace, and return
+    its result; MISS if it does not match (nothing is changed then, but a flush on the way
+    may have happened, as the slow path would have done it)."""
+    for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
+        trace = eng.expect
+        if trace is None or cpu_settings.FTZ_USED[0]:
+            return MISS
+        lazy = eng.is_lazy()
+        key = eng.strategy.key
+        if lazy != trace.lazy or trace.key is not key and trace.key != key:  # another policy's
+            return MISS
+        pos = len(eng.tnodes)
+        if pos >= len(trace.nodes):
+            return MISS
+        meta, cut = trace.steps[pos]
+        op = meta.op
+        if func is not op.func:
+            return MISS
+        sp = meta.replay if meta.replay is not None else spec(meta)
+        if sp is False or len(args) != len(sp):
+            return MISS
+        tn = trace.nodes[pos]
+        vbytes = tn.vbytes
+        handles, inputs = [], []
+        for a, s in zip(args, sp):
+            kind = s[0]
+            if kind == _TENSOR:
+                if type(a) is not NeuronTensor or a._engine is not eng:
+                    return MISS
+                lay = a._layout
+                h = a._handle
+                if lay is not s[1] and lay != s[1] or h in handles or a._extent > h.nbytes \
+                        or min(h.nbytes, a._vbytes) != vbytes[s[2]]:
+                    return MISS
+                handles.append(h)
+            elif kind == _SCALAR:
+                if type(a) is not s[1]:
+                    return MISS
+                inputs.append(a)
+            elif kind == _STATIC:
+                if type(a) is not s[1] or (encode_static(a) if s[1] is float else a) != s[2]:
+                    return MISS
+            elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
+                    type(x) is not int or x != y for x, y in zip(a, s[1])):
+                return MISS
+        if meta.gstate != _global_state():
+            return MISS
+        # The op is the trace's. What follows is queue.record's, in its order.
+        if meta.checks:  # Note [Scalar conversion] in meta.py
+            check_conversions(meta.checks, inputs)
+        new_bytes = op.new_total
+        hbm = eng.device.hbm
+        queued = len(eng.queue)
+        if new_bytes >= HOST_CHECK_BYTES or hbm.used + eng.pending_bytes + new_bytes > hbm.capacity:
+            eng._make_room(new_bytes)
+            if len(eng.queue) != queued:
+                continue  # it flushed
+        cfg = _config.config
+        if lazy and cut is not None and queued:
+            low = cfg.queue_low_threshold
+            if low > 0 and eng.device.in_flight() <= low:
+                eng.flush("device idle")
+                continue
+        # the buffers' indices in this segment must be the trace's
+        uids, seg, fresh = tn.uids, eng.seg, len(eng.refs)
+        for li, h in enumerate(handles):
+            if h.seg is seg:
+                if h.ci != uids[li]:
+                    return MISS
+            elif uids[li] == fresh:
+                fresh += 1
+            else:
+                return MISS
+        if len(uids) > len(handles) and uids[len(handles)] != fresh:  # then the new ones
+            return MISS
+        return _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg)
+    return MISS
+
+
+def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
+    op = meta.op
+    new = [Handle(b, None, True) for b in op.new_bytes]
+    if meta.f64:
+        eng._check_dtype(torch.float64)
+    # Frames known to be ours: this, step, Engine._dispatch, Engine.dispatch (its only caller
+    # on this path) and Engine.dispatch's caller (a __torch_dispatch__, or _unsafe_view)
+    node = tn.again(inputs, _source(5))
+    seg, refs = eng.seg, eng.refs
+    for h in handles:  # numbered as checked: their indices are the trace node's
+        if h.seg is not seg:
+            h.seg, h.ci = seg, len(refs)
+            refs.append(weakref.ref(h) if h.pending else h)
+    weak = cfg.skip_intermediate
+    for h in new:
+        h.seg, h.ci = seg, len(refs)
+        refs.append(weakref.ref(h) if weak else h)
+    eng.queue.append(node)
+    eng.tnodes.append(node)
+    eng.tsteps.append((meta, cut))
+    eng.replayed = True
+    eng.pending_bytes += op.new_total
+    if not lazy:
+        eng.flush("eager")
+    elif len(eng.queue) >= cfg.buffer_size_limit:
+        eng.flush("buffer full")
+    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
+        eng.flush("pending memory")
+    if meta.single:
+        leaf = meta.leaves[0]
+        if leaf[0] == "new":
+            _, k, size, stride, dtype, info = leaf
+            return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
+    return results(eng, func, args, {}, handles, meta, new)
+
+
+def catch_up(eng) -> None:
+    """The slow path is about to queue a node: the replay ends for the rest of the trace,
+    and if nodes were replayed into this segment, the online group becomes what it would be
+    had every queued node been added to it (the nodes since the last cut, with their
+    buffers' identities)."""
+    eng.expect = None
+    if not eng.replayed:
+        return
+    eng.replayed = False
+    queue, online, refs = eng.queue, eng.online, eng.refs
+    steps = eng.tsteps[len(eng.tsteps) - len(queue):]  # the segment's (a trace's tail)
+    start = len(queue) - 1
+    while start > 0 and steps[start][1] is None:
+        start -= 1
+    online.reset()
+    for n, (_, cut) in zip(queue[start:], steps[start:]):
+        ids = []
+        for ci in n.uids:
+            r = refs[ci]
+            h = r() if type(r) is weakref.ref else r
+            ids.append(h.uid if h is not None else -1 - ci)  # a freed buffer: a unique id
+        online.add(n, cut, ids)
+
+
+def remember(eng, plan, reason: str, lazy: bool) -> None:
+    """After a flush that ran with `plan`: unless it was a device-idle flush (the trace goes
+    on across those), the trace ends; it is filed under the plan flushed before it, and the
+    trace filed under `plan` is expected next."""
+    if reason == "device idle":
+        return
+    trace = Trace(eng.tnodes, eng.tsteps, lazy, eng.strategy.key)
+    eng.tnodes, eng.tsteps = [], []
+    prev, follow = eng.last_plan, eng.traces
+    if prev is not None:
+        if len(follow) >= _MAX_TRACES:
+            follow.clear()
+        follow[id(prev)] = (prev, trace)
+    eng.last_plan = plan
+    nxt = follow.get(id(plan))
+    eng.expect = nxt[1] if nxt is not None and nxt[0] is plan else None
+
+
+def forget(eng) -> None:
+    """Settings changed, or a flush failed: no trace is expected or kept, and the one being
+    recorded is dropped."""
+    eng.expect = eng.last_plan = None
+    eng.traces.clear()
+    eng.tnodes, eng.tsteps = [], []
