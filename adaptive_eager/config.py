@@ -85,6 +85,14 @@ class Config:
     buffer_size_limit: int = _setting(
         "TORCH_NEURONX_CONCATENATION_BUFFER_SIZE_LIMIT", 1024, int,
         "max ops queued before a forced flush", least=1)
+    replay: bool = _setting(
+        "ADAPTIVE_EAGER_REPLAY", True, _flag_not_0,
+        "'0' turns Note [Replay] off: every op takes the slow path (templates, meta lookup, "
+        "online grouping); results and launches are the same either way")
+    check_replay: bool = _setting(
+        "ADAPTIVE_EAGER_CHECK_REPLAY", False, _flag_exact_1,
+        "'1': every replayed op is checked against the slow path (same cache key, buffers, "
+        "runtime values and cut; an AssertionError if not): for tests, slow")
     skip_intermediate: bool = _setting(
         "TORCH_NEURONX_APPLY_SKIP_INTERMEDIATE", True, _flag_not_0,
         "do not write back values whose tensors were all freed before the flush")

@@ -45,6 +45,7 @@ class Snapshot:
     compile_failures: dict = dataclasses.field(default_factory=dict)  # reason -> groups
     collectives: int = 0
     collective_bytes: int = 0
+    replayed_ops: int = 0  # ops queued from a trace (Note [Replay]): no template, no lookup
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -85,12 +86,14 @@ def snapshot(hbms) -> Snapshot:
         compiled_groups=c.compiled_groups, inductor_cache_hits=c.inductor_cache_hits,
         inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
         compile_failures=dict(c.compile_failures),
-        collectives=c.collectives, collective_bytes=c.collective_bytes)
+        collectives=c.collectives, collective_bytes=c.collective_bytes,
+        replayed_ops=c.replayed_ops)
 
 
 def report(s: Snapshot) -> str:
     rows = [
-        ("ops intercepted", s.ops), ("launches", s.launches),
+        ("ops intercepted", s.ops), ("of which replayed", s.replayed_ops),
+        ("launches", s.launches),
         ("mean fused group size", f"{s.mean_group_size:.2f}"),
         ("flushes", ", ".join(f"{k}={v}" for k, v in sorted(s.flushes.items())) or "-"),
         ("compiles", s.compiles), ("cache hits (memory)", s.cache_memory_hits),

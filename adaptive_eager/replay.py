@@ -147,6 +147,10 @@ def step(eng, func, args):
             if len(eng.queue) != queued:
                 continue  # it flushed
         cfg = _config.config
+        check = cfg.check_replay
+        if check and lazy:  # the cut the slow path's online group gives
+            real = eng.online.cut(eng.strategy, tn, [h.uid for h in handles]) if queued \
+                else "start"
         if lazy and cut is not None and queued:
             low = cfg.queue_low_threshold
             if low > 0 and eng.device.in_flight() <= low:
@@ -164,8 +168,24 @@ def step(eng, func, args):
                 return MISS
         if len(uids) > len(handles) and uids[len(handles)] != fresh:  # then the new ones
             return MISS
+        if check:
+            _check(eng, func, args, meta, handles, inputs)
+            assert not lazy or (real is None) == (cut is None), (func, real, cut)
         return _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg)
     return MISS
+
+
+def _check(eng, func, args, meta, handles, inputs) -> None:
+    """check_replay: the slow path, asked the same question, finds the same answer: the same
+    cache key (hence meta result), buffers and runtime values."""
+    from .templates import template
+    args_t, kwargs_t, hs, ins, _ = template(eng, func, args, {})
+    key = (func._op, args_t, kwargs_t, _global_state())
+    found = eng.meta_cache.get(key)
+    assert (found is None or found is meta) and args_t == meta.op.sig[2] and not kwargs_t \
+        and meta.gstate == key[3], (func, args_t, meta.op.sig[2])
+    assert hs == handles and ins == inputs and [type(v) for v in ins] == \
+        [type(v) for v in inputs], (func, hs, handles, ins, inputs)
 
 
 def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
@@ -188,7 +208,11 @@ def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
     eng.queue.append(node)
     eng.tnodes.append(node)
     eng.tsteps.append((meta, cut))
-    eng.replayed = True
+    if cfg.check_replay and lazy:  # the online group kept as the slow path keeps it
+        eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
+    else:
+        eng.replayed = True
+    eng.metrics.replayed_ops += 1
     eng.pending_bytes += op.new_total
     if not lazy:
         eng.flush("eager")
@@ -233,6 +257,9 @@ def remember(eng, plan, reason: str, lazy: bool) -> None:
     on across those), the trace ends; it is filed under the plan flushed before it, and the
     trace filed under `plan` is expected next."""
     if reason == "device idle":
+        return
+    if not _config.config.replay:
+        forget(eng)
         return
     trace = Trace(eng.tnodes, eng.tsteps, lazy, eng.strategy.key)
     eng.tnodes, eng.tsteps = [], []

@@ -14,6 +14,7 @@ import dataclasses
 @dataclasses.dataclass
 class Counters:
     ops: int = 0  # ATen ops intercepted on neuron tensors
+    replayed_ops: int = 0  # of which queued from a trace (Note [Replay] in the engine)
     launches: int = 0  # executable launches on the device (fused or not)
     dmas: int = 0  # host<->device copies
     device_time_us: float = 0.0  # simulated device time of every launch and copy

@@ -129,22 +129,25 @@ def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
     assert files["neuron"] == files["cpu"] and len(files["cpu"]) > 3
 
 
-def test_gradient_checkpointing_with_dropout_gives_the_same_gradients():
+def test_gradient_checkpointing_with_dropout_gives_cpus_gradients():
     """model.gradient_checkpointing_enable(), dropout on: the recomputed forward draws the
-    forward's masks again (the device RNG state is saved), so the gradients equal those of
-    the same step without checkpointing, bit for bit."""
+    forward's masks again (the device RNG state is saved), so the gradients equal CPU's for
+    the same checkpointed step, bit for bit. (CPU's own gradients with and without
+    checkpointing differ by an ulp in transformers 5.24, so each is compared with CPU's.)"""
     t = transformers
-    grads = []
+    grads = {}
+    for dev in ("cpu", "neuron"):
+        for ckpt in (False, True):
+            torch.manual_seed(0)
+            model = t.GPT2LMHeadModel(t.GPT2Config(
+                n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)).to(dev)
+            model.train()
+            if ckpt:
+                model.gradient_checkpointing_enable()
+            batch = {k: v.to(dev) for k, v in _batch("gpt2").items()}
+            torch.manual_seed(1)
+            model(**batch).loss.backward()
+            grads[dev, ckpt] = [p.grad.cpu() for p in model.parameters()]
     for ckpt in (False, True):
-        torch.manual_seed(0)
-        model = t.GPT2LMHeadModel(t.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
-            resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)).to("neuron")
-        model.train()
-        if ckpt:
-            model.gradient_checkpointing_enable()
-        batch = {k: v.to("neuron") for k, v in _batch("gpt2").items()}
-        torch.manual_seed(1)
-        model(**batch).loss.backward()
-        grads.append([p.grad.cpu() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+        assert all(torch.equal(a, b) for a, b in zip(grads["cpu", ckpt], grads["neuron", ckpt]))
