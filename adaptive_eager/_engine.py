@@ -23,7 +23,7 @@ from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, scalar_positions, written_arguments
-from fusion.ops import BARRIER, INPLACE_VIEW, composite_key, op_class
+from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES, OnlineGroup
 from fusion.program import cpu_kernels
 
@@ -229,13 +229,13 @@ class Engine:
         self.seg = object()
         # Note [Replay] (replay.py): the trace being recorded (its nodes; per node, its
         # meta result and cut), the one expected, whether a node of this segment was
-        # replayed (the online group is behind), the plan that ended the last trace, and
-        # traces by the plan flushed before them.
+        # replayed (the online group is behind), the trace this one follows so far, and
+        # recent traces by their first op.
         self.tnodes: list = []
         self.tsteps: list = []
         self.expect = None
         self.replayed = False
-        self.last_plan = None
+        self.tfrom = None
         self.traces: dict = {}
         self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
         self.online = OnlineGroup()
@@ -367,7 +367,8 @@ class Engine:
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
         else:  # Engine.dispatch's plain route: the op may be the expected trace's
-            if self.expect is not None and not kwargs:
+            if (self.expect is not None or not self.tnodes) and not kwargs \
+                    and route.cls is not VIEW:
                 out = replay.step(self, func, args)
                 if out is not replay.MISS:
                     return out
@@ -424,7 +425,7 @@ class Engine:
             replay.forget(self)
             raise
         self.last_report = report
-        replay.remember(self, report.plan, reason, lazy)
+        replay.remember(self, reason, lazy)
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes

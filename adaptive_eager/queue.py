@@ -13,7 +13,7 @@ from fusion.ir import Handle, Node
 
 from . import config as _config
 from . import cpu_settings
-from .replay import catch_up
+from .replay import catch_up, resumes
 from .source import _source
 
 
@@ -35,7 +35,8 @@ def record(eng, meta, handles, inputs, vbytes):
     new = [Handle(b, pending=True) for b in op.new_bytes]
     if meta.f64:
         eng._check_dtype(torch.float64)
-    if eng.expect is not None or eng.replayed:  # Note [Replay]: the slow path takes over
+    trace, tfrom, pos = eng.expect, eng.tfrom, len(eng.tnodes)
+    if trace is not None or eng.replayed:  # Note [Replay]: the slow path takes over
         catch_up(eng)
     # Frames known to be ours: this, Engine._dispatch (our code's only entry here), its
     # caller (Engine.dispatch or one of the engine's op handlers) and that one's caller (a
@@ -69,6 +70,13 @@ def record(eng, meta, handles, inputs, vbytes):
     eng.queue.append(node)
     eng.tnodes.append(node)  # Note [Replay]: the trace being recorded
     eng.tsteps.append((meta, cut))
+    if trace is not None and resumes(trace, pos, node, cut):
+        eng.expect, eng.tfrom = trace, tfrom
+    elif pos == 0:  # a trace may begin with this node (replay.step picks the others')
+        for t in eng.traces.get(op.func._op, ()):
+            if resumes(t, 0, node, cut):
+                eng.expect = eng.tfrom = t
+                break
     eng.pending_bytes += new_bytes
     if not lazy:
         eng.flush("eager")

@@ -18,10 +18,11 @@ whose answer the trace already holds:
 Everything that depends on this call is done as `queue.record` does it, in its order:
 runtime scalars and their conversion checks, memory admission, the flush policy (a flush on
 the way checks the op again, against the new segment), new buffers, the source line,
-results. The first op that does not match, or takes another path (kwargs, host tensors),
-goes the slow way; ops that queue nothing (views) leave the replay on, but the first node
-queued the slow way ends it for the rest of the trace, and the online group is rebuilt from
-the queued nodes (`catch_up`).
+results. An op that does not match, or takes another path (kwargs, host tensors, the
+engine's own handlers), goes the slow way: first the online group is rebuilt from the
+queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
+(same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
+for the rest of the trace. Ops that queue nothing (views) leave it on.
 """
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ from .source import _source
 
 MISS = object()  # the op does not match the trace: take the slow path
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS = range(4)
-_MAX_TRACES = 1024
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM = range(5)
+_ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
+_ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+_MAX_TRACES = 1024  # first ops with traces
+_PER_OP = 4  # traces kept per first op
 
 
 def spec(meta):
@@ -63,8 +67,10 @@ def spec(meta):
                 out.append((_SCALAR, _SCALARS[t[2]]))
             elif tag == "F":
                 out.append((_STATIC, float, t))
-            elif tag == "L" and all(type(x) is int for x in t[1:]):
-                out.append((_INTS, t[1:]))
+            elif tag == "L" and all(type(x) in (int, bool) for x in t[1:]):
+                out.append((_INTS, t[1:]))  # (dims, sizes, output masks)
+            elif tag in _ENUM_TAGS:
+                out.append((_ENUM, t))
             else:
                 break
         elif t is None or type(t) in (int, float, bool, str):
@@ -91,11 +97,29 @@ class Trace:
 def step(eng, func, args):
     """Note [Replay]: queue op `func(*args)` (no kwargs) from the expected trace, and return
     its result; MISS if it does not match (nothing is changed then, but a flush on the way
-    may have happened, as the slow path would have done it)."""
+    may have happened, as the slow path would have done it). The first op of a trace picks
+    the trace: the recent traces that began with this op are tried, newest first."""
+    if eng.expect is not None:
+        return _step(eng, func, args)
+    if eng.tnodes:  # the replay of this trace has ended
+        return MISS
+    for trace in eng.traces.get(func._op, ()):
+        eng.expect = eng.tfrom = trace
+        out = _step(eng, func, args)
+        if out is not MISS:
+            return out
+        if eng.tnodes:  # (a flush on the way cannot queue a node: never taken)
+            return MISS
+    eng.expect = eng.tfrom = None
+    return MISS
+
+
+def _step(eng, func, args):
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = eng.expect
-        if trace is None or cpu_settings.FTZ_USED[0]:
-            return MISS
+        if trace is None or cpu_settings.FTZ_USED[0] and (
+                cpu_settings.thread_ftz() != eng.queue_ftz):
+            return MISS  # (Note [CPU settings]: the slow path flushes for it)
         lazy = eng.is_lazy()
         key = eng.strategy.key
         if lazy != trace.lazy or trace.key is not key and trace.key != key:  # another policy's
@@ -131,8 +155,11 @@ def step(eng, func, args):
             elif kind == _STATIC:
                 if type(a) is not s[1] or (encode_static(a) if s[1] is float else a) != s[2]:
                     return MISS
+            elif kind == _ENUM:
+                if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
+                    return MISS
             elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
-                    type(x) is not int or x != y for x, y in zip(a, s[1])):
+                    type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
                 return MISS
         if meta.gstate != _global_state():
             return MISS
@@ -233,7 +260,7 @@ def catch_up(eng) -> None:
     and if nodes were replayed into this segment, the online group becomes what it would be
     had every queued node been added to it (the nodes since the last cut, with their
     buffers' identities)."""
-    eng.expect = None
+    eng.expect = eng.tfrom = None
     if not eng.replayed:
         return
     eng.replayed = False
@@ -252,30 +279,43 @@ def catch_up(eng) -> None:
         online.add(n, cut, ids)
 
 
-def remember(eng, plan, reason: str, lazy: bool) -> None:
-    """After a flush that ran with `plan`: unless it was a device-idle flush (the trace goes
-    on across those), the trace ends; it is filed under the plan flushed before it, and the
-    trace filed under `plan` is expected next."""
+def resumes(trace, pos: int, node, cut) -> bool:
+    """Whether the replay goes on after a node queued the slow way at `pos` (an op with
+    kwargs, an in-place foreach op...): when it is the trace's node there, on the same
+    buffers with the same bytes and cut, the trace still describes the queue."""
+    if pos >= len(trace.nodes):
+        return False
+    tn = trace.nodes[pos]
+    return (tn.op is node.op and tn.uids == node.uids and tn.vbytes == node.vbytes
+            and (trace.steps[pos][1] is None) == (cut is None))
+
+
+def remember(eng, reason: str, lazy: bool) -> None:
+    """After a flush: unless it was a device-idle flush (the trace goes on across those),
+    the trace ends and is filed under its first op, newest first; none is expected until
+    the next op picks one (`step`). A trace replayed start to end is the one it followed:
+    that one moves to the front instead."""
     if reason == "device idle":
         return
-    if not _config.config.replay:
-        forget(eng)
+    nodes, eng.tnodes = eng.tnodes, []
+    steps, eng.tsteps = eng.tsteps, []
+    done, eng.tfrom, eng.expect = eng.tfrom, None, None
+    if not nodes or not _config.config.replay:
         return
-    trace = Trace(eng.tnodes, eng.tsteps, lazy, eng.strategy.key)
-    eng.tnodes, eng.tsteps = [], []
-    prev, follow = eng.last_plan, eng.traces
-    if prev is not None:
-        if len(follow) >= _MAX_TRACES:
-            follow.clear()
-        follow[id(prev)] = (prev, trace)
-    eng.last_plan = plan
-    nxt = follow.get(id(plan))
-    eng.expect = nxt[1] if nxt is not None and nxt[0] is plan else None
+    if done is not None and len(done.nodes) == len(nodes) and done.lazy == lazy:
+        trace = done
+    else:
+        trace = Trace(nodes, steps, lazy, eng.strategy.key)
+    traces = eng.traces
+    if len(traces) >= _MAX_TRACES:
+        traces.clear()
+    key = nodes[0].op.func._op
+    traces[key] = [trace] + [t for t in traces.get(key, ()) if t is not trace][:_PER_OP - 1]
 
 
 def forget(eng) -> None:
     """Settings changed, or a flush failed: no trace is expected or kept, and the one being
     recorded is dropped."""
-    eng.expect = eng.last_plan = None
+    eng.expect = eng.tfrom = None
     eng.traces.clear()
     eng.tnodes, eng.tsteps = [], []
