@@ -13,7 +13,7 @@ from fusion.ir import Handle, Node
 
 from . import config as _config
 from . import cpu_settings
-from .replay import catch_up, resumes
+from .replay import MAX_TRACE, catch_up, overflow, resumes
 from .source import _source
 
 
@@ -77,6 +77,8 @@ def record(eng, meta, handles, inputs, vbytes):
             if resumes(t, 0, node, cut):
                 eng.expect = eng.tfrom = t
                 break
+    elif len(eng.tnodes) >= MAX_TRACE:
+        overflow(eng)
     eng.pending_bytes += new_bytes
     if not lazy:
         eng.flush("eager")

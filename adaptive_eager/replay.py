@@ -46,6 +46,8 @@ _TENSOR, _SCALAR, _STATIC, _INTS, _ENUM = range(5)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops with traces
+MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idle ones) is
+# not recorded, so a loop that never syncs keeps flat host memory
 _PER_OP = 4  # traces kept per first op
 
 
@@ -235,6 +237,8 @@ def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
     eng.queue.append(node)
     eng.tnodes.append(node)
     eng.tsteps.append((meta, cut))
+    if len(eng.tnodes) >= MAX_TRACE:
+        overflow(eng)
     if cfg.check_replay and lazy:  # the online group kept as the slow path keeps it
         eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
     else:
@@ -253,6 +257,27 @@ def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
             _, k, size, stride, dtype, info = leaf
             return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
     return results(eng, func, args, {}, handles, meta, new)
+
+
+class _NotRecording(list):
+    """Stands for the nodes of a trace grown past MAX_TRACE: records nothing, and is as
+    long as that (no trace matches past its end: every op takes the slow path)."""
+
+    def append(self, _):
+        pass
+
+    def __len__(self):
+        return MAX_TRACE
+
+
+NOT_RECORDING = _NotRecording()
+
+
+def overflow(eng) -> None:
+    """The trace being recorded reached MAX_TRACE nodes: the online group is brought up to
+    date (from the steps about to go) and recording stops until the next trace begins."""
+    catch_up(eng)
+    eng.tnodes = eng.tsteps = NOT_RECORDING
 
 
 def catch_up(eng) -> None:
@@ -300,7 +325,7 @@ def remember(eng, reason: str, lazy: bool) -> None:
     nodes, eng.tnodes = eng.tnodes, []
     steps, eng.tsteps = eng.tsteps, []
     done, eng.tfrom, eng.expect = eng.tfrom, None, None
-    if not nodes or not _config.config.replay:
+    if not nodes or nodes is NOT_RECORDING or not _config.config.replay:
         return
     if done is not None and len(done.nodes) == len(nodes) and done.lazy == lazy:
         trace = done
