@@ -73,6 +73,10 @@ COMPILE = "compile"
 # inductor: adaptive with the Inductor executor (fused groups run as TorchInductor's code),
 # against neuron eager within float tolerance (`compare_close`); not for mode eager.
 INDUCTOR = "inductor"
+# repeat: the default policy with replay checked (check_replay), the program run 3 times in
+# one adaptive scope from the same seed, the last run compared: the second and third runs are
+# queued from the first's trace (Note [Replay] in adaptive_eager/replay.py).
+REPEAT = "repeat"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
            "dev = 'neuron'   # 'cpu' for the reference\n"
@@ -676,8 +680,6 @@ def run_program(stmts, dev, mode="eager", policy="default", noise=None):
     import torch
     import adaptive_eager as ae
     import contextlib
-    ns = _namespace(dev)
-    err = None
     with contextlib.ExitStack() as st, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dev != "cpu":
@@ -685,18 +687,28 @@ def run_program(stmts, dev, mode="eager", policy="default", noise=None):
                 st.enter_context(ae.override(queue_low_threshold=0))
             if policy == INDUCTOR:
                 st.enter_context(ae.override(executor="inductor"))
+            if policy == REPEAT:
+                st.enter_context(ae.override(check_replay=True))
             if mode != "eager":
                 st.enter_context(ae.adaptive(strategy=mode))
             if policy == THREADS:
                 st.enter_context(_Noise(noise))
-        for i, code in enumerate(stmts):
-            try:
-                exec(code, ns)
-            except Exception as e:
-                err = _err(i, e)
-                break
-        reads = {k: _read(v) for k, v in ns.items()
-                 if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
+        for _ in range(3 if policy == REPEAT else 1):
+            ns = _namespace(dev)
+            err = None
+            for i, code in enumerate(stmts):
+                try:
+                    exec(code, ns)
+                except Exception as e:
+                    err = _err(i, e)
+                    break
+            reads = {k: _read(v) for k, v in ns.items()
+                     if _VAR.fullmatch(k) and isinstance(v, torch.Tensor)}
+            if policy == REPEAT:  # its deferred errors stay with this run (modes untouched)
+                try:
+                    ae.synchronize()
+                except Exception:
+                    pass
     _settle()
     return err, reads
 
@@ -1277,7 +1289,7 @@ def configs(modes, policies):
         for p in policies:
             if p == INDUCTOR and m == "eager":
                 continue  # every op would be a compiled group of one
-            if m != "eager" or p in ("default", THREADS, COMPILE):  # eager: lazy is default
+            if m != "eager" or p in ("default", THREADS, COMPILE, REPEAT):  # eager: lazy is default
                 out.append((m, p))
     return out
 
@@ -1561,7 +1573,8 @@ def main(argv=None):
     ap.add_argument("--programs", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0, help="first program seed")
     ap.add_argument("--mode", action="append", choices=MODES + ["all"])
-    ap.add_argument("--policy", choices=POLICIES + [THREADS, COMPILE, INDUCTOR, "both", "all"],
+    ap.add_argument("--policy", choices=POLICIES + [THREADS, COMPILE, INDUCTOR, REPEAT, "both",
+                                                    "all"],
                     default="both", help="both: default and lazy; all: also threads")
     ap.add_argument("--families", default=None, help="comma-separated subset of " + ",".join(FAMILIES))
     ap.add_argument("--ci", action="store_true",
@@ -1573,7 +1586,7 @@ def main(argv=None):
     if a.worker:
         return worker_main()
     modes = MODES if not a.mode or "all" in a.mode else a.mode
-    policies = {"both": POLICIES, "all": POLICIES + [THREADS]}.get(a.policy, [a.policy])
+    policies = {"both": POLICIES, "all": POLICIES + [THREADS, REPEAT]}.get(a.policy, [a.policy])
     fams = a.families.split(",") if a.families else list(FAMILIES)
     exclude = list(a.exclude)
     if a.ci:

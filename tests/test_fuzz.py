@@ -34,6 +34,17 @@ def test_ci_pass_beside_another_thread():
     assert not fails, "\n".join(lines)
 
 
+def test_ci_pass_repeated():
+    """Policy "repeat": each program three times in one adaptive scope, replay checked
+    against the slow path (Note [Replay]); the last run compared with CPU."""
+    fams = [f for f in fuzzer.FAMILIES if f not in fuzzer.CI_EXCLUDED_FAMILIES]
+    lines = []
+    n, fails = fuzzer.fuzz(CI_SEEDS[:40], ["eager", "graph"], [fuzzer.REPEAT], fams,
+                           exclude=list(fuzzer.CI_EXCLUDED_PATTERNS), log=lines.append)
+    assert n == 40
+    assert not fails, "\n".join(lines)
+
+
 def test_ci_pass_compiled():
     """Policy compile: each program as one function under torch.compile(backend="neuron")
     against the same under "aot_eager" on CPU (a few seeds: each compiles twice)."""
