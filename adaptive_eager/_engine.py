@@ -367,9 +367,8 @@ class Engine:
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
         else:  # Engine.dispatch's plain route: the op may be the expected trace's
-            if (self.expect is not None or not self.tnodes) and not kwargs \
-                    and route.cls is not VIEW:
-                out = replay.step(self, func, args)
+            if (self.expect is not None or not self.tnodes) and route.cls is not VIEW:
+                out = replay.step(self, func, args, kwargs)
                 if out is not replay.MISS:
                     return out
         cls = route.cls

@@ -18,7 +18,7 @@ whose answer the trace already holds:
 Everything that depends on this call is done as `queue.record` does it, in its order:
 runtime scalars and their conversion checks, memory admission, the flush policy (a flush on
 the way checks the op again, against the new segment), new buffers, the source line,
-results. An op that does not match, or takes another path (kwargs, host tensors, the
+results. An op that does not match, or takes another path (host tensors, tensor lists, the
 engine's own handlers), goes the slow way: first the online group is rebuilt from the
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
@@ -42,7 +42,7 @@ from .source import _source
 
 MISS = object()  # the op does not match the trace: take the slow path
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM = range(5)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN = range(6)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops with traces
@@ -54,17 +54,21 @@ _PER_OP = 4  # traces kept per first op
 def spec(meta):
     """How an op's arguments must look to find `meta` again (per argument: a tensor's
     layout and local buffer index, a runtime scalar's type, a static value), from the
-    templates of its signature; False where replay does not apply (kwargs, host tensors,
-    tensor lists, a buffer passed twice...). Cached on the meta result."""
+    templates of its signature, with the number of positional arguments and the keyword
+    names, in order; False where replay does not apply (host tensors, tensor lists, a
+    buffer passed twice...). Cached on the meta result."""
     if meta.replay is not None:
         return meta.replay
     out, li = [], 0
-    for t in meta.op.sig[2] if not meta.op.sig[3] else (None,):
+    args_t, kwargs_t = meta.op.sig[2], meta.op.sig[3]
+    for t in args_t + tuple(v for _, v in kwargs_t):  # kwargs after args, as templates go
         if type(t) is tuple and t and type(t[0]) is str:
             tag = t[0]
             if tag == "T" and len(t) == 6 and t[1] == li:
                 out.append((_TENSOR, t[2:6], li))
                 li += 1
+            elif tag == "T" and len(t) == 6:  # the same tensor again (`addcmul_(g, g)`)
+                out.append((_AGAIN, t[1], t[2:6]))
             elif tag == "S" and type(t[2]) is str:
                 out.append((_SCALAR, _SCALARS[t[2]]))
             elif tag == "F":
@@ -80,7 +84,7 @@ def spec(meta):
         else:
             break
     else:
-        meta.replay = tuple(out)
+        meta.replay = (tuple(out), len(args_t), tuple(k for k, _ in kwargs_t))
         return meta.replay
     meta.replay = False
     return False
@@ -96,18 +100,18 @@ class Trace:
         self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
 
 
-def step(eng, func, args):
-    """Note [Replay]: queue op `func(*args)` (no kwargs) from the expected trace, and return
+def step(eng, func, args, kwargs):
+    """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace, and return
     its result; MISS if it does not match (nothing is changed then, but a flush on the way
     may have happened, as the slow path would have done it). The first op of a trace picks
     the trace: the recent traces that began with this op are tried, newest first."""
     if eng.expect is not None:
-        return _step(eng, func, args)
+        return _step(eng, func, args, kwargs)
     if eng.tnodes:  # the replay of this trace has ended
         return MISS
     for trace in eng.traces.get(func._op, ()):
         eng.expect = eng.tfrom = trace
-        out = _step(eng, func, args)
+        out = _step(eng, func, args, kwargs)
         if out is not MISS:
             return out
         if eng.tnodes:  # (a flush on the way cannot queue a node: never taken)
@@ -116,7 +120,7 @@ def step(eng, func, args):
     return MISS
 
 
-def _step(eng, func, args):
+def _step(eng, func, args, kwargs):
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = eng.expect
         if trace is None or cpu_settings.FTZ_USED[0] and (
@@ -134,12 +138,12 @@ def _step(eng, func, args):
         if func is not op.func:
             return MISS
         sp = meta.replay if meta.replay is not None else spec(meta)
-        if sp is False or len(args) != len(sp):
+        if sp is False or len(args) != sp[1] or (tuple(kwargs) != sp[2] if kwargs else sp[2]):
             return MISS
         tn = trace.nodes[pos]
         vbytes = tn.vbytes
-        handles, inputs = [], []
-        for a, s in zip(args, sp):
+        handles, inputs, objs = [], [], []
+        for a, s in zip(args + tuple(kwargs.values()) if kwargs else args, sp[0]):
             kind = s[0]
             if kind == _TENSOR:
                 if type(a) is not NeuronTensor or a._engine is not eng:
@@ -150,6 +154,10 @@ def _step(eng, func, args):
                         or min(h.nbytes, a._vbytes) != vbytes[s[2]]:
                     return MISS
                 handles.append(h)
+                objs.append(a)
+            elif kind == _AGAIN:  # the very tensor object of an earlier argument, as laid out
+                if a is not objs[s[1]] or a._layout != s[2]:  # then (another layout: another key)
+                    return MISS
             elif kind == _SCALAR:
                 if type(a) is not s[1]:
                     return MISS
@@ -198,26 +206,26 @@ def _step(eng, func, args):
         if len(uids) > len(handles) and uids[len(handles)] != fresh:  # then the new ones
             return MISS
         if check:
-            _check(eng, func, args, meta, handles, inputs)
+            _check(eng, func, args, kwargs, meta, handles, inputs)
             assert not lazy or (real is None) == (cut is None), (func, real, cut)
-        return _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg)
+        return _commit(eng, func, args, kwargs, meta, tn, cut, handles, inputs, lazy, cfg)
     return MISS
 
 
-def _check(eng, func, args, meta, handles, inputs) -> None:
+def _check(eng, func, args, kwargs, meta, handles, inputs) -> None:
     """check_replay: the slow path, asked the same question, finds the same answer: the same
     cache key (hence meta result), buffers and runtime values."""
     from .templates import template
-    args_t, kwargs_t, hs, ins, _ = template(eng, func, args, {})
+    args_t, kwargs_t, hs, ins, _ = template(eng, func, args, kwargs)
     key = (func._op, args_t, kwargs_t, _global_state())
     found = eng.meta_cache.get(key)
-    assert (found is None or found is meta) and args_t == meta.op.sig[2] and not kwargs_t \
-        and meta.gstate == key[3], (func, args_t, meta.op.sig[2])
+    assert (found is None or found is meta) and args_t == meta.op.sig[2] \
+        and kwargs_t == meta.op.sig[3] and meta.gstate == key[3], (func, args_t, meta.op.sig)
     assert hs == handles and ins == inputs and [type(v) for v in ins] == \
         [type(v) for v in inputs], (func, hs, handles, ins, inputs)
 
 
-def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
+def _commit(eng, func, args, kwargs, meta, tn, cut, handles, inputs, lazy, cfg):
     op = meta.op
     new = [Handle(b, None, True) for b in op.new_bytes]
     if meta.f64:
@@ -256,7 +264,7 @@ def _commit(eng, func, args, meta, tn, cut, handles, inputs, lazy, cfg):
         if leaf[0] == "new":
             _, k, size, stride, dtype, info = leaf
             return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
-    return results(eng, func, args, {}, handles, meta, new)
+    return results(eng, func, args, kwargs, handles, meta, new)
 
 
 class _NotRecording(list):
