@@ -72,8 +72,12 @@ def inplace_view(eng, func, args, kwargs):
     args_t, kwargs_t, handles, _, _ = template(eng, func, args, kwargs)
     metas = _meta_buffers(handles)
     m = _to_meta(t, args_t[0], metas)
-    func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
-         **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
+    try:
+        func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
+             **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
+    except Exception:
+        _cpu_refusal(func, t, args, kwargs)
+        raise
     need = _extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
     old = t._handle.nbytes
     if need > old:
@@ -86,6 +90,19 @@ def inplace_view(eng, func, args, kwargs):
     if need > old:
         fill_uninitialized(t, old // t.element_size())
     return t
+
+
+def _cpu_refusal(func, t, args, kwargs) -> None:
+    """A meta kernel refused an in-place view op (`t_` of a 3-d tensor raises AssertionError
+    there): raise CPU's own error, from the op on a host tensor of the same layout, when CPU
+    refuses it too (fuzzer seed 72019429)."""
+    host = torch.zeros(t._extent // t.element_size() + 1, dtype=t.dtype).as_strided(
+        t.shape, t.stride(), t.storage_offset())
+    try:
+        func(host, *args[1:], **kwargs)
+    except Exception as e:
+        e._ae_user_error = True
+        raise e.with_traceback(None) from None
 
 
 def fill_uninitialized(t, start: int = 0) -> None:

@@ -897,3 +897,18 @@ def test_composite_in_place_ops_in_inference_mode_keep_cpus_checks(mode):
         with _disable_current_modes():  # CPU's own path (a dispatch mode changes it)
             ref = program("cpu")
         assert program("neuron") == ref
+
+
+@pytest.mark.parametrize("op", [lambda t: t.t_(), lambda t: t.transpose_(0, 5),
+                                lambda t: t.squeeze_(7), lambda t: t.unsqueeze_(9),
+                                lambda t: t.as_strided_((2,), (1,), -1)],
+                         ids=["t_", "transpose_", "squeeze_", "unsqueeze_", "as_strided_"])
+def test_refused_inplace_views_raise_cpus_errors(mode, op):
+    """A meta kernel's refusal of an in-place view op is not CPU's (`t_` of a 3-d tensor
+    raised AssertionError): CPU's own error, type and words (fuzzer seed 72019429)."""
+    def err(dev):
+        t = torch.zeros(1, 2, 3).to(dev)
+        with pytest.raises(Exception) as e:
+            op(t)
+        return type(e.value), str(e.value)
+    assert err(N) == err("cpu")
