@@ -34,24 +34,21 @@ def generate(instrs, n_views: int, outputs, run_instr):
     fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
     last: dict[int, int] = {}  # view id -> the last instr reading it
     stored = set(outputs)  # slots whose storage must be in `st`
-    for i, ins in enumerate(instrs):
-        for t in _tensors(ins.args + tuple(ins.kwargs.values())):
-            last[t[1]] = i
-            if not fast[i]:
-                stored.add(t[2])  # run_instr may make its view from the slot's storage
     made: set[int] = set()  # view ids this run has made by the time an instr runs
-    for i, ins in enumerate(instrs):  # a view made from a slot's storage needs it stored
-        for t in _tensors(ins.args + tuple(ins.kwargs.values())):
-            if t[1] not in made:
-                made.add(t[1])
+    for i, ins in enumerate(instrs):
+        for t in tensor_templates(ins.args + tuple(ins.kwargs.values())):
+            last[t[1]] = i
+            # a view made from its slot's storage (a first read; run_instr's reads may be)
+            if not fast[i] or t[1] not in made:
                 stored.add(t[2])
+            made.add(t[1])
         made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
     made = set()
     body = []
     for i, ins in enumerate(instrs):
         if not fast[i]:
             body += [f"k = {3 * i}", f"run_instr(I[{i}], st, inputs[{i}], rng, views)"]
-            made.update(_vids(ins.args + tuple(ins.kwargs.values())))
+            made.update(t[1] for t in tensor_templates(ins.args + tuple(ins.kwargs.values())))
             made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
         else:
             body.append(f"k = {3 * i}")
@@ -122,7 +119,7 @@ def _expr(t, i, j, ns, made, body) -> str:
     return f"c{i}_{j}"
 
 
-def _tensors(templates) -> list[tuple]:
+def tensor_templates(templates) -> list[tuple]:
     """The bound tensor templates ("T", view id, slot, ...) among `templates`, in lists too."""
     out = []
     for t in templates:
@@ -130,12 +127,9 @@ def _tensors(templates) -> list[tuple]:
             if t[0] == "T":
                 out.append(t)
             elif t[0] == "L":
-                out += _tensors(t[1:])
+                out += tensor_templates(t[1:])
     return out
 
-
-def _vids(templates) -> list[int]:
-    return [t[1] for t in _tensors(templates)]
 
 
 def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from device import LaunchError
 
-from .codegen import generate
+from .codegen import generate, tensor_templates
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
 
@@ -260,14 +260,7 @@ def skip(ins, poisoned: set, causes: dict | None) -> None:
 
 def _slots(templates: tuple) -> tuple:
     """Slots named by bound templates ("T", view id, slot, ...), recursing into lists."""
-    out = []
-    for t in templates:
-        if type(t) is tuple and t:
-            if t[0] == "T":
-                out.append(t[2])
-            elif t[0] == "L":
-                out.extend(_slots(t[1:]))
-    return tuple(out)
+    return tuple(t[2] for t in tensor_templates(templates))
 
 
 def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
