@@ -35,6 +35,7 @@ from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _extent_bytes, _global_state, check_conversions,
                    infer)
 from .queue import record
+from .replay import MISS, MISSED
 from .source import _user_stacklevel
 from .templates import template
 
@@ -344,6 +345,12 @@ class Engine:
         USERS.add(_get_ident())  # Note [Threads] at exit
         try:
             with self.lock:
+                if self.expect is not None:  # Note [Replay]: the steady state's path
+                    out = replay.follow(self, func, args, kwargs)
+                    if out is not MISS:
+                        if out is not MISSED:
+                            return out
+                        return self._dispatch(func, args, kwargs, counted=True)  # a plain op
                 route = _ROUTES.get(func._op) or _route(func)
                 if route.special is not None:
                     return route.special(self, func, args, kwargs)
@@ -360,17 +367,18 @@ class Engine:
                 raise e.with_traceback(None) from None
             raise
 
-    def _dispatch(self, func, args, kwargs, route=None):
-        """Every op the engine does not handle specially (`_SPECIAL`)."""
-        self.metrics.ops += 1
-        self.device.advance_host(self.spec.host_op_overhead_us)
+    def _dispatch(self, func, args, kwargs, route=None, counted=False):
+        """Every op the engine does not handle specially (`_SPECIAL`). `route`: Engine.dispatch's
+        plain route; `counted`: the op was counted on the way (`replay.follow`)."""
+        if not counted:
+            self.metrics.ops += 1
+            self.device.advance_host(self.spec.host_op_overhead_us)
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
-        else:  # Engine.dispatch's plain route: the op may be the expected trace's
-            if (self.expect is not None or not self.tnodes) and route.cls is not VIEW:
-                out = replay.step(self, func, args, kwargs)
-                if out is not replay.MISS:
-                    return out
+        elif route.cls is not VIEW and self.expect is None and not self.tnodes:
+            out = replay.step(self, func, args, kwargs)  # the op may begin a trace
+            if out is not MISS and out is not MISSED:
+                return out
         cls = route.cls
         if cls is None:
             return run_now(self, func, args, kwargs, fallback=True)
@@ -386,6 +394,8 @@ class Engine:
             meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
             if meta is not _RUN_NOW:
                 meta.gstate = key[3]
+                if route.special is not None:  # an op handler of ours queues it: Engine.dispatch
+                    meta.replay = False  # must not replay it past the handler (Note [Replay])
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta

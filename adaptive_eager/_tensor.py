@@ -29,22 +29,19 @@ class NeuronTensor(torch.Tensor):
         # The wrapper's own (data-less) storage is made as large as can be, so that in-place
         # resizes (resize_, out= of another shape) can restride it; the engine checks every
         # view against the real buffer (`_handle.nbytes`) instead.
-        if offset or requires_grad:
+        if offset or requires_grad or info is None:
             t = torch.Tensor._make_wrapper_subclass(
                 cls, size, strides=stride, storage_offset=offset, dtype=dtype,
                 device=engine.tdev or _device(engine), requires_grad=requires_grad,
                 storage_size=_UNBOUNDED)
-        else:  # (the defaults, not passed: each keyword costs time, and this runs per op)
-            t = torch.Tensor._make_wrapper_subclass(
-                cls, size, strides=stride, dtype=dtype, device=engine.tdev or _device(engine),
-                storage_size=_UNBOUNDED)
-        t._engine = engine
-        t._handle = handle
-        if info is None:
-            t._set_layout()
-        else:  # precomputed per op signature by the engine's meta cache
-            t._layout, t._vbytes, t._extent = info
-        return t
+            t._engine = engine
+            t._handle = handle
+            if info is None:
+                t._set_layout()
+            else:
+                t._layout, t._vbytes, t._extent = info
+            return t
+        return fresh(engine, handle, size, stride, dtype, info)
 
     def _set_layout(self):
         """Cache what every op's template needs (reading it back through torch is slower)."""
@@ -284,6 +281,22 @@ def _refuse_sharing(t):
         f"A {DEVICE_TYPE} tensor cannot be sent to another process: its buffer lives in this "
         f"process's device memory and cannot be shared. Send t.cpu() and move it with "
         f".to('{DEVICE_TYPE}') in the other process (a copy: writes there are not seen here).")
+
+
+def fresh(engine, handle, size, stride, dtype, info) -> NeuronTensor:
+    """`NeuronTensor(engine, handle, size, stride, 0, dtype, info=info)`, made without going
+    through the class's `__new__` (this runs per op): a view at offset 0 of `handle`, its
+    layout precomputed per op signature by the engine's meta cache (`info`)."""
+    # (the default keywords not passed: each costs time)
+    t = _make_wrapper(NeuronTensor, size, strides=stride, dtype=dtype,
+                      device=engine.tdev or _device(engine), storage_size=_UNBOUNDED)
+    t._engine = engine
+    t._handle = handle
+    t._layout, t._vbytes, t._extent = info
+    return t
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _device(engine) -> torch.device:

@@ -11,7 +11,7 @@ import threading
 import torch
 
 from .meta import _extent_bytes
-from .source import DEVICE_TYPE
+from .source import DEVICE_TYPE, file_line
 
 
 class NeuronRuntimeError(RuntimeError):
@@ -19,7 +19,7 @@ class NeuronRuntimeError(RuntimeError):
 
     def __init__(self, op: str, message: str, source):
         self.op = op
-        self.source = source
+        self.source = source = file_line(source)  # (file, line, stack)
         where = f'File "{source[0]}", line {source[1]}' if source else "unknown"
         if source and source[2]:
             where += "\n" + source[2]

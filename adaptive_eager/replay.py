@@ -35,12 +35,13 @@ from fusion.ir import Handle, encode_static
 
 from . import config as _config
 from . import cpu_settings
-from ._tensor import NeuronTensor
+from ._tensor import NeuronTensor, fresh
 from .meta import _global_state, check_conversions
 from .results import results
 from .source import _source
 
 MISS = object()  # the op does not match the trace: take the slow path
+MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
 _TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN = range(6)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
@@ -59,16 +60,16 @@ def spec(meta):
     buffer passed twice...). Cached on the meta result."""
     if meta.replay is not None:
         return meta.replay
-    out, li = [], 0
+    out, at = [], []  # at: the argument position of each local buffer index
     args_t, kwargs_t = meta.op.sig[2], meta.op.sig[3]
     for t in args_t + tuple(v for _, v in kwargs_t):  # kwargs after args, as templates go
         if type(t) is tuple and t and type(t[0]) is str:
             tag = t[0]
-            if tag == "T" and len(t) == 6 and t[1] == li:
-                out.append((_TENSOR, t[2:6], li))
-                li += 1
+            if tag == "T" and len(t) == 6 and t[1] == len(at):
+                out.append((_TENSOR, t[2:6], len(at)))
+                at.append(len(out) - 1)
             elif tag == "T" and len(t) == 6:  # the same tensor again (`addcmul_(g, g)`)
-                out.append((_AGAIN, t[1], t[2:6]))
+                out.append((_AGAIN, at[t[1]], t[2:6]))
             elif tag == "S" and type(t[2]) is str:
                 out.append((_SCALAR, _SCALARS[t[2]]))
             elif tag == "F":
@@ -101,79 +102,89 @@ class Trace:
 
 
 def step(eng, func, args, kwargs):
-    """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace, and return
-    its result; MISS if it does not match (nothing is changed then, but a flush on the way
-    may have happened, as the slow path would have done it). The first op of a trace picks
-    the trace: the recent traces that began with this op are tried, newest first."""
-    if eng.expect is not None:
-        return _step(eng, func, args, kwargs)
-    if eng.tnodes:  # the replay of this trace has ended
-        return MISS
+    """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
+    with this op are tried, newest first (`follow`). Engine._dispatch has counted the op."""
     for trace in eng.traces.get(func._op, ()):
         eng.expect = eng.tfrom = trace
-        out = _step(eng, func, args, kwargs)
+        out = follow(eng, func, args, kwargs, True)
         if out is not MISS:
             return out
         if eng.tnodes:  # (a flush on the way cannot queue a node: never taken)
-            return MISS
+            break
     eng.expect = eng.tfrom = None
     return MISS
 
 
-def _step(eng, func, args, kwargs):
+def follow(eng, func, args, kwargs, counted=False):
+    """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace `eng.expect`
+    at its position and return its result. MISS if it does not match (nothing is changed,
+    but a flush on the way may have happened, as the slow path would have done it); MISSED
+    if it stopped matching after counting the op (as Engine._dispatch counts every op, once:
+    `counted` says it already did)."""
+    ok = False
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = eng.expect
         if trace is None or cpu_settings.FTZ_USED[0] and (
                 cpu_settings.thread_ftz() != eng.queue_ftz):
-            return MISS  # (Note [CPU settings]: the slow path flushes for it)
+            break  # (Note [CPU settings]: the slow path flushes for it)
         lazy = eng.is_lazy()
         key = eng.strategy.key
         if lazy != trace.lazy or trace.key is not key and trace.key != key:  # another policy's
-            return MISS
+            break
         pos = len(eng.tnodes)
         if pos >= len(trace.nodes):
-            return MISS
-        meta, cut = trace.steps[pos]
+            break
+        tstep = trace.steps[pos]
+        meta, cut = tstep
         op = meta.op
         if func is not op.func:
-            return MISS
+            break
         sp = meta.replay if meta.replay is not None else spec(meta)
         if sp is False or len(args) != sp[1] or (tuple(kwargs) != sp[2] if kwargs else sp[2]):
-            return MISS
+            break
         tn = trace.nodes[pos]
         vbytes = tn.vbytes
-        handles, inputs, objs = [], [], []
-        for a, s in zip(args + tuple(kwargs.values()) if kwargs else args, sp[0]):
+        handles, inputs = [], []
+        flat = args + tuple(kwargs.values()) if kwargs else args
+        for a, s in zip(flat, sp[0]):
             kind = s[0]
             if kind == _TENSOR:
                 if type(a) is not NeuronTensor or a._engine is not eng:
-                    return MISS
+                    break
                 lay = a._layout
                 h = a._handle
                 if lay is not s[1] and lay != s[1] or h in handles or a._extent > h.nbytes \
                         or min(h.nbytes, a._vbytes) != vbytes[s[2]]:
-                    return MISS
+                    break
                 handles.append(h)
-                objs.append(a)
-            elif kind == _AGAIN:  # the very tensor object of an earlier argument, as laid out
-                if a is not objs[s[1]] or a._layout != s[2]:  # then (another layout: another key)
-                    return MISS
             elif kind == _SCALAR:
                 if type(a) is not s[1]:
-                    return MISS
+                    break
                 inputs.append(a)
+            elif kind == _AGAIN:  # the very tensor object of an earlier argument, as laid out
+                if a is not flat[s[1]] or a._layout != s[2]:  # then (another layout: another
+                    break  # key)
             elif kind == _STATIC:
                 if type(a) is not s[1] or (encode_static(a) if s[1] is float else a) != s[2]:
-                    return MISS
+                    break
             elif kind == _ENUM:
                 if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
-                    return MISS
+                    break
             elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
                     type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
-                return MISS
-        if meta.gstate != _global_state():
-            return MISS
-        # The op is the trace's. What follows is queue.record's, in its order.
+                break
+        else:
+            if meta.gstate == _global_state():
+                ok = True
+        if not ok:
+            break
+        ok = False
+        # The op is the trace's. What follows is Engine._dispatch's and queue.record's, in
+        # their order.
+        if not counted:
+            counted = True
+            eng.metrics.ops += 1
+            eng.device.advance_host(eng.spec.host_op_overhead_us)
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
         new_bytes = op.new_total
@@ -194,22 +205,65 @@ def _step(eng, func, args, kwargs):
                 eng.flush("device idle")
                 continue
         # the buffers' indices in this segment must be the trace's
-        uids, seg, fresh = tn.uids, eng.seg, len(eng.refs)
+        uids, seg, nxt = tn.uids, eng.seg, len(eng.refs)
         for li, h in enumerate(handles):
             if h.seg is seg:
                 if h.ci != uids[li]:
-                    return MISS
-            elif uids[li] == fresh:
-                fresh += 1
+                    break
+            elif uids[li] == nxt:
+                nxt += 1
             else:
-                return MISS
-        if len(uids) > len(handles) and uids[len(handles)] != fresh:  # then the new ones
-            return MISS
-        if check:
-            _check(eng, func, args, kwargs, meta, handles, inputs)
-            assert not lazy or (real is None) == (cut is None), (func, real, cut)
-        return _commit(eng, func, args, kwargs, meta, tn, cut, handles, inputs, lazy, cfg)
-    return MISS
+                break
+        else:  # then the new ones
+            ok = len(uids) == len(handles) or uids[len(handles)] == nxt
+        break
+    if not ok:
+        return MISSED if counted else MISS
+    if check:
+        _check(eng, func, args, kwargs, meta, handles, inputs)
+        assert not lazy or (real is None) == (cut is None), (func, real, cut)
+        assert lazy == eng.is_lazy()
+    # Queue it (queue.record's work, with the trace's answers)
+    new = []
+    for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
+        new.append(Handle(b, None, True))
+    if meta.f64:
+        eng._check_dtype(torch.float64)
+    # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
+    # (a __torch_dispatch__ or _unsafe_view, or Engine._dispatch)
+    node = tn.again(inputs, _source(3))
+    seg, refs = eng.seg, eng.refs
+    for h in handles:  # numbered as checked: their indices are the trace node's
+        if h.seg is not seg:
+            h.seg, h.ci = seg, len(refs)
+            refs.append(weakref.ref(h) if h.pending else h)
+    weak = cfg.skip_intermediate
+    for h in new:
+        h.seg, h.ci = seg, len(refs)
+        refs.append(weakref.ref(h) if weak else h)
+    eng.queue.append(node)
+    eng.tnodes.append(node)
+    eng.tsteps.append(tstep)
+    if len(eng.tnodes) >= MAX_TRACE:
+        overflow(eng)
+    if check and lazy:  # the online group kept as the slow path keeps it
+        eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
+    else:
+        eng.replayed = True
+    eng.metrics.replayed_ops += 1
+    eng.pending_bytes += new_bytes
+    if not lazy:
+        eng.flush("eager")
+    elif len(eng.queue) >= cfg.buffer_size_limit:
+        eng.flush("buffer full")
+    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
+        eng.flush("pending memory")
+    if meta.single:
+        leaf = meta.leaves[0]
+        if leaf[0] == "new":
+            _, k, size, stride, dtype, info = leaf
+            return fresh(eng, new[k], size, stride, dtype, info)
+    return results(eng, func, args, kwargs, handles, meta, new)
 
 
 def _check(eng, func, args, kwargs, meta, handles, inputs) -> None:
@@ -223,48 +277,6 @@ def _check(eng, func, args, kwargs, meta, handles, inputs) -> None:
         and kwargs_t == meta.op.sig[3] and meta.gstate == key[3], (func, args_t, meta.op.sig)
     assert hs == handles and ins == inputs and [type(v) for v in ins] == \
         [type(v) for v in inputs], (func, hs, handles, ins, inputs)
-
-
-def _commit(eng, func, args, kwargs, meta, tn, cut, handles, inputs, lazy, cfg):
-    op = meta.op
-    new = [Handle(b, None, True) for b in op.new_bytes]
-    if meta.f64:
-        eng._check_dtype(torch.float64)
-    # Frames known to be ours: this, step, Engine._dispatch, Engine.dispatch (its only caller
-    # on this path) and Engine.dispatch's caller (a __torch_dispatch__, or _unsafe_view)
-    node = tn.again(inputs, _source(5))
-    seg, refs = eng.seg, eng.refs
-    for h in handles:  # numbered as checked: their indices are the trace node's
-        if h.seg is not seg:
-            h.seg, h.ci = seg, len(refs)
-            refs.append(weakref.ref(h) if h.pending else h)
-    weak = cfg.skip_intermediate
-    for h in new:
-        h.seg, h.ci = seg, len(refs)
-        refs.append(weakref.ref(h) if weak else h)
-    eng.queue.append(node)
-    eng.tnodes.append(node)
-    eng.tsteps.append((meta, cut))
-    if len(eng.tnodes) >= MAX_TRACE:
-        overflow(eng)
-    if cfg.check_replay and lazy:  # the online group kept as the slow path keeps it
-        eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
-    else:
-        eng.replayed = True
-    eng.metrics.replayed_ops += 1
-    eng.pending_bytes += op.new_total
-    if not lazy:
-        eng.flush("eager")
-    elif len(eng.queue) >= cfg.buffer_size_limit:
-        eng.flush("buffer full")
-    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
-        eng.flush("pending memory")
-    if meta.single:
-        leaf = meta.leaves[0]
-        if leaf[0] == "new":
-            _, k, size, stride, dtype, info = leaf
-            return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
-    return results(eng, func, args, kwargs, handles, meta, new)
 
 
 class _NotRecording(list):

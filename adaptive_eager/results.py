@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_unflatten
 
 from device import Launch
 
-from ._tensor import NeuronTensor
+from ._tensor import NeuronTensor, fresh
 from .errors import _out_of_bounds
 from .meta import _extent_bytes, _meta_buffers, _to_meta
 from .source import _user_stacklevel
@@ -29,7 +29,7 @@ def results(eng, func, args, kwargs, handles, meta, new):
         leaf = meta.leaves[0]
         if leaf[0] == "new":
             _, k, size, stride, dtype, info = leaf
-            return NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info)
+            return fresh(eng, new[k], size, stride, dtype, info)
         if leaf[0] == "view":
             return _view(eng, leaf, handles, args)
     out = []
@@ -37,7 +37,7 @@ def results(eng, func, args, kwargs, handles, meta, new):
         kind = leaf[0]
         if kind == "new":
             _, k, size, stride, dtype, info = leaf
-            out.append(NeuronTensor(eng, new[k], size, stride, 0, dtype, info=info))
+            out.append(fresh(eng, new[k], size, stride, dtype, info))
         elif kind == "view":
             out.append(_view(eng, leaf, handles, args))
         elif kind == "arg":

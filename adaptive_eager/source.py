@@ -50,9 +50,11 @@ _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _source(ours: int = 1):
-    """(file, line, stack) of the user's code that issued the op. `ours`: how many frames
-    above the caller are known to be ours (skipped without looking: Python 3.11 makes a
-    frame object for every frame a walk steps through, and this runs per op)."""
+    """Where the user's code that issued the op is: `(code, lasti, stack)`, or for a
+    compiled graph's generated code `(file, line, stack)` (`file_line` makes either a file and
+    line: the line is looked up only if an error names it). `ours`: how many frames above
+    the caller are known to be ours (skipped without looking: Python 3.11 makes a frame
+    object for every frame a walk steps through, and this runs per op)."""
     f = sys._getframe(1 + ours)
     while f is not None:  # (_ours, inlined: this runs per op)
         skip = _OURS.get(f.f_code)
@@ -63,14 +65,24 @@ def _source(ours: int = 1):
         f = f.f_back
     if f is None:
         return None
-    stack = None
-    if _config.config.stack_trace:
-        stack = "".join(traceback.format_stack(f))
-    if f.f_code in _FX_CODES:  # a compiled graph's generated code: the line it was traced at
+    stack = "".join(traceback.format_stack(f)) if _config.config.stack_trace else None
+    code = f.f_code
+    if code in _FX_CODES:  # a compiled graph's generated code: the line it was traced at
         where = _fx_line(f)
         if where is not None:
             return where + (stack,)
-    return (f.f_code.co_filename, f.f_lineno, stack)
+    return (code, f.f_lasti, stack)
+
+
+def file_line(source):
+    """`(file, line, stack)` of a source `_source` captured (None stays None)."""
+    if source is None or type(source[0]) is str:
+        return source
+    code, lasti, stack = source
+    for start, end, line in code.co_lines():  # (what frame.f_lineno does)
+        if start <= lasti < end and line is not None:
+            return (code.co_filename, line, stack)
+    return (code.co_filename, code.co_firstlineno, stack)
 
 
 def _fx_line(f):

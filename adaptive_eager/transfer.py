@@ -9,7 +9,7 @@ from device import Launch
 
 from ._tensor import NeuronTensor
 from .errors import _generator_error, _raise_launch_error
-from .source import DEVICE_TYPE, _source
+from .source import DEVICE_TYPE, _source, file_line
 
 aten = torch.ops.aten
 
@@ -17,7 +17,7 @@ aten = torch.ops.aten
 def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
     """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
     if eng.queue:  # a host read that cuts queued work: where (run's advice)
-        src = _source()
+        src = file_line(_source())
         eng.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
     eng.sync(reason)
     h = t._handle

@@ -32,7 +32,7 @@ from test_host_overhead import CHAIN, Floor, chain  # noqa: E402
 # stage -> the function whose cumulative time is the stage (file suffix, function name)
 STAGES = [
     # Note [Replay]: steady-state ops match the trace and are queued there (less flushes)
-    ("replay: match the trace + queue + result", "adaptive_eager/replay.py", "_step"),
+    ("replay: match the trace + queue + result", "adaptive_eager/replay.py", "follow"),
     # the slow path: ops that do not match
     ("templates (arguments -> cache key)", "adaptive_eager/templates.py", "template"),
     ("meta inference (new signatures only)", "adaptive_eager/meta.py", "infer"),
@@ -179,7 +179,7 @@ def main() -> None:
     flush = ("adaptive_eager/_engine.py", "locked")  # Engine.flush, through its lock wrapper
     shown = 0.0
     for name, path, func in STAGES:
-        t = cum(path, func, flush if func in ("record", "_step") else None)
+        t = cum(path, func, flush if func in ("record", "follow") else None)
         shown += t
         print(f"    {name:38s} {t / total * engine:6.2f} us  ({t / total:5.1%})")
     rest = total - shown

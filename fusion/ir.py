@@ -146,7 +146,7 @@ class Node:
         # (vbytes of the new buffers are the signature's new_bytes)
         self.out_bytes = op.new_total + sum([vbytes[li] for li in op.arg_writes]) \
             if op.arg_writes else op.new_total
-        self.source = source  # (filename, lineno, stack or None) of the user's call
+        self.source = source  # the user's call (adaptive_eager.source._source)
 
     def again(self, inputs, source) -> "Node":
         """This node's op on the same buffers, with another call's runtime values and source
