@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import json
 
+import torch
+
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
@@ -183,7 +185,13 @@ class adaptive(TorchDispatchMode):
             # The only mode: go straight to the engine (what func() would reach anyway).
             # Under other modes, redispatch so that they see the op too.
             return engine_of(args, kwargs).dispatch(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if _engine.writes_foreach(func) and type(args[0][0]) is not NeuronTensor:
+            # Under any dispatch mode, CPU's in-place foreach kernels bump no version of what
+            # they write (outside one, each per-tensor op does): autograd would miss the
+            # write (a silently wrong gradient). Neuron's handler bumps its own.
+            torch.autograd.graph.increment_version(list(args[0]))
+        return out
 
 
 def wait_for_compiles() -> None:

@@ -594,6 +594,11 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
             assert _op._schema.arguments[0].alias_info.is_write, _op
             _SPECIAL[_op] = _bumps_versions
 
+
+def writes_foreach(func) -> bool:
+    """Is `func` an in-place foreach op (writes the tensors of its first list)?"""
+    return _SPECIAL.get(func) is _bumps_versions
+
 class _Route(NamedTuple):
     """How `Engine.dispatch` routes one op, looked up once per op overload."""
 

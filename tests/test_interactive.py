@@ -7,6 +7,7 @@ import textwrap
 import tracemalloc
 from contextlib import redirect_stdout
 
+import pytest
 import torch
 
 import adaptive_eager as ae
@@ -115,6 +116,19 @@ def test_flop_counter_mode_composes_with_adaptive():
     assert fc.get_total_flops() == 2 * 8 * 16 * 4
     assert not ae.is_adaptive()
     torch.testing.assert_close(c.cpu(), (a.cpu() @ b.cpu()).relu())
+
+
+def test_cpu_foreach_writes_inside_an_adaptive_scope_are_seen_by_autograd():
+    """Under any dispatch mode CPU's in-place foreach kernels bump no version: a CPU tensor
+    saved for backward and overwritten in an `ae.adaptive()` block gave a silently wrong
+    gradient. The scope bumps them, so backward raises CPU's error, as outside it."""
+    w = [torch.ones(3, requires_grad=True) * 1]
+    y = w[0] * w[0]  # saves w[0]
+    with ae.adaptive():
+        torch._foreach_add_(w, [torch.arange(3.0)])
+    assert w[0]._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_nested_adaptive_scopes_restore_mode():

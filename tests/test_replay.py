@@ -138,3 +138,36 @@ def test_replay_follows_flush_to_zero():
                 assert ae.metrics().replayed_ops == 2
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_ops_of_our_handlers_are_not_replayed_past_the_handler():
+    """An in-place foreach op is queued by a handler of ours that also bumps its tensors'
+    versions (as CPU does): a replayed step still goes through it, so autograd still sees
+    the write (`_version`) and the step's values are CPU's."""
+    def step(ts, g):
+        torch._foreach_add_(ts, [g, g])
+        return ts[0] * 2 + ts[1]
+
+    cpu = [torch.ones(4), torch.ones(4)]
+    dev = [t.to(N) for t in cpu]
+    g = torch.arange(4.0)
+    with ae.adaptive(strategy="graph"):
+        for _ in range(4):
+            out = step(dev, g.to(N))
+            torch.neuron.synchronize()
+        m = ae.metrics()
+    for _ in range(4):
+        ref = step(cpu, g)
+    assert m.replayed_ops > 0
+    assert [t._version for t in dev] == [t._version for t in cpu]
+    assert torch.equal(out.cpu(), ref)
+    # an op such a handler queued is never followed past it: the slow way, through the
+    # handler (`copy_`'s, here; the foreach op's list argument is not replayed in any case)
+    a, b = torch.zeros(4).to(N), torch.ones(4).to(N)
+    with ae.adaptive(strategy="graph"):
+        for _ in range(3):
+            ae.reset_metrics()
+            (a.copy_(b * 2) + 1).sum()
+            torch.neuron.synchronize()
+        m = ae.metrics()
+    assert m.ops == 4 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
