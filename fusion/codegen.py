@@ -17,11 +17,14 @@ earlier instr done: the interpreter goes on from the next instr.
 """
 from __future__ import annotations
 
+import dis
+
 import torch
 
 from device import LaunchError
 
 _CPU = torch.device("cpu")
+_CALL = dis.opmap["CALL"]
 
 
 def generate(instrs, n_views: int, outputs, run_instr):
@@ -29,7 +32,7 @@ def generate(instrs, n_views: int, outputs, run_instr):
     `outputs` (written back) get their storage in `st`, as does any slot a later op reads
     through another view; a view is dropped after its last read, so the memory of a chain's
     dead intermediates is reused as on CPU (the interpreter keeps every one to the end)."""
-    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view,
+    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALL": _CALL,
           "_fix": _fix, "I": tuple(instrs)}
     fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
     last: dict[int, int] = {}  # view id -> the last instr reading it
@@ -44,41 +47,49 @@ def generate(instrs, n_views: int, outputs, run_instr):
             made.add(t[1])
         made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
     made = set()
-    body = []
+    body = []  # (line, phase code k): instr i's arguments 3i, kernel 3i+1, output 3i+2
     for i, ins in enumerate(instrs):
         if not fast[i]:
-            body += [f"k = {3 * i}", f"run_instr(I[{i}], st, inputs[{i}], rng, views)"]
+            body.append((f"run_instr(I[{i}], st, inputs[{i}], rng, views)", 3 * i))
             made.update(t[1] for t in tensor_templates(ins.args + tuple(ins.kwargs.values())))
             made.update(o[4] for o in ins.outs if o is not None and o[4] is not None)
         else:
-            body.append(f"k = {3 * i}")
-            exprs = [_expr(a, i, j, ns, made, body) for j, a in enumerate(ins.args)]
-            exprs += [f"{name}={_expr(v, i, f'k{name}', ns, made, body)}"
+            pre = []  # the views this instr reads first: made before its kernel is called
+            exprs = [_expr(a, i, j, ns, made, pre) for j, a in enumerate(ins.args)]
+            exprs += [f"{name}={_expr(v, i, f'k{name}', ns, made, pre)}"
                       for name, v in ins.kwargs.items()]
+            body += [(line, 3 * i) for line in pre]
             ns[f"K{i}"] = ins.kernel
-            body += [f"k = {3 * i + 1}", f"r = K{i}({', '.join(exprs)})", f"k = {3 * i + 2}"]
+            body.append((f"r = K{i}({', '.join(exprs)})", 3 * i + 1))
             o = next((o for o in ins.outs if o is not None), None) if ins.any_out else None
             if o is not None:
                 s, size, stride, dtype, vid = o
-                ns[f"o{i}"] = o
-                body.append(f"if r.dtype is not o{i}[3] or r.storage_offset() "
-                            f"or r.stride() != o{i}[2] or r.shape != o{i}[1]: r = _fix(r, o{i})")
+                ns[f"o{i}"], ns[f"d{i}"], ns[f"s{i}"], ns[f"z{i}"] = o, dtype, stride, size
+                body.append((f"if r.dtype is not d{i} or r.storage_offset() or r.stride() != s{i} "
+                             f"or r.shape != z{i}: r = _fix(r, o{i})", 3 * i + 2))
                 if s in stored:
-                    body.append(f"st[{s}] = r.untyped_storage()")
+                    body.append((f"st[{s}] = r.untyped_storage()", 3 * i + 2))
                 if vid is not None and last.get(vid, -1) > i:
-                    body.append(f"views[{vid}] = r")
+                    body.append((f"views[{vid}] = r", 3 * i + 2))
                     made.add(vid)
         dead = [v for v, j in last.items() if j == i]
         if dead:
-            body.append("; ".join(f"views[{v}] = None" for v in dead))
-    src = ["def run(st, inputs, rng, views):", "    k = 0", "    try:"]
-    src += [f"        {line}" for line in body] or ["        pass"]
+            body.append(("; ".join(f"views[{v}] = None" for v in dead), 3 * i + 2))
+    src = ["def run(st, inputs, rng, views):", "    try:"]
+    # Which instr and phase each line is (the line an exception stops at: no per-op stores)
+    ns["PHASE"] = {len(src) + 1 + n: k for n, (_, k) in enumerate(body)}
+    src += [f"        {line}" for line, _ in body] or ["        pass"]
     src += ["    except Exception as e:",
+            "        tb = e.__traceback__",
+            "        k = PHASE[tb.tb_lineno]",
+            "        if k % 3 == 1 and CODE[tb.tb_lasti] != CALL:  # not the call: an argument",
+            "            k -= 1",
             "        if not isinstance(e, LaunchError):",
             "            e = LaunchError(e, internal=k % 3 != 1)",
             "        return k // 3, e",
             "    return None"]
     exec(compile("\n".join(src), f"<generated run of {len(instrs)} ops>", "exec"), ns)
+    ns["CODE"] = ns["run"].__code__.co_code
     return ns["run"]
 
 
@@ -105,7 +116,7 @@ def _expr(t, i, j, ns, made, body) -> str:
             if vid not in made:
                 made.add(vid)
                 body.append(f"_view(st, views, {vid}, {t[2]}, {t[3]!r}, {t[4]!r}, {t[5]}, "
-                            f"c{i}_{j})")
+                            f"c{i}_{j})")  # (body: the instr's lines before its kernel)
                 ns[f"c{i}_{j}"] = t[6]
             return f"views[{vid}]"
         if tag == "L":

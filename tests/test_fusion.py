@@ -293,6 +293,27 @@ def test_generated_run_stops_at_a_failed_op_as_the_interpreter_does(monkeypatch)
     assert generated == interp == ([0., 2., 4., 6., 8.], [1., 3., 5., 7., 9.])
 
 
+def test_generated_run_tells_kernel_errors_from_internal_ones_by_op():
+    """Note [Generated runs]: an exception names the op it stopped at, and is the kernel's
+    own error (the kernel call raised) or an internal one (anything else: here a runtime
+    scalar missing from the op's inputs, as a bug of ours would leave it)."""
+    x = rand(16)
+    _, ex, _ = lazy(lambda: (x * 2 + 1) * 3)
+    exe = ex.report.plan.groups[0].exe
+    assert len(exe.instrs) == 3
+
+    def run(inputs):
+        st = [None] * exe.program.n_slots
+        st[0] = x._handle.buffer.storage
+        return exe.generated(st, inputs, None, [None] * exe.n_views)
+
+    assert run([[2], [1], [3]]) is None
+    k, err = run([[2], [], [3]])  # op 1's scalar is missing: our bug, not the kernel's
+    assert k == 1 and err.internal and isinstance(err.cause, IndexError)
+    k, err = run([[2], [1], ["3"]])  # op 2's kernel refuses its argument
+    assert k == 2 and not err.internal and "Expected a value of type" in str(err.cause)
+
+
 def test_runtime_scalars_do_not_recompile():
     x = rand(16)
     lazy(lambda: x * 0.5 + 1)
