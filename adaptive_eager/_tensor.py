@@ -39,18 +39,17 @@ class NeuronTensor(torch.Tensor):
             if info is None:
                 t._set_layout()
             else:
-                t._layout, t._vbytes, t._extent = info
+                t._info = info
             return t
         return fresh(engine, handle, size, stride, dtype, info)
 
     def _set_layout(self):
-        """Cache what every op's template needs (reading it back through torch is slower)."""
-        self._layout = (tuple(self.shape), self.stride(), self.storage_offset(),
-                        str(self.dtype)[6:])
-        self._vbytes = self.numel() * self.element_size()
-        # bytes of the buffer this view reaches (its end): checked against the buffer
-        self._extent = _extent_bytes(self._layout[0], self._layout[1], self._layout[2],
-                                     self.element_size())
+        """Cache what every op's template needs (reading it back through torch is slower):
+        `_info` = (layout: sizes, strides, offset, dtype name; bytes of the view; bytes of
+        the buffer it reaches, its end, checked against the buffer)."""
+        layout = (tuple(self.shape), self.stride(), self.storage_offset(), str(self.dtype)[6:])
+        self._info = (layout, self.numel() * self.element_size(),
+                      _extent_bytes(layout[0], layout[1], layout[2], self.element_size()))
 
     @property
     def data(self):
@@ -292,7 +291,7 @@ def fresh(engine, handle, size, stride, dtype, info) -> NeuronTensor:
                       device=engine.tdev or _device(engine), storage_size=_UNBOUNDED)
     t._engine = engine
     t._handle = handle
-    t._layout, t._vbytes, t._extent = info
+    t._info = info
     return t
 
 

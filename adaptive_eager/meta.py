@@ -36,7 +36,7 @@ class MetaResult:
         self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
         self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
         # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
-        # ("value", v); info: what NeuronTensor caches (see NeuronTensor.__new__)
+        # ("value", v); info: what a NeuronTensor caches as `_info` (NeuronTensor._set_layout)
         self.spec = spec
         self.gstate = None  # the global state it was computed under (the engine sets it)
         self.replay = None  # Note [Replay]: how its calls' arguments look (replay.spec)

@@ -151,10 +151,10 @@ def follow(eng, func, args, kwargs, counted=False):
             if kind == _TENSOR:
                 if type(a) is not NeuronTensor or a._engine is not eng:
                     break
-                lay = a._layout
+                lay, nbytes, extent = a._info
                 h = a._handle
-                if lay is not s[1] and lay != s[1] or h in handles or a._extent > h.nbytes \
-                        or min(h.nbytes, a._vbytes) != vbytes[s[2]]:
+                if lay is not s[1] and lay != s[1] or h in handles or extent > h.nbytes \
+                        or min(h.nbytes, nbytes) != vbytes[s[2]]:
                     break
                 handles.append(h)
             elif kind == _SCALAR:
@@ -162,7 +162,7 @@ def follow(eng, func, args, kwargs, counted=False):
                     break
                 inputs.append(a)
             elif kind == _AGAIN:  # the very tensor object of an earlier argument, as laid out
-                if a is not flat[s[1]] or a._layout != s[2]:  # then (another layout: another
+                if a is not flat[s[1]] or a._info[0] != s[2]:  # then (another layout: another
                     break  # key)
             elif kind == _STATIC:
                 if type(a) is not s[1] or (encode_static(a) if s[1] is float else a) != s[2]:

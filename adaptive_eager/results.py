@@ -96,7 +96,7 @@ def _cpu_refusal(func, t, args, kwargs) -> None:
     """A meta kernel refused an in-place view op (`t_` of a 3-d tensor raises AssertionError
     there): raise CPU's own error, from the op on a host tensor of the same layout, when CPU
     refuses it too (fuzzer seed 72019429)."""
-    host = torch.zeros(t._extent // t.element_size() + 1, dtype=t.dtype).as_strided(
+    host = torch.zeros(t._info[2] // t.element_size() + 1, dtype=t.dtype).as_strided(
         t.shape, t.stride(), t.storage_offset())
     try:
         func(host, *args[1:], **kwargs)

@@ -52,15 +52,17 @@ def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple
     h = v._handle
     li = where.get(h.uid)
     if li is None:
-        if v._extent > h.nbytes:  # its storage was resized smaller (FSDP2's free)
-            _out_of_bounds(v._layout[0], v._layout[1], v._layout[2], v.dtype, h.nbytes)
+        layout, nbytes, extent = v._info
+        if extent > h.nbytes:  # its storage was resized smaller (FSDP2's free)
+            _out_of_bounds(layout[0], layout[1], layout[2], v.dtype, h.nbytes)
         li = where[h.uid] = len(handles)
         where[-1 - li] = v  # its first tensor object (keys < 0: buffer uids are > 0)
         handles.append(h)
-        vbytes.append(min(h.nbytes, v._vbytes))
-        return ("T", li) + v._layout
-    if v._vbytes > vbytes[li]:
-        vbytes[li] = min(h.nbytes, v._vbytes)
+        vbytes.append(min(h.nbytes, nbytes))
+        return ("T", li) + layout
+    layout, nbytes, _ = v._info
+    if nbytes > vbytes[li]:
+        vbytes[li] = min(h.nbytes, nbytes)
     # Note [Tensor identity]: CPU's overlap checks tell one tensor passed twice (the same
     # TensorImpl: a full overlap) from two tensors over the same memory (x and x.detach():
     # no overlap if empty, not provable if strided). Two distinct objects with one layout
@@ -70,9 +72,9 @@ def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple
         objs = where[-1 - li] = [(objs, 0)]
     k = next((k for o, k in objs if o is v), None)
     if k is None:
-        k = sum(1 for o, _ in objs if o._layout == v._layout)
+        k = sum(1 for o, _ in objs if o._info[0] == layout)
         objs.append((v, k))
-    return ("T", li) + v._layout + ((k,) if k else ())
+    return ("T", li) + layout + ((k,) if k else ())
 
 
 class _Encoder:
