@@ -31,43 +31,51 @@ def _user_stacklevel() -> int:
 
 
 def _ours(code) -> bool:
-    """Is `code` in our packages (or torch's)? Cached per code object: this runs per op."""
-    skip = _OURS.get(code)
-    if skip is None:
-        if len(_OURS) >= 10_000:  # code made at run time (exec, lambdas in loops): bounded
-            _OURS.clear()
-            _FX_CODES.clear()
-        skip = _OURS[code] = code.co_filename.startswith(_SKIP_FILES)
-        if code.co_filename.startswith("<eval_with_key>"):
-            _FX_CODES.add(code)
-    return skip
+    """Is `code` in our packages (or torch's)?"""
+    return _kind(code) == _OUR_CODE
 
 
-_OURS: dict = {}
-_FX_CODES: set = set()  # the code of FX graph modules (compiled graphs, make_fx)
+def _kind(code) -> int:
+    """_OUR_CODE (our packages' or torch's), _FX_CODE (an FX graph module's generated code:
+    compiled graphs, make_fx) or _USER_CODE. Cached by the code object's id, the object kept
+    alive beside it (so the id is not reused): hashing a code object hashes its constants,
+    and this runs per frame of every op."""
+    kind = _KINDS.get(id(code))
+    if kind is not None:
+        return kind[1]
+    if len(_KINDS) >= 10_000:  # code made at run time (exec, lambdas in loops): bounded
+        _KINDS.clear()
+    name = code.co_filename
+    kind = _OUR_CODE if name.startswith(_SKIP_FILES) else \
+        _FX_CODE if name.startswith("<eval_with_key>") else _USER_CODE
+    _KINDS[id(code)] = (code, kind)
+    return kind
+
+
+_USER_CODE, _OUR_CODE, _FX_CODE = 0, 1, 2
+_KINDS: dict = {}  # id(code) -> (code, kind)
 _FX_LINES: dict = {}  # (code, line) -> the user's (file, line) its graph node was traced at
 _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _source(ours: int = 1):
     """Where the user's code that issued the op is: `(code, lasti, stack)`, or for a
-    compiled graph's generated code `(file, line, stack)` (`file_line` makes either a file and
-    line: the line is looked up only if an error names it). `ours`: how many frames above
-    the caller are known to be ours (skipped without looking: Python 3.11 makes a frame
-    object for every frame a walk steps through, and this runs per op)."""
+    compiled graph's generated code `(file, line, stack)` (`file_line` makes either a file
+    and line: the line is looked up only if an error names it). `ours`: how many frames
+    above the caller are known to be ours (skipped without looking: Python 3.11 makes a
+    frame object for every frame a walk steps through, and this runs per op)."""
     f = sys._getframe(1 + ours)
-    while f is not None:  # (_ours, inlined: this runs per op)
-        skip = _OURS.get(f.f_code)
-        if skip is None:
-            skip = _ours(f.f_code)
-        if not skip:
+    while f is not None:  # (_kind, inlined: this runs per op)
+        code = f.f_code
+        kind = _KINDS.get(id(code))
+        kind = kind[1] if kind is not None else _kind(code)
+        if kind != _OUR_CODE:
             break
         f = f.f_back
     if f is None:
         return None
     stack = "".join(traceback.format_stack(f)) if _config.config.stack_trace else None
-    code = f.f_code
-    if code in _FX_CODES:  # a compiled graph's generated code: the line it was traced at
+    if kind == _FX_CODE:  # a compiled graph's generated code: the line it was traced at
         where = _fx_line(f)
         if where is not None:
             return where + (stack,)
