@@ -343,8 +343,10 @@ class Engine:
     # -- dispatch --------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
         USERS.add(_get_ident())  # Note [Threads] at exit
+        lock = self.lock
         try:
-            with self.lock:
+            lock.acquire()  # (`with`, unrolled: this runs per op)
+            try:
                 if self.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
                     if out is not MISS:
@@ -357,6 +359,8 @@ class Engine:
                 if route.composite is not None:  # Note [Composite ops in inference mode]
                     return _composite(func, route.composite, args, kwargs)
                 return self._dispatch(func, args, kwargs, route)
+            finally:
+                lock.release()
         except BaseException as e:
             # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
             # device thread, or the caller's own thread once backward runs single-threaded,

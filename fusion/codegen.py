@@ -27,13 +27,21 @@ _CPU = torch.device("cpu")
 _CALL = dis.opmap["CALL"]
 
 
-def generate(instrs, n_views: int, outputs, run_instr):
+def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`. Slots of
     `outputs` (written back) get their storage in `st`, as does any slot a later op reads
     through another view; a view is dropped after its last read, so the memory of a chain's
-    dead intermediates is reused as on CPU (the interpreter keeps every one to the end)."""
+    dead intermediates is reused as on CPU (the interpreter keeps every one to the end).
+
+    Note [Proven layouts]: `checked` runs check each result's layout against the op's
+    signature (and copy it into that layout where it differs: `fn.fixed` lists those ops).
+    A kernel's result layout is a function of its inputs' layouts, dtypes and scalar types,
+    which a program fixes (its views are made from its templates, its scalars' types are in
+    its key): once checked runs needed no copy, an unchecked run (`checked=False`) skips the
+    checks, except for ops reading host tensors (their layouts are the caller's)."""
+    fixed: list[int] = []  # ops whose result a checked run had to copy into its layout
     ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALL": _CALL,
-          "_fix": _fix, "I": tuple(instrs)}
+          "_fix": _fix, "I": tuple(instrs), "FIXED": fixed}
     fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
     last: dict[int, int] = {}  # view id -> the last instr reading it
     stored = set(outputs)  # slots whose storage must be in `st`
@@ -65,8 +73,10 @@ def generate(instrs, n_views: int, outputs, run_instr):
             if o is not None:
                 s, size, stride, dtype, vid = o
                 ns[f"o{i}"], ns[f"d{i}"], ns[f"s{i}"], ns[f"z{i}"] = o, dtype, stride, size
-                body.append((f"if r.dtype is not d{i} or r.storage_offset() or r.stride() != s{i} "
-                             f"or r.shape != z{i}: r = _fix(r, o{i})", 3 * i + 2))
+                if checked or _reads_host(ins):
+                    body.append((f"if r.dtype is not d{i} or r.storage_offset() or r.stride() "
+                                 f"!= s{i} or r.shape != z{i}: FIXED.append({i}); "
+                                 f"r = _fix(r, o{i})", 3 * i + 2))
                 if s in stored:
                     body.append((f"st[{s}] = r.untyped_storage()", 3 * i + 2))
                 if vid is not None and last.get(vid, -1) > i:
@@ -90,7 +100,16 @@ def generate(instrs, n_views: int, outputs, run_instr):
             "    return None"]
     exec(compile("\n".join(src), f"<generated run of {len(instrs)} ops>", "exec"), ns)
     ns["CODE"] = ns["run"].__code__.co_code
-    return ns["run"]
+    run = ns["run"]
+    run.checked, run.fixed = checked, fixed
+    return run
+
+
+def _reads_host(ins) -> bool:
+    """Does `ins` read a host tensor ("H" templates, in lists too)?"""
+    def host(t):
+        return type(t) is tuple and t and (t[0] == "H" or t[0] == "L" and any(map(host, t[1:])))
+    return any(map(host, ins.args + tuple(ins.kwargs.values())))
 
 
 def _simple_outs(ins) -> bool:

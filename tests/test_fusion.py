@@ -252,7 +252,12 @@ def test_generated_run_calls_kernels_directly():
     torch.testing.assert_close(out.cpu(), ((x.cpu() * 2 + 1).relu() - 0.5).abs(),
                                rtol=0, atol=0)
     calls, gen = [], exe.generated
-    exe.generated = lambda *a: calls.append(1) or gen(*a)
+
+    def counted(*a):
+        calls.append(1)
+        return gen(*a)
+    counted.checked, counted.fixed = gen.checked, gen.fixed
+    exe.generated = counted
     try:  # the same step again: its plan, and so this executable, is reused and run
         again, _, m = lazy(lambda: ((x * 2 + 1).relu() - 0.5).abs())
     finally:
@@ -312,6 +317,37 @@ def test_generated_run_tells_kernel_errors_from_internal_ones_by_op():
     assert k == 1 and err.internal and isinstance(err.cause, IndexError)
     k, err = run([[2], [1], ["3"]])  # op 2's kernel refuses its argument
     assert k == 2 and not err.internal and "Expected a value of type" in str(err.cause)
+
+
+def test_layouts_are_checked_until_two_runs_prove_them():
+    """Note [Proven layouts] in fusion/codegen.py: a generated run checks each result's
+    layout until two runs needed no copy; then it skips the checks, with the same values. A
+    run that had to copy a result into its layout keeps checking."""
+    from fusion import program
+
+    x = rand(4, 4)
+    step = lambda: (x * 2 + 1) * 3  # noqa: E731
+    ref = (x.cpu() * 2 + 1) * 3
+    out, ex, _ = lazy(step)
+    exe = ex.report.plan.groups[0].exe
+    assert exe.generated.checked and exe.generated.fixed == []
+    for _ in range(3):  # runs 2 (checked: proves them), 3 and 4 (unchecked)
+        again, ex2, m = lazy(step)
+        assert m.plan_hits == 1 and ex2.report.plan.groups[0].exe is exe
+        assert not exe.generated.checked and torch.equal(again.cpu(), ref)
+    assert "stride" not in exe.generated.__code__.co_names  # no check left
+
+    # an op whose result comes out laid out otherwise than its signature says
+    o = exe.instrs[0].outs[0]
+    exe.instrs[0].outs = (o[:2] + ((1, 4),) + o[3:],)  # column-major, unlike mul's result
+    exe.generated = program.generate(exe.instrs, exe.n_views, exe.program.outputs,
+                                     program.run_instr)
+    exe.checked_runs = 0
+    for _ in range(3):
+        st = [None] * exe.program.n_slots
+        st[0] = x._handle.buffer.storage
+        exe.run(st, [[2], [1], [3]], None, set())
+    assert exe.generated.checked and exe.generated.fixed.count(0) == 3  # (and its reader)
 
 
 def test_runtime_scalars_do_not_recompile():
