@@ -224,9 +224,6 @@ def follow(eng, func, args, kwargs, counted=False):
         assert not lazy or (real is None) == (cut is None), (func, real, cut)
         assert lazy == eng.is_lazy()
     # Queue it (queue.record's work, with the trace's answers)
-    new = []
-    for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
-        new.append(Handle(b, None, True))
     if meta.f64:
         eng._check_dtype(torch.float64)
     # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
@@ -238,9 +235,12 @@ def follow(eng, func, args, kwargs, counted=False):
             h.seg, h.ci = seg, len(refs)
             refs.append(weakref.ref(h) if h.pending else h)
     weak = cfg.skip_intermediate
-    for h in new:
+    new = []
+    for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
+        h = Handle(b, None, True)
         h.seg, h.ci = seg, len(refs)
         refs.append(weakref.ref(h) if weak else h)
+        new.append(h)
     eng.queue.append(node)
     eng.tnodes.append(node)
     eng.tsteps.append(tstep)
