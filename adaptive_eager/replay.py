@@ -95,10 +95,11 @@ class Trace:
     """The nodes queued between two flushes other than "device idle", and per node its
     (meta result, cut); the policy the cuts were made under (lazy or not, the strategy)."""
 
-    __slots__ = ("nodes", "steps", "lazy", "key")
+    __slots__ = ("nodes", "steps", "lazy", "key", "n")
 
     def __init__(self, nodes, steps, lazy, key):
         self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
+        self.n = len(nodes)
 
 
 def step(eng, func, args, kwargs):
@@ -132,7 +133,7 @@ def follow(eng, func, args, kwargs, counted=False):
         if lazy != trace.lazy or trace.key is not key and trace.key != key:  # another policy's
             break
         pos = len(eng.tnodes)
-        if pos >= len(trace.nodes):
+        if pos >= trace.n:
             break
         tstep = trace.steps[pos]
         meta, cut = tstep
@@ -205,7 +206,8 @@ def follow(eng, func, args, kwargs, counted=False):
                 eng.flush("device idle")
                 continue
         # the buffers' indices in this segment must be the trace's
-        uids, seg, nxt = tn.uids, eng.seg, len(eng.refs)
+        uids, seg = tn.uids, eng.seg
+        nxt = base = len(eng.refs)
         for li, h in enumerate(handles):
             if h.seg is seg:
                 if h.ci != uids[li]:
@@ -215,7 +217,8 @@ def follow(eng, func, args, kwargs, counted=False):
             else:
                 break
         else:  # then the new ones
-            ok = len(uids) == len(handles) or uids[len(handles)] == nxt
+            n = len(handles)
+            ok = len(uids) == n or uids[n] == nxt
         break
     if not ok:
         return MISSED if counted else MISS
@@ -229,22 +232,24 @@ def follow(eng, func, args, kwargs, counted=False):
     # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
     # (a __torch_dispatch__ or _unsafe_view, or Engine._dispatch)
     node = tn.again(inputs, _source(3))
-    seg, refs = eng.seg, eng.refs
+    refs, ci = eng.refs, base  # (len(refs))
     for h in handles:  # numbered as checked: their indices are the trace node's
         if h.seg is not seg:
-            h.seg, h.ci = seg, len(refs)
+            h.seg, h.ci = seg, ci
+            ci += 1
             refs.append(weakref.ref(h) if h.pending else h)
     weak = cfg.skip_intermediate
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
         h = Handle(b, None, True)
-        h.seg, h.ci = seg, len(refs)
+        h.seg, h.ci = seg, ci
+        ci += 1
         refs.append(weakref.ref(h) if weak else h)
         new.append(h)
     eng.queue.append(node)
     eng.tnodes.append(node)
     eng.tsteps.append(tstep)
-    if len(eng.tnodes) >= MAX_TRACE:
+    if pos + 1 >= MAX_TRACE:  # (len(eng.tnodes))
         overflow(eng)
     if check and lazy:  # the online group kept as the slow path keeps it
         eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
@@ -254,7 +259,7 @@ def follow(eng, func, args, kwargs, counted=False):
     eng.pending_bytes += new_bytes
     if not lazy:
         eng.flush("eager")
-    elif len(eng.queue) >= cfg.buffer_size_limit:
+    elif queued + 1 >= cfg.buffer_size_limit:  # (len(eng.queue))
         eng.flush("buffer full")
     elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
         eng.flush("pending memory")
