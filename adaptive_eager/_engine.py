@@ -398,8 +398,9 @@ class Engine:
             meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
             if meta is not _RUN_NOW:
                 meta.gstate = key[3]
-                if route.special is not None:  # an op handler of ours queues it: Engine.dispatch
-                    meta.replay = False  # must not replay it past the handler (Note [Replay])
+                if route.special is not None or route.composite is not None:
+                    # Engine.dispatch must not replay it past a handler of ours (Note [Replay])
+                    meta.replay = False
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
             self.meta_cache[key] = meta
@@ -602,6 +603,7 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
 def writes_foreach(func) -> bool:
     """Is `func` an in-place foreach op (writes the tensors of its first list)?"""
     return _SPECIAL.get(func) is _bumps_versions
+
 
 class _Route(NamedTuple):
     """How `Engine.dispatch` routes one op, looked up once per op overload."""
