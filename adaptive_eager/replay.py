@@ -120,9 +120,9 @@ def follow(eng, func, args, kwargs, counted=False):
     """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace `eng.expect`
     at its position and return its result. MISS if it does not match (nothing is changed,
     but a flush on the way may have happened, as the slow path would have done it); MISSED
-    if it stopped matching after counting the op (as Engine._dispatch counts every op, once:
-    `counted` says it already did)."""
-    ok = False
+    if it stopped matching after this call counted the op (as Engine._dispatch counts every
+    op, once: `counted` says it already did)."""
+    ok = ours = False  # ours: this call counted the op
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = eng.expect
         if trace is None or cpu_settings.FTZ_USED[0] and (
@@ -183,7 +183,7 @@ def follow(eng, func, args, kwargs, counted=False):
         # The op is the trace's. What follows is Engine._dispatch's and queue.record's, in
         # their order.
         if not counted:
-            counted = True
+            counted = ours = True
             eng.metrics.ops += 1
             eng.device.advance_host(eng.spec.host_op_overhead_us)
         if meta.checks:  # Note [Scalar conversion] in meta.py
@@ -221,7 +221,7 @@ def follow(eng, func, args, kwargs, counted=False):
             ok = len(uids) == n or uids[n] == nxt
         break
     if not ok:
-        return MISSED if counted else MISS
+        return MISSED if ours else MISS
     if check:
         _check(eng, func, args, kwargs, meta, handles, inputs)
         assert not lazy or (real is None) == (cut is None), (func, real, cut)

@@ -171,3 +171,18 @@ def test_ops_of_our_handlers_are_not_replayed_past_the_handler():
             torch.neuron.synchronize()
         m = ae.metrics()
     assert m.ops == 4 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
+
+
+def test_a_step_picks_among_the_traces_that_begin_with_its_first_op():
+    """Two steps whose first op is the same op overload with other arguments (a scalar, a
+    tensor): each finds its own trace among those filed under that op, newest first."""
+    x, y = torch.randn(8).to(N), torch.randn(8).to(N)
+    steps_ = [lambda: (x * 2.0 + 1).sum(), lambda: (x * y + 1).sum()]
+    with ae.adaptive(strategy="graph"):
+        for i in range(6):
+            ae.reset_metrics()
+            out = steps_[i % 2]()
+            torch.neuron.synchronize()
+            m = ae.metrics()
+    assert m.ops == 3 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
+    assert torch.equal(out.cpu(), (x.cpu() * y.cpu() + 1).sum())
