@@ -24,7 +24,9 @@ import torch
 from device import LaunchError
 
 _CPU = torch.device("cpu")
-_CALL = dis.opmap["CALL"]
+# The instructions that call the kernel: where its own error stops the frame (3.11's PRECALL
+# makes the call itself once specialized; `co_code` shows the unspecialized opcode)
+_CALLS = frozenset(dis.opmap[n] for n in ("PRECALL", "CALL") if n in dis.opmap)
 
 
 def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
@@ -40,7 +42,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     its key): once checked runs needed no copy, an unchecked run (`checked=False`) skips the
     checks, except for ops reading host tensors (their layouts are the caller's)."""
     fixed: list[int] = []  # ops whose result a checked run had to copy into its layout
-    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALL": _CALL,
+    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALLS": _CALLS,
           "_fix": _fix, "I": tuple(instrs), "FIXED": fixed}
     fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
     last: dict[int, int] = {}  # view id -> the last instr reading it
@@ -92,7 +94,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     src += ["    except Exception as e:",
             "        tb = e.__traceback__",
             "        k = PHASE[tb.tb_lineno]",
-            "        if k % 3 == 1 and CODE[tb.tb_lasti] != CALL:  # not the call: an argument",
+            "        if k % 3 == 1 and CODE[tb.tb_lasti] not in CALLS:  # an argument, not the call",
             "            k -= 1",
             "        if not isinstance(e, LaunchError):",
             "            e = LaunchError(e, internal=k % 3 != 1)",
