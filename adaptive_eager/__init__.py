@@ -186,7 +186,7 @@ class adaptive(TorchDispatchMode):
             # Under other modes, redispatch so that they see the op too.
             return engine_of(args, kwargs).dispatch(func, args, kwargs)
         out = func(*args, **kwargs)
-        if _engine.writes_foreach(func) and type(args[0][0]) is not NeuronTensor:
+        if _engine.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
             # Under any dispatch mode, CPU's in-place foreach kernels bump no version of what
             # they write (outside one, each per-tensor op does): autograd would miss the
             # write (a silently wrong gradient). Neuron's handler bumps its own.
