@@ -36,12 +36,12 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     dead intermediates is reused as on CPU (the interpreter keeps every one to the end).
 
     Note [Proven layouts]: `checked` runs check each result's layout against the op's
-    signature (and copy it into that layout where it differs: `fn.fixed` lists those ops).
+    signature (and copy it into that layout where it differs: `fn.fixed` holds those ops).
     A kernel's result layout is a function of its inputs' layouts, dtypes and scalar types,
     which a program fixes (its views are made from its templates, its scalars' types are in
     its key): once checked runs needed no copy, an unchecked run (`checked=False`) skips the
     checks, except for ops reading host tensors (their layouts are the caller's)."""
-    fixed: list[int] = []  # ops whose result a checked run had to copy into its layout
+    fixed: set[int] = set()  # ops whose result a checked run had to copy into its layout
     ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALLS": _CALLS,
           "_fix": _fix, "I": tuple(instrs), "FIXED": fixed}
     fast = [not (ins.random or ins.f64 or not _simple_outs(ins)) for ins in instrs]
@@ -77,7 +77,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
                 ns[f"o{i}"], ns[f"d{i}"], ns[f"s{i}"], ns[f"z{i}"] = o, dtype, stride, size
                 if checked or _reads_host(ins):
                     body.append((f"if r.dtype is not d{i} or r.storage_offset() or r.stride() "
-                                 f"!= s{i} or r.shape != z{i}: FIXED.append({i}); "
+                                 f"!= s{i} or r.shape != z{i}: FIXED.add({i}); "
                                  f"r = _fix(r, o{i})", 3 * i + 2))
                 if s in stored:
                     body.append((f"st[{s}] = r.untyped_storage()", 3 * i + 2))
