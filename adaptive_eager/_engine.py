@@ -598,11 +598,13 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
             _op = getattr(_packet, _op)
             assert _op._schema.arguments[0].alias_info.is_write, _op
             _SPECIAL[_op] = _bumps_versions
+# (by the C++ op: an OpOverload hashes in Python, and writes_foreach runs per op)
+_FOREACH_WRITES = frozenset(f._op for f, h in _SPECIAL.items() if h is _bumps_versions)
 
 
 def writes_foreach(func) -> bool:
     """Is `func` an in-place foreach op (writes the tensors of its first list)?"""
-    return _SPECIAL.get(func) is _bumps_versions
+    return func._op in _FOREACH_WRITES
 
 
 class _Route(NamedTuple):

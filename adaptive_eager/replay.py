@@ -333,7 +333,7 @@ def resumes(trace, pos: int, node, cut) -> bool:
     """Whether the replay goes on after a node queued the slow way at `pos` (an op with
     kwargs, an in-place foreach op...): when it is the trace's node there, on the same
     buffers with the same bytes and cut, the trace still describes the queue."""
-    if pos >= len(trace.nodes):
+    if pos >= trace.n:
         return False
     tn = trace.nodes[pos]
     return (tn.op is node.op and tn.uids == node.uids and tn.vbytes == node.vbytes
@@ -352,7 +352,7 @@ def remember(eng, reason: str, lazy: bool) -> None:
     done, eng.tfrom, eng.expect = eng.tfrom, None, None
     if not nodes or nodes is NOT_RECORDING or not _config.config.replay:
         return
-    if done is not None and len(done.nodes) == len(nodes) and done.lazy == lazy:
+    if done is not None and done.n == len(nodes) and done.lazy == lazy:
         trace = done
     else:
         trace = Trace(nodes, steps, lazy, eng.strategy.key)

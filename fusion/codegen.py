@@ -94,7 +94,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     src += ["    except Exception as e:",
             "        tb = e.__traceback__",
             "        k = PHASE[tb.tb_lineno]",
-            "        if k % 3 == 1 and CODE[tb.tb_lasti] not in CALLS:  # an argument, not the call",
+            "        if k % 3 == 1 and CODE[tb.tb_lasti] not in CALLS:  # an argument",
             "            k -= 1",
             "        if not isinstance(e, LaunchError):",
             "            e = LaunchError(e, internal=k % 3 != 1)",
@@ -161,7 +161,6 @@ def tensor_templates(templates) -> list[tuple]:
             elif t[0] == "L":
                 out += tensor_templates(t[1:])
     return out
-
 
 
 def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:
