@@ -11,15 +11,15 @@ from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
-from . import _registration
+from .integration import registration as _registration
 from .errors import NeuronFallbackError, NeuronRuntimeError
-from . import _engine
-from . import neuron as _neuron
-from ._tensor import NeuronTensor, engine_of
+from .engine import engine as _engine
+from .integration import neuron as _neuron
+from .engine.tensor import NeuronTensor, engine_of
 from .config import config
-from ._engine import override
+from .engine.engine import override
 from .explain import Explanation
-# report as _report: importing the `adaptive_eager.report` submodule (the CLI) rebinds the
+# report as _report: importing the `adaptive_eager.tools.report` submodule (the CLI) rebinds the
 # package attribute `report` to that module.
 from .metrics import Snapshot, report as _report, snapshot
 from device import COUNTERS
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 _registration.register()
-from . import metrics_file as _metrics_file  # noqa: E402
+from .tools import metrics_file as _metrics_file  # noqa: E402
 _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 

@@ -3,9 +3,9 @@ import sys
 
 # command -> (module, one-line description); each module has main(argv) -> exit code
 COMMANDS = {
-    "demo": ("demo", "train a small GPT in eager and adaptive eager, compare launches and time"),
-    "run": ("run", "run an unchanged script once per mode and compare what each mode does"),
-    "report": ("report", "turn a saved benchmark JSON into benchmarks/results.md and a chart"),
+    "demo": ("tools.demo", "train a small GPT in eager and adaptive eager, compare launches and time"),
+    "run": ("tools.run", "run an unchanged script once per mode and compare what each mode does"),
+    "report": ("tools.report", "turn a saved benchmark JSON into benchmarks/results.md and a chart"),
     "config": ("config", "list every setting: its environment variable, value and effect"),
 }
 

@@ -10,8 +10,8 @@ import threading
 
 import torch
 
-from .meta import _extent_bytes
-from .source import DEVICE_TYPE, file_line
+from fusion.ir import extent_bytes
+from .engine.source import DEVICE_TYPE, file_line
 
 
 class NeuronRuntimeError(RuntimeError):
@@ -53,7 +53,7 @@ class NeuronFallbackError(RuntimeError):
 
 def _out_of_bounds(size, stride, off, dtype, nbytes):
     """CPU's error for a view that would address memory outside its buffer."""
-    need = _extent_bytes(size, stride, off, dtype.itemsize)
+    need = extent_bytes(size, stride, off, dtype.itemsize)
     e = RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset "
                      f"{off}, and itemsize {dtype.itemsize} requiring a storage size of {need} "
                      f"are out of bounds for storage of size {nbytes}")
@@ -89,7 +89,7 @@ def in_backward() -> bool:
 
 
 def after_fork() -> None:
-    """A forked child's own hand-off lock (Note [Threads] across os.fork in _engine.py)."""
+    """A forked child's own hand-off lock (Note [Threads] across os.fork in (engine.py))."""
     global _HANDOFF_LOCK
     _HANDOFF_LOCK = threading.Lock()
 

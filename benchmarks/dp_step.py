@@ -35,7 +35,7 @@ def ddp_gpt_step(rank):
     """The suite's GPT training step (workloads.gpt_train), under DDP, on this rank's batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from adaptive_eager.models import GPT, batches
+    from adaptive_eager.tools.models import GPT, batches
     from workloads import _train_step
     torch.manual_seed(0)
     model = DDP(GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron"))
@@ -47,7 +47,7 @@ def ddp_gpt_step(rank):
 def _rank(rank, world, port, steps, results):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import adaptive_eager as ae
-    from adaptive_eager import _engine
+    from adaptive_eager.engine import engine as _engine
     dist.init_process_group(rank=rank, world_size=world)
     out = {}
     for mode in MODES:
@@ -82,9 +82,9 @@ def _rank(rank, world, port, steps, results):
 def project(fig: dict, ranks) -> list[tuple[int, float, float]]:
     """(p, projected step device time in us, weak-scaling efficiency) per rank count."""
     import adaptive_eager as ae
-    from adaptive_eager.distributed import _COLLECTIVES
+    from adaptive_eager.integration.distributed import _COLLECTIVES
     from device.interconnect import collective_us
-    spec = ae._engine.ENGINE.spec
+    spec = ae.engine.engine.ENGINE.spec
 
     def wire(p):  # each collective of the step with its own pattern (ring, tree...)
         return sum(collective_us(spec, _COLLECTIVES[name.split("::")[1]][0], b, p)

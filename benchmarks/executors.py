@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adaptive_eager as ae
-from adaptive_eager.models import GPT
+from adaptive_eager.tools.models import GPT
 
 MODES = ("cpu", "cpu-compile", "interpreter", "inductor", "auto")
 
@@ -164,7 +164,7 @@ def steady(modes, steps, rounds, per_round) -> dict:
 def calibrate(mode, step, repeats=3) -> list[dict]:
     """Per launch of a step: simulated device time beside the measured wall time of the
     launch's work on CPU (the best of `repeats` steps), marked compiled or not."""
-    eng = ae._engine.ENGINE
+    eng = ae.engine.engine.ENGINE
     rows: list[list] = []
     with scope(mode):
         dev = eng.device

@@ -32,13 +32,13 @@ from test_host_overhead import CHAIN, Floor, chain  # noqa: E402
 # stage -> the function whose cumulative time is the stage (file suffix, function name)
 STAGES = [
     # Note [Replay]: steady-state ops match the trace and are queued there (less flushes)
-    ("replay: match the trace + queue + result", "adaptive_eager/replay.py", "follow"),
+    ("replay: match the trace + queue + result", "adaptive_eager/engine/replay.py", "follow"),
     # the slow path: ops that do not match
-    ("templates (arguments -> cache key)", "adaptive_eager/templates.py", "template"),
-    ("meta inference (new signatures only)", "adaptive_eager/meta.py", "infer"),
-    ("queue: record + online grouping", "adaptive_eager/queue.py", "record"),  # less flushes
-    ("results (wrapper tensors)", "adaptive_eager/results.py", "results"),
-    ("flush: plan + run executables", "adaptive_eager/_engine.py", "flush"),  # syncs: rest
+    ("templates (arguments -> cache key)", "adaptive_eager/engine/templates.py", "template"),
+    ("meta inference (new signatures only)", "adaptive_eager/engine/meta.py", "infer"),
+    ("queue: record + online grouping", "adaptive_eager/engine/queue.py", "record"),  # less flushes
+    ("results (wrapper tensors)", "adaptive_eager/engine/results.py", "results"),
+    ("flush: plan + run executables", "adaptive_eager/engine/engine.py", "flush"),  # syncs: rest
 ]
 
 
@@ -176,7 +176,7 @@ def main() -> None:
                                if cf.endswith(path) and cfn == func)
         return out
 
-    flush = ("adaptive_eager/_engine.py", "locked")  # Engine.flush, through its lock wrapper
+    flush = ("adaptive_eager/engine/engine.py", "locked")  # Engine.flush, through its lock wrapper
     shown = 0.0
     for name, path, func in STAGES:
         t = cum(path, func, flush if func in ("record", "follow") else None)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaptive_eager.models import CNN, GPT, batches
+from adaptive_eager.tools.models import CNN, GPT, batches
 
 
 def _maybe_compile(fn, compiled):

@@ -30,6 +30,13 @@ _SHAPE_SCALARS = frozenset({"aten::arange", "aten::range"})
 
 
 @functools.lru_cache(maxsize=None)
+def extent_bytes(size, stride, offset, itemsize) -> int:
+    """Bytes from a buffer's start to one past the last element a layout reaches."""
+    if any(s == 0 for s in size):
+        return 0
+    return (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * itemsize
+
+
 def scalar_positions(func) -> tuple[frozenset, frozenset]:
     """(positional indices, kwarg names) where a Python number is a runtime input: `Scalar`
     arguments, and `Tensor` ones (`x * 0.5` reaches `mul.Tensor` with a plain float). None
@@ -146,11 +153,11 @@ class Node:
         # (vbytes of the new buffers are the signature's new_bytes)
         self.out_bytes = op.new_total + sum([vbytes[li] for li in op.arg_writes]) \
             if op.arg_writes else op.new_total
-        self.source = source  # the user's call (adaptive_eager.source._source)
+        self.source = source  # the user's call (adaptive_eager.engine.source._source)
 
     def again(self, inputs, source) -> "Node":
         """This node's op on the same buffers, with another call's runtime values and source
-        line (Note [Replay] in adaptive_eager/replay.py)."""
+        line (Note [Replay] in adaptive_eager/engine/replay.py)."""
         n = Node.__new__(Node)
         n.op, n.uids, n.vbytes = self.op, self.uids, self.vbytes
         n.in_bytes, n.out_bytes = self.in_bytes, self.out_bytes

@@ -1,5 +1,4 @@
 import os
-import sys
 import tempfile
 
 # Settings are read once at import: give the whole test session its own disk cache before
@@ -12,8 +11,6 @@ for var in ("TORCH_NEURONX_ENABLE_CONCATENATION", "NEURON_LAUNCH_BLOCKING",
 import pytest  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)

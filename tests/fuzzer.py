@@ -65,7 +65,7 @@ import warnings
 MODES = ["eager", "graph", "matmul", "none"]
 POLICIES = ["default", "lazy"]  # default: queue_low_threshold as configured; lazy: 0
 # threads: the default policy while another thread issues, syncs and checks its own ops on the
-# same device (Note [Threads] in adaptive_eager/_engine.py); `--policy all` adds it.
+# same device (Note [Threads] in adaptive_eager/engine/engine.py); `--policy all` adds it.
 THREADS = "threads"
 # compile: the program as one function under torch.compile(backend="neuron") in the mode,
 # against the same function under backend "aot_eager" on CPU (`run_compiled`).
@@ -75,7 +75,7 @@ COMPILE = "compile"
 INDUCTOR = "inductor"
 # repeat: the default policy with replay checked (check_replay), the program run 3 times in
 # one adaptive scope from the same seed, the last run compared: the second and third runs are
-# queued from the first's trace (Note [Replay] in adaptive_eager/replay.py).
+# queued from the first's trace (Note [Replay] in adaptive_eager/engine/replay.py).
 REPEAT = "repeat"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"

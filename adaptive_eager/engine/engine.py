@@ -1,0 +1,756 @@
+"""The engine: every ATen op on a neuron tensor lands in `Engine.dispatch`.
+
+Three steps per op (as jax's dispatch): abstract specs (meta execution, cached per
+signature, so shape/dtype errors raise at the call), a queued node, and a flush that turns
+queued nodes into launches. In eager mode every op flushes at once; in adaptive mode the
+queue is flushed at sync points, boundaries, a full buffer, or when the device runs idle.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import os
+import threading
+import warnings
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+
+from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
+from fusion.cache import ExecutableCache
+from fusion.executors import make_executor
+from fusion.flush import Runner
+from fusion.ir import Handle, Node, scalar_positions, written_arguments
+from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, composite_key, op_class
+from fusion.partition import STRATEGIES, OnlineGroup
+from fusion.program import cpu_kernels
+
+from .. import config as _config
+from . import cpu_settings, replay, results, transfer
+from .. import errors
+from .tensor import NeuronTensor
+from ..errors import _hand_off, _raise_launch_error
+from .fallback import run_now
+from fusion.ir import extent_bytes
+from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
+                   infer)
+from .queue import record
+from .replay import MISS, MISSED
+from .source import _user_stacklevel
+from .templates import template
+
+aten = torch.ops.aten
+
+
+class Scopes:
+    """Note [Scopes across threads]: settings scopes (`ae.override`, `ae.adaptive`) change the
+    process's settings, and threads may leave them in any order. Each scope's values stay on
+    a list while it is open; leaving one removes them, and each of its settings becomes the
+    newest open scope's value for it, or the value from before the first scope that set it.
+    (Restoring the value seen at entry instead left A's value in force inside B's scope once
+    A, entered first, had exited, and A's entry value for good once B exited.) A setting no
+    scope set is left alone."""
+
+    def __init__(self, read, write):
+        self.read, self.write = read, write
+        self.open: list = []  # (token, values), oldest first
+        self.before: dict = {}
+
+    def enter(self, values: dict) -> object:
+        with _LOCK:
+            for k in values:
+                if not any(k in v for _, v in self.open):
+                    self.before[k] = self.read(k)
+            token = object()
+            self.open.append((token, values))
+            try:
+                self.write(values)
+            except BaseException:  # a refused value (an unknown executor...): nothing changes
+                self.leave(token)
+                raise
+            return token
+
+    def leave(self, token) -> None:
+        with _LOCK:
+            values = next(v for t, v in self.open if t is token)
+            self.open = [(t, v) for t, v in self.open if t is not token]
+            now = {}
+            for k in values:
+                setters = [v[k] for _, v in self.open if k in v]
+                now[k] = setters[-1] if setters else self.before.pop(k)
+            self.write(now)
+
+
+def _read_setting(k):
+    if k == "adaptive":
+        return ENGINE.adaptive
+    if k == "strategy":
+        return ENGINE.strategy_name
+    return getattr(_config.config, k)
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Temporarily change settings (`with ae.override(queue_low_threshold=0): ...`); the
+    engine flushes, applies them, and restores them on exit (Note [Scopes across threads]).
+    `adaptive` and `strategy` set the engine's mode and strategy for the block."""
+    cfg = _config.config
+    for k, v in changes.items():
+        if not hasattr(cfg, k):
+            raise AttributeError(f"no setting named {k!r}; `python -m adaptive_eager config` lists them")
+        _config.check(k, v)
+    if "strategy" in changes and changes["strategy"] not in STRATEGIES:
+        raise ValueError(f"unknown fusion strategy {changes['strategy']!r}; choose one of "
+                         f"{sorted(STRATEGIES)}")
+    token = _OVERRIDES.enter(changes)
+    try:
+        yield cfg
+    finally:
+        _OVERRIDES.leave(token)
+
+
+def _apply_settings(values: dict) -> None:
+    with _LOCK:
+        for eng in ENGINES:
+            eng.flush("config")
+        for k, v in values.items():
+            setattr(_config.config, k, v)
+        for eng in ENGINES:
+            if "adaptive" in values:
+                eng.adaptive = bool(values["adaptive"])
+            if "strategy" in values:
+                eng.strategy_name = values["strategy"]
+            eng.reconfigure()
+
+
+def _locked(method):
+    """Run an engine entry point under the engine lock (Note [Threads])."""
+    def locked(self, *args, **kwargs):
+        USERS.add(_get_ident())
+        with self.lock:
+            return method(self, *args, **kwargs)
+    locked.__name__, locked.__doc__ = method.__name__, method.__doc__
+    return locked
+
+
+# Note [Threads]: one engine lock, shared by the engines of every core. Every entry point (an
+# op, a host read or write, an allocation, a sync, a settings change) holds it, so the ops of
+# several threads run in some serial order of each thread's ops, sharing the queues, caches
+# and devices; results are bit for bit those of that order. Re-entrant: an op may allocate,
+# flush and sync inside. A backward in another thread takes it per op too.
+_LOCK = threading.RLock()
+
+# Note [Threads] at exit: the threads that ever entered the engine, by ident
+# (`park_daemon_threads`).
+USERS: set[int] = set()
+_get_ident = threading.get_ident
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def park_daemon_threads(timeout: float) -> None:
+    """Note [Threads] at exit: called with the engine lock held, wait (up to `timeout` s)
+    until every daemon thread that ever entered the engine runs this package's code, where
+    its next step is to wait on the lock in Python. A daemon thread that interpreter
+    shutdown stops anywhere else may be in PyTorch's C++ frames between two of its ops, with
+    the GIL released: retaking it there during finalization ends the thread by a forced
+    unwind through a C++ destructor, which aborts the process ("terminate called without an
+    active exception"; plain CPU PyTorch aborts so, every time, with a daemon thread busy on
+    CPU ops). A thread idle elsewhere (on a queue) costs the whole timeout."""
+    import sys
+    import time
+    deadline = time.monotonic() + timeout
+    me = _get_ident()
+    while time.monotonic() < deadline:
+        frames = sys._current_frames()
+        if all(t.ident == me or not t.daemon or t.ident not in USERS
+               or (f := frames.get(t.ident)) is None
+               or os.path.dirname(f.f_code.co_filename) == _PACKAGE
+               for t in threading.enumerate()):
+            return
+        time.sleep(0.002)  # the GIL is released: a thread between ops gets on
+
+
+# Note [Composite ops in inference mode]: PyTorch decomposes a CompositeImplicitAutograd op
+# (`to`, `softmax`, `layer_norm`, `scaled_dot_product_attention`...) at the Autograd key. In
+# inference mode, and for inference tensors, that key is skipped and the op reaches Python
+# dispatch whole: run as one device op it fell back to the CPU, or, for ops whose schema says
+# they may alias (`to`), was taken for a view (`.cpu()` of an inference tensor stayed on
+# neuron). It runs here as autograd's key would run it: our kernel where we registered one
+# (attention.sdpa, one_hot), PyTorch's decomposition otherwise, as CPU decomposes it
+# (fusion.ops.composite_key).
+
+
+_INFERENCE_WRITE = ("Inplace update to inference tensor outside InferenceMode is not allowed."
+                    "You can make a clone to get a normal tensor before doing inplace update."
+                    "See https://github.com/pytorch/rfcs/pull/17 for more details.")
+
+
+def _composite(func, key, args, kwargs):
+    """Note [Composite ops in inference mode]: the decomposition runs below PyTorch's version
+    bookkeeping, so what an in-place or out= composite writes (`square_`, `clip_`) gets CPU's
+    checks and bumps here: an inference tensor refused outside inference mode, an ordinary
+    one's version bumped once if the decomposition did not (a backward through it raises
+    "modified by an inplace operation" as on CPU, instead of a wrong gradient)."""
+    written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    if not written:
+        return func._op_dk(key, *args, **kwargs)
+    if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+        raise RuntimeError(_INFERENCE_WRITE)
+    ordinary = [t for t in written if not t.is_inference()]
+    before = [t._version for t in ordinary]
+    out = func._op_dk(key, *args, **kwargs)
+    stale = [t for t, v in zip(ordinary, before) if t._version == v]
+    if stale:
+        torch.autograd.graph.increment_version(stale)
+    return out
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors `func` writes (fusion.ir.written_arguments), flattened."""
+    positions, names = written_arguments(func)
+    out = []
+    for v in [args[i] for i in positions if i < len(args)] + [
+            v for k, v in kwargs.items() if k in names]:
+        out += list(v) if isinstance(v, (list, tuple)) else [v]
+    return out
+
+
+class Engine:
+    """The engine of one NeuronCore (Note [Cores] in cores.py): its queue, meta cache,
+    executable cache and simulated device. Mode and settings are the same on every core."""
+
+    def __init__(self, index: int = 0, spec: DeviceSpec | None = None):
+        self.index = index
+        self.tdev = None  # torch.device("neuron", index), made with the first tensor
+        self.metrics = COUNTERS  # the one counters object (device/counters.py)
+        self.queue: list[Node] = []
+        # The queued segment's buffers, by index (Node.uids): a handle, or a weakref to a
+        # pending one; `seg` is the segment's token (Handle.seg), replaced at each flush.
+        self.refs: list = []
+        self.seg = object()
+        # Note [Replay] (replay.py): the trace being recorded (its nodes; per node, its
+        # meta result and cut), the one expected, whether a node of this segment was
+        # replayed (the online group is behind), the trace this one follows so far, and
+        # recent traces by their first op.
+        self.tnodes: list = []
+        self.tsteps: list = []
+        self.expect = None
+        self.replayed = False
+        self.tfrom = None
+        self.traces: dict = {}
+        self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
+        self.online = OnlineGroup()
+        self.pending_bytes = 0
+        self.meta_cache: dict = {}
+        self.last_report = None
+        self.lock = _LOCK
+        self._warned: set[str] = set()
+        self.spec = spec or DeviceSpec()
+        self.device = Device(self.spec)
+        # The mode and strategy are the engine's state: settings give their start-up values
+        # (and `override(adaptive=..., strategy=...)` sets them); nothing writes settings back.
+        cfg = _config.config
+        self.adaptive = cfg.adaptive
+        self.strategy_name = cfg.strategy
+        self.reconfigure()
+
+    # -- configuration ---------------------------------------------------------------
+    @_locked
+    def reconfigure(self, spec: DeviceSpec | None = None) -> None:
+        cfg = _config.config
+        replay.forget(self)
+        if spec is not None and spec != self.spec:
+            self.flush("config")
+            self.synchronize()
+            self.spec = spec
+            self.device.respec(spec)
+        self.device.configure(blocking=cfg.launch_blocking, realtime=cfg.realtime)
+        if self.strategy_name not in STRATEGIES:
+            raise ValueError(f"unknown fusion strategy {self.strategy_name!r}; "
+                             f"choose one of {sorted(STRATEGIES)}")
+        self.strategy = STRATEGIES[self.strategy_name](self.spec, cfg.max_group_ops,
+                                                       cfg.max_group_contractions)
+        self.eager_strategy = STRATEGIES["none"](self.spec)  # eager: one op per launch
+        cache_dir = None if cfg.disable_disk_cache else cfg.cache_dir
+        salt = "|".join([_package_version(), torch.__version__, f"executor={cfg.executor}",
+                         self.spec.fingerprint()])
+        executor = make_executor(cfg.executor, cfg.tier_up, cfg.cache_dir)
+        old = getattr(self, "runner", None)
+        if old is None or old.cache.directory != cache_dir or old.device is not self.device \
+                or old.cache.salt != salt or old.executor is not executor \
+                or (old.cache.max_entries, old.cache.max_bytes) != (
+                    cfg.cache_max_entries,
+                    None if cfg.cache_max_mb is None else int(cfg.cache_max_mb * 2**20)):
+            cache = ExecutableCache(cache_dir, max_entries=cfg.cache_max_entries,
+                                    max_mb=cfg.cache_max_mb, salt=salt)
+            self.runner = Runner(self.device, cache, executor=executor)
+
+    @_locked
+    def set_adaptive(self, on: bool) -> None:
+        if on != self.adaptive:
+            self.flush("mode switch")
+            replay.forget(self)
+        self.adaptive = bool(on)
+
+    @_locked
+    def set_strategy(self, name: str) -> None:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown fusion strategy {name!r}; choose one of "
+                             f"{sorted(STRATEGIES)}")
+        self.flush("strategy switch")
+        self.strategy_name = name
+        self.reconfigure()
+
+    def is_lazy(self) -> bool:
+        # The reference disables adaptive eager under deterministic algorithms; under
+        # NEURON_LAUNCH_BLOCKING=1 every op runs (and raises) at its call, so nothing queues.
+        return (self.adaptive and not self.device.blocking
+                and not _deterministic())
+
+    # -- tensors ---------------------------------------------------------------------
+    def wrap(self, handle: Handle, size, stride, offset, dtype) -> torch.Tensor:
+        return NeuronTensor(self, handle, size, stride, offset, dtype)
+
+    @_locked
+    def empty(self, size, stride, dtype) -> torch.Tensor:
+        """A fresh allocation (`torch.empty` and friends): HBM reserved now."""
+        dtype = dtype or torch.get_default_dtype()
+        self._check_dtype(dtype)
+        nbytes = extent_bytes(size, stride, 0, dtype.itemsize)
+        self._make_room(nbytes)
+        h = Handle(nbytes, self.device.alloc(nbytes))
+        if self.index:  # every tensor of a core starts from an allocation there
+            _OTHER_CORES_USED[0] = True
+        return self.wrap(h, size, stride, 0, dtype)
+
+    def _make_room(self, nbytes: int) -> None:
+        hbm = self.device.hbm
+        hbm.check_host(nbytes)
+        if hbm.used + self.pending_bytes + nbytes > hbm.capacity and self.queue:
+            self.flush("memory")
+        if hbm.used + self.pending_bytes + nbytes > hbm.capacity:
+            hbm.reserve(nbytes + self.pending_bytes)  # raises the OOM error, naming sizes
+
+    def _check_dtype(self, dtype) -> None:
+        if dtype == torch.float64 and "f64" not in self._warned:
+            self._warned.add("f64")
+            warnings.warn("float64 is not supported on Neuron: it is computed as float32 "
+                          "(results may differ from CPU). Use float32 to silence this; where "
+                          "PyTorch's own code makes float64 (GradScaler's unscale_), filter "
+                          "it: warnings.filterwarnings('ignore', 'float64 is not supported')",
+                          stacklevel=_user_stacklevel())
+
+    # -- dispatch --------------------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        USERS.add(_get_ident())  # Note [Threads] at exit
+        lock = self.lock
+        try:
+            lock.acquire()  # (`with`, unrolled: this runs per op)
+            try:
+                if self.expect is not None:  # Note [Replay]: the steady state's path
+                    out = replay.follow(self, func, args, kwargs)
+                    if out is not MISS:
+                        if out is not MISSED:
+                            return out
+                        return self._dispatch(func, args, kwargs, counted=True)  # a plain op
+                route = _ROUTES.get(func._op) or _route(func)
+                if route.special is not None:
+                    return route.special(self, func, args, kwargs)
+                if route.composite is not None:  # Note [Composite ops in inference mode]
+                    return _composite(func, route.composite, args, kwargs)
+                return self._dispatch(func, args, kwargs, route)
+            finally:
+                lock.release()
+        except BaseException as e:
+            # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
+            # device thread, or the caller's own thread once backward runs single-threaded,
+            # Note [Cores]) an exception must not unwind through PyTorch's device guard.
+            if errors.in_backward():
+                return _hand_off(e)
+            if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
+                raise e.with_traceback(None) from None
+            raise
+
+    def _dispatch(self, func, args, kwargs, route=None, counted=False):
+        """Every op the engine does not handle specially (`_SPECIAL`). `route`: Engine.dispatch's
+        plain route; `counted`: the op was counted on the way (`replay.follow`)."""
+        if not counted:
+            self.metrics.ops += 1
+            self.device.advance_host(self.spec.host_op_overhead_us)
+        if route is None:
+            route = _ROUTES.get(func._op) or _route(func)
+        elif route.cls is not VIEW and self.expect is None and not self.tnodes:
+            out = replay.step(self, func, args, kwargs)  # the op may begin a trace
+            if out is not MISS and out is not MISSED:
+                return out
+        cls = route.cls
+        if cls is None:
+            return run_now(self, func, args, kwargs, fallback=True)
+        if cls == BARRIER:
+            return run_now(self, func, args, kwargs, fallback=False)
+        if cls == INPLACE_VIEW:
+            return results.inplace_view(self, func, args, kwargs)
+        args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs,
+                                                             route.scalars)
+        key = (func._op, args_t, kwargs_t, _global_state())  # (OpOverload hashes in Python)
+        meta = self.meta_cache.get(key)
+        if meta is None:
+            meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
+            if meta is not _RUN_NOW:
+                meta.gstate = key[3]
+                if route.special is not None or route.composite is not None:
+                    # Engine.dispatch must not replay it past a handler of ours (Note [Replay])
+                    meta.replay = False
+            if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
+                self.meta_cache.clear()
+            self.meta_cache[key] = meta
+        if meta is _RUN_NOW:
+            # Shape inference cannot say what the op returns (a boolean mask's nonzero inside
+            # index, repeat_interleave without output_size, a meta kernel that refuses what
+            # CPU accepts): the op runs now on the device and the host waits for its shapes.
+            return run_now(self, func, args, kwargs, fallback=False)
+        if meta.checks:  # Note [Scalar conversion] in meta.py
+            check_conversions(meta.checks, inputs)
+        if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
+            self.metrics.ops -= 1
+            results.resize_outs(self, func, args, kwargs, meta.resize)
+            return self._dispatch(func, args, kwargs)
+        new = () if meta.op is None else record(self, meta, handles, inputs, vbytes)
+        return results.results(self, func, args, kwargs, handles, meta, new)
+
+    # -- flush and sync --------------------------------------------------------------
+    @_locked
+    def flush(self, reason: str) -> None:
+        if not self.queue:
+            return
+        nodes, self.queue = self.queue, []
+        refs, self.refs, self.seg = self.refs, [], object()
+        self.replayed = False  # the online group is reset below
+        lazy = self.is_lazy()
+        self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
+        self.online.reset()
+        self.pending_bytes = 0
+        try:
+            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.queue_ftz):
+                report = self.runner.run(nodes, refs, reason, self.strategy if lazy
+                                         else self.eager_strategy)
+        except BaseException as e:
+            _interrupted(self, nodes, refs, e)
+            replay.forget(self)
+            raise
+        self.last_report = report
+        replay.remember(self, reason, lazy)
+        m = self.metrics
+        m.flushes[reason] += 1
+        sizes = m.group_sizes
+        for k, v in report.plan.sizes.items():
+            sizes[k] += v
+        if self.device.blocking:
+            self.synchronize()
+
+    @_locked
+    def synchronize(self) -> None:
+        """Wait for the device; raise the earliest deferred error (op and source line)."""
+        try:
+            self.device.synchronize()
+        except DeviceError as e:
+            _raise_launch_error(e.launch)
+
+    @_locked
+    def sync(self, reason: str) -> None:
+        self.flush(reason)
+        t0 = self.device.host_us
+        self.synchronize()
+        self.device.mark(reason, "sync", self.device.host_us - t0, t0)
+
+    # -- host transfers and ops that need data now (transfer.py, fallback.py) ----------
+    @_locked
+    def read(self, t, reason: str, dma: str = "d2h") -> torch.Tensor:
+        """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
+        return transfer.read(self, t, reason, dma)
+
+    @_locked
+    def write(self, dst, src: torch.Tensor, dma: str = "h2d") -> None:
+        """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
+        transfer.write(self, dst, src, dma)
+
+    def peer(self, index: int | None) -> "Engine":
+        """The engine of core `index` (None: the current core), if this process sees it."""
+        return current() if index is None else core(check_core(index))
+
+    @_locked
+    def run_now(self, func, args, kwargs, fallback: bool):
+        return run_now(self, func, args, kwargs, fallback)
+
+
+@functools.lru_cache(maxsize=None)
+def _package_version() -> str:
+    """Read once per process: every reconfigure salts the disk cache with it, and re-reading
+    the installed metadata while pip rewrote it (a reinstall beside a running program) gave
+    None, a TypeError inside `ae.adaptive(strategy=...)` (fuzzer seed 32000018)."""
+    try:
+        return importlib.metadata.version("adaptive-eager") or "0+unknown"
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+# -- ops the engine handles itself -----------------------------------------------------
+def _materialized(op):
+    """Conjugate and negative views carry a bit our wrapper tensors cannot honour: computed
+    as a new tensor instead (`z.conj()` equals CPU's values; `is_conj()` is False)."""
+    def run(eng, func, args, kwargs):
+        return eng._dispatch(op, args, kwargs)
+    return run
+
+
+def _unsafe_view(eng, func, args, kwargs):
+    return eng.dispatch(aten.view.default, args, kwargs)
+
+
+def _set_(eng, func, args, kwargs):
+    raise RuntimeError(f"{func._schema.name} (Tensor.set_) is not supported on neuron tensors; "
+                       f"use copy_ or a new tensor.")
+
+
+def _bumps_versions(eng, func, args, kwargs):
+    """In-place foreach ops have no ADInplaceOrView kernel to bump the version of what they
+    write: CUDA's kernels bump it themselves (CPU's per-tensor fallback gets it from each op),
+    and so does neuron. Without it autograd misses the write: a view of a written tensor keeps
+    a stale grad_fn (its backward dropped the gradient), and a tensor saved for backward can
+    be overwritten (optimizer.step() before backward()) with no error."""
+    written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
+    if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+        raise RuntimeError(_INFERENCE_WRITE)  # CPU's words (its per-tensor fallback checks)
+    out = eng._dispatch(func, args, kwargs)
+    torch.autograd.graph.increment_version(written)
+    return out
+
+
+def _lift_fresh(eng, func, args, kwargs):
+    """`torch.tensor(data, device="neuron")` makes a device tensor, then lifts it. While
+    torch.compile traces (a FakeTensorMode is active) the modes decline a tensor subclass
+    and hand the lift to us. It is then done as PyTorch does where no device is present
+    (NOTE [torch.tensor, lift_fresh, and device movement] in fake_tensor.py): the value is
+    lifted on the host, where the modes make it a graph constant, and copied into a new
+    device tensor (a traced `empty` and `copy_`: FakeTensorMode would propagate a constant
+    through `.to`, making a real device tensor its constant). So the graph holds a CPU
+    constant and an H2D copy, never a fake tensor."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        return eng._dispatch(func, args, kwargs)
+    from torch.utils._python_dispatch import _disable_current_modes
+    t = args[0]
+    with _disable_current_modes():  # the real value, read with no mode watching
+        host = eng.read(t, "compile constant")
+    lifted = func(host)  # through the modes from here on: traced
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(lifted)
+
+
+def _host_indices(eng, func, args, kwargs):
+    """`x[i]` and `x[i] = v` with a CPU index tensor `i` (index, index_put_ and their kin):
+    CUDA's kernels accept host indices and copy them to the device; so does neuron."""
+    def to_device(t):
+        if type(t) is NeuronTensor or not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return t
+        return transfer.upload(eng, t)
+    if "indices" in kwargs:
+        kwargs = {**kwargs, "indices": [to_device(t) for t in kwargs["indices"]]}
+    else:
+        args = (args[0], [to_device(t) for t in args[1]]) + tuple(args[2:])
+    return eng._dispatch(func, args, kwargs)
+
+
+def _is_pinned(eng, func, args, kwargs):
+    return False  # device memory is never pinned host memory (CUDA's answer; no sync)
+
+
+def _pin_memory(eng, func, args, kwargs):
+    raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
+
+
+_SPECIAL = {
+    aten.is_pinned.default: _is_pinned,
+    aten._pin_memory.default: _pin_memory,
+    aten.index.Tensor: _host_indices,
+    aten._unsafe_index.Tensor: _host_indices,
+    aten.index_put_.default: _host_indices,
+    aten.index_put.default: _host_indices,
+    aten._index_put_impl_.default: _host_indices,
+    aten._unsafe_index_put.default: _host_indices,
+    aten.lift_fresh.default: _lift_fresh,
+    aten.lift_fresh_copy.default: _lift_fresh,
+    aten.copy_.default: transfer.copy_,
+    aten.copy.default: transfer.copy,
+    aten._to_copy.default: transfer.to_copy,
+    aten._local_scalar_dense.default: transfer.local_scalar_dense,
+    aten._unsafe_view.default: _unsafe_view,
+    aten._conj.default: _materialized(aten.conj_physical.default),
+    aten._neg_view.default: _materialized(aten.neg.default),
+}
+for _op in transfer.LIKE:
+    _SPECIAL[_op] = transfer.like
+for _op in aten.set_.overloads():
+    _SPECIAL[getattr(aten.set_, _op)] = _set_
+for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
+    if _name.startswith("aten::_foreach_") and _name.endswith("_"):  # writes its first list
+        _packet = getattr(aten, _name[6:])
+        for _op in _packet.overloads():
+            _op = getattr(_packet, _op)
+            assert _op._schema.arguments[0].alias_info.is_write, _op
+            _SPECIAL[_op] = _bumps_versions
+# (by the C++ op: an OpOverload hashes in Python, and writes_foreach runs per op)
+_FOREACH_WRITES = frozenset(f._op for f, h in _SPECIAL.items() if h is _bumps_versions)
+
+
+def writes_foreach(func) -> bool:
+    """Is `func` an in-place foreach op (writes the tensors of its first list)?"""
+    return func._op in _FOREACH_WRITES
+
+
+class _Route(NamedTuple):
+    """How `Engine.dispatch` routes one op, looked up once per op overload."""
+
+    special: Callable | None  # the engine's own handler (`_SPECIAL`)
+    composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
+    cls: str | None  # fusion.ops.op_class
+    scalars: tuple  # fusion.ir.scalar_positions
+
+
+# keyed by `func._op`, the C++ operator behind an OpOverload: an OpOverload hashes through a
+# Python __hash__, and this lookup runs per op
+_ROUTES: dict = {}
+
+
+def _route(func) -> _Route:
+    r = _ROUTES[func._op] = _Route(_SPECIAL.get(func), composite_key(func), op_class(func),
+                                   scalar_positions(func))
+    return r
+
+
+ENGINE = Engine()  # neuron:0
+_OVERRIDES = Scopes(_read_setting, lambda values: _apply_settings(values))
+ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
+_CURRENT = [0]  # the current core's index (cores.set_current checks it first)
+_OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
+
+
+class FlushInterrupted(Exception):
+    """The flush that computes a value stopped before it did (KeyboardInterrupt, ...)."""
+
+
+def _interrupted(eng, nodes, refs, e: BaseException) -> None:
+    """A flush raised (Ctrl-C lands in the Python that runs the device's work): the values
+    it had not computed yet stay unreadable with an error saying so, instead of handles
+    with no buffer (AttributeError on a later read, and on any op reading them). So do the
+    buffers its unrun ops update in place (an optimizer step's parameters): on CPU every
+    update that returned was applied, and here some were not, or only partly; reading them
+    raises instead of giving the old value. Values computed before the interrupt stay."""
+    why = f"{type(e).__name__} interrupted the flush that"
+    new = FlushInterrupted(f"{why} computes this value, so it was never computed: compute it "
+                           f"again")
+    updated = FlushInterrupted(f"{why} updates this tensor in place, so the update was not "
+                               f"applied, or only partly: restore its value (from a "
+                               f"checkpoint) or compute it again")
+    done = eng.runner.done if eng.runner is not None else 0
+    for i, n in enumerate(nodes):
+        launches = {}  # the op (and source line) that would have made or updated the value
+        for li, ci in enumerate(n.uids):
+            r = refs[ci]
+            h = r() if type(r) is weakref.ref else r
+            if h is None or not (h.pending or (i >= done and li in n.writes)):
+                continue
+            kind = "new" if h.pending else "updated"
+            if kind not in launches:
+                launches[kind] = Launch(n.name, None, 0, 0.0, context=[n])
+                launches[kind].error = new if h.pending else updated
+            if h.pending:
+                h.buffer = eng.device.alloc(h.nbytes, torch.UntypedStorage(h.nbytes))
+                h.pending = False
+            h.poison = h.poison or launches[kind]
+
+
+def _after_fork_in_child() -> None:
+    """Note [Threads] across os.fork: only the forking thread lives on in the child, and a
+    lock another thread held at the fork stays held for good (a DataLoader worker, forked
+    while a thread ran neuron ops, hung in torch.manual_seed). The child gets fresh locks,
+    and counters of its own (its metrics file counts its own work, not the parent's again).
+    What the parent's other threads were doing at the fork is lost, as in any library."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    for eng in ENGINES:
+        eng.lock = _LOCK
+        eng.device.hbm.after_fork()
+    errors.after_fork()
+    COUNTERS.reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def other_cores_used() -> bool:
+    """Whether a core other than neuron:0 ever held a tensor (Note [Cores]: backward then
+    runs on one thread)."""
+    return _OTHER_CORES_USED[0]
+
+
+def visible_cores() -> int:
+    """How many NeuronCores this process sees (the chip's, or NEURON_RT_* restrictions)."""
+    cfg, chip = _config.config, ENGINE.spec.chip_cores
+    if cfg.visible_cores is not None:
+        bad = [c for c in cfg.visible_cores if not 0 <= c < chip]
+        if bad or not cfg.visible_cores:
+            raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={cfg.visible_cores} names cores "
+                               f"the chip does not have: it has {chip} (0..{chip - 1})")
+        twice = sorted({c for c in cfg.visible_cores if cfg.visible_cores.count(c) > 1})
+        if twice:
+            raise RuntimeError(f"NEURON_RT_VISIBLE_CORES={cfg.visible_cores} names core"
+                               f"{'s' if len(twice) > 1 else ''} {twice} more than once: "
+                               f"name each core once")
+        return len(cfg.visible_cores)
+    if cfg.num_cores is not None:
+        if not 0 < cfg.num_cores <= chip:
+            raise RuntimeError(f"NEURON_RT_NUM_CORES={cfg.num_cores} but the chip has "
+                               f"{chip} NeuronCores")
+        return cfg.num_cores
+    return chip
+
+
+def check_core(index: int) -> int:
+    """`index`, if this process sees neuron:`index`; else CUDA's kind of error."""
+    n = visible_cores()
+    if not 0 <= index < n:
+        raise RuntimeError(f"neuron:{index} does not exist: this process sees {n} NeuronCore"
+                           f"{'s' if n != 1 else ''} (neuron:0..{n - 1}; see "
+                           f"NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES)")
+    return index
+
+
+def flush_all(reason: str) -> None:
+    """Flush every core's queue (a CPU setting is about to change: Note [CPU settings])."""
+    with _LOCK:
+        for eng in list(ENGINES):
+            eng.flush(reason)
+
+
+def current() -> Engine:
+    """The current core's engine: where "neuron" with no index goes."""
+    return core(_CURRENT[0])
+
+
+def set_current(index: int) -> None:
+    _CURRENT[0] = index
+
+
+def core(index: int) -> Engine:
+    """The engine of neuron:`index`, made on first use with core 0's spec, mode and strategy
+    (the caller checks that this process sees that core: cores.check)."""
+    with _LOCK:
+        while len(ENGINES) <= index:
+            e = Engine(len(ENGINES), ENGINE.spec)
+            e.device.rng.manual_seed(ENGINE.device.rng.seed)  # torch.manual_seed's seed
+            e.adaptive, e.strategy_name = ENGINE.adaptive, ENGINE.strategy_name
+            e.reconfigure()
+            ENGINES.append(e)
+    return ENGINES[index]

@@ -1,0 +1,155 @@
+"""User hooks on neuron autograd graphs, guarded so that one that raises reaches the caller.
+
+Note [Hooks that raise]: autograd calls a hook and, when it raises, unwinds with the Python
+error still pending through the node's device guard, which for a Python backend calls into
+Python: the process aborts ("terminate called without an active exception"; CUDA's guard is
+C++). So hooks on neuron tensors (tensor hooks, post-accumulate-grad hooks, nn.Module's full
+backward hooks, which BackwardHook puts on autograd nodes) hand their error over (Note
+[Device-thread errors] in errors.py) and return what autograd refuses with a C++ error (a
+gradient of another device; a tuple of the wrong length), which unwinds safely; the backward
+wrapper in _registration re-raises the hook's own exception. Outside a backward a hook's error
+is raised as it is. A hook that returns the wrong type is the same case: PyTorch's check
+raises its TypeError with the Python error pending, so the guard raises it instead. Saved-
+tensor unpack hooks (`saved_tensors_hooks`, `save_on_cpu`, and non-reentrant
+`torch.utils.checkpoint`, whose recompute runs inside one) are guarded too: their refusal is
+a non-tensor, which autograd's C++ check refuses. Not guarded (PyTorch's node types cannot be
+patched): hooks registered directly on a node, `y.grad_fn.register_hook(...)`.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import _hand_off, in_backward
+from .source import DEVICE_TYPE
+
+
+def guarded(hook):
+    """Note [Hooks that raise]: `hook`, whose error inside a backward is handed over."""
+    @functools.wraps(hook)
+    def guarded(*args):
+        try:
+            result = hook(*args)
+        except BaseException as e:
+            if not in_backward():
+                raise  # nothing to unwind through
+            _hand_off(e)
+            return torch.empty(0)  # a CPU gradient: autograd's C++ check refuses it
+        if result is None or isinstance(result, torch.Tensor) or not in_backward():
+            return result
+        _hand_off(TypeError(f"expected Variable, but hook returned '{type(result).__name__}'"))
+        return torch.empty(0)
+    return guarded
+
+
+def _guarded_node_hook(hook):
+    """Note [Hooks that raise] for a hook on an autograd node (`hook(grads, ...)` returns
+    a replacement for `grads`): one of the wrong length is refused by a C++ check."""
+    @functools.wraps(hook)
+    def guarded(*args):
+        grads = args[-2] if len(args) == 3 else args[0]  # legacy module hooks: (module, gi, go)
+        try:
+            result = hook(*args)
+        except BaseException as e:
+            if not in_backward() or not _neuron_in(g for a in args[-2:] for g in a):
+                raise  # not a neuron backward: PyTorch's own path
+            _hand_off(e)
+            return (None,) * (len(grads) + 1)
+        if result is None or isinstance(result, tuple) or not in_backward() \
+                or not _neuron_in(g for a in args[-2:] for g in a):
+            return result
+        _hand_off(TypeError(f"expected tuple, but hook returned '{type(result).__name__}'"))
+        return (None,) * (len(grads) + 1)
+    return guarded
+
+
+def _neuron_in(values) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.device.type == DEVICE_TYPE for v in values)
+
+
+class _Packed:
+    """What a guarded pack hook saves: the user's packed value, and whether the tensor was a
+    neuron tensor (only then does its unpack run behind the Python device guard)."""
+    __slots__ = ("value", "neuron")
+
+    def __init__(self, value, neuron: bool):
+        self.value, self.neuron = value, neuron
+
+
+def guarded_saved_tensor_hooks(push):
+    """Note [Hooks that raise]: `torch._C._autograd._push_saved_tensors_default_hooks`, with
+    the unpack hook guarded (every `saved_tensors_hooks` context, `save_on_cpu` and the
+    non-reentrant `torch.utils.checkpoint` push through it)."""
+    @functools.wraps(push)
+    def push_guarded(pack_hook, unpack_hook):
+        if isinstance(unpack_hook, torch.fx.GraphModule):  # AOTAutograd inlines these
+            return push(pack_hook, unpack_hook)
+
+        def pack(t):
+            return _Packed(pack_hook(t), t.device.type == DEVICE_TYPE)
+
+        def unpack(packed):
+            if not packed.neuron:
+                return unpack_hook(packed.value)
+            try:
+                return unpack_hook(packed.value)
+            except BaseException as e:
+                if not in_backward():
+                    raise
+                _hand_off(e)
+                return None  # not a tensor: autograd's C++ check refuses it
+        return push(pack, unpack)
+    push_guarded._neuron = True
+    return push_guarded
+
+
+class _GuardedNode:
+    """An autograd node whose hooks registered through it are guarded."""
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn):
+        self._fn = fn._fn if type(fn) is _GuardedNode else fn
+
+    def register_hook(self, hook):
+        return self._fn.register_hook(_guarded_node_hook(hook))
+
+    def register_prehook(self, hook):
+        return self._fn.register_prehook(_guarded_node_hook(hook))
+
+    def __getattr__(self, name):
+        return getattr(self._fn, name)
+
+
+def install() -> None:
+    """Guard the hooks PyTorch registers on autograd's behalf (Note [Hooks that raise])."""
+    import torch.nn.modules.module as module
+    if not getattr(module.BackwardHook, "_neuron", False):  # full backward (pre-)hooks
+        module.BackwardHook = _module_backward_hook_class()
+    get = module.Module._get_backward_hooks
+    if not getattr(get, "_neuron", False):  # legacy `register_backward_hook`
+        def _get_backward_hooks(self):
+            full, non_full = get(self)
+            return full, [_guarded_node_hook(h) for h in non_full]
+        _get_backward_hooks._neuron = True
+        module.Module._get_backward_hooks = _get_backward_hooks
+    autograd = torch._C._autograd
+    if not getattr(autograd._push_saved_tensors_default_hooks, "_neuron", False):
+        autograd._push_saved_tensors_default_hooks = guarded_saved_tensor_hooks(
+            autograd._push_saved_tensors_default_hooks)
+
+
+def _module_backward_hook_class():
+    """nn.Module's full backward (pre-)hooks run inside Python hooks that BackwardHook puts
+    on autograd nodes: those are guarded (Note [Hooks that raise])."""
+    from torch.utils.hooks import BackwardHook
+
+    class GuardedBackwardHook(BackwardHook):
+        _neuron = True
+
+        def _set_user_hook(self, grad_fn):
+            return super()._set_user_hook(_GuardedNode(grad_fn))
+
+        def _apply_on_tensors(self, fn, args):
+            return super()._apply_on_tensors(lambda g: fn(_GuardedNode(g)), args)
+    return GuardedBackwardHook

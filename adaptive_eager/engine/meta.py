@@ -1,0 +1,423 @@
+"""Meta inference: what an op returns (shapes, strides, dtypes, aliasing, FLOPs), computed once
+per op signature by meta execution checked against CPU (Note [CPU probe]), so shape and dtype
+errors raise at the call as in eager mode."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_map, tree_flatten
+
+from device import with_generator
+from fusion.ir import OpSig, extent_bytes
+from fusion.ops import CONTRACTION, RANDOM, VIEW, device_kernel, op_class
+from fusion.program import cpu_kernels
+
+from .source import DEVICE_TYPE, _user_stacklevel
+
+_RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
+
+
+
+class MetaResult:
+    """What an op signature produces, computed once by meta execution (see Engine.infer)."""
+
+    __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks", "gstate",
+                 "replay")
+
+    def __init__(self, leaves, spec, op, resize=(), checks=()):
+        self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
+        self.checks = checks  # (runtime input index, dtype) per Note [Scalar conversion]
+        self.single = spec.is_leaf()  # one output: no pytree rebuild per call
+        self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
+        self.f64 = op is not None and any(o is not None and o[4] == "float64" for o in op.outs)
+        self.leaves = leaves  # per leaf: ("new", k, size, stride, dtype, info) |
+        # ("view", li, size, stride, off, dtype, info) | ("arg", schema index, list index) |
+        # ("value", v); info: what a NeuronTensor caches as `_info` (NeuronTensor._set_layout)
+        self.spec = spec
+        self.gstate = None  # the global state it was computed under (the engine sets it)
+        self.replay = None  # Note [Replay]: how its calls' arguments look (replay.spec)
+
+
+
+def _info(size, stride, offset, t) -> tuple:
+    """(layout, view bytes, extent bytes) a NeuronTensor caches, from its meta twin."""
+    return ((size, stride, offset, str(t.dtype)[6:]), t.numel() * t.element_size(),
+            extent_bytes(size, stride, offset, t.element_size()))
+
+
+
+
+_BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"}
+
+
+
+def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
+    """An in-place op whose meta kernel gives argument `name` (template `t`) another shape
+    (`x.addr_(u, v)` of a 0-d x): CPU's kernel refuses it (only out= tensors are resized).
+    Raise CPU's own error, from CPU's kernel on zeros of the same layouts (the meta kernel
+    already reshaped its meta twin), instead of resizing the tensor (it held garbage)."""
+    def zeros(v):
+        if isinstance(v, torch.Tensor) and v.device.type == "meta":
+            return torch.zeros_like(v, device="cpu")
+        return v
+    args, kwargs = tree_map(zeros, list(m_args)), tree_map(zeros, dict(m_kwargs))
+    own = torch.zeros(t[2], dtype=getattr(torch, t[5]))
+    names = [a.name for a in func._schema.arguments]
+    if name in kwargs:
+        kwargs[name] = own
+    else:
+        args[names.index(name)] = own
+    try:
+        func(*args, **kwargs)
+    except Exception as e:
+        e._ae_user_error = True
+        raise e.with_traceback(None) from None
+    # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
+
+
+def _cpu_shaped(func, m_args, m_kwargs, out):
+    """Where CPU kernels shape outputs unlike the meta kernels: eval-mode batch norm returns
+    empty saved statistics on CPU (meta says (C,)); a backward leaves the gradients its
+    `output_mask` turns off undefined (batch norm's meta kernel makes them: the device then
+    read a gradient CPU never computed, and crashed). Our device follows CPU."""
+    names = [a.name for a in func._schema.arguments]
+    if "output_mask" in names and isinstance(out, tuple):
+        i = names.index("output_mask")
+        mask = m_kwargs.get("output_mask", m_args[i] if i < len(m_args) else None)
+        if mask is not None and len(mask) == len(out):
+            out = tuple(o if keep else None for o, keep in zip(out, mask))
+    if func.overloadpacket.__name__ not in _BN:
+        return out
+    training = (m_kwargs.get("training", m_args[names.index("training")]
+                             if "training" in names and names.index("training") < len(m_args)
+                             else False))
+    if training:
+        return out
+    return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
+
+
+
+def _global_state() -> tuple:
+    """The global state that meta execution (and so a cached MetaResult) depends on. (The C
+    functions themselves: this runs per op.)"""
+    return (
+        _default_dtype(),  # `int_tensor / 2`, factories without dtype=
+        _grad_enabled(),  # ops that branch on grad mode (batch norm stats, ...)
+        _inference_mode(),  # inference tensors behave differently
+        _deterministic(),  # kernels that refuse or change
+        _any_autocast() and torch.is_autocast_enabled("neuron"),  # seen by composite ops
+    )
+
+
+_default_dtype, _grad_enabled = torch.get_default_dtype, torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_deterministic = torch._C._get_deterministic_algorithms  # torch.are_deterministic_algorithms_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+
+
+# Note [CPU probe]: meta kernels are not CPU's kernels. Some lay out or type outputs unlike
+# CPU (floor_divide on a transposed input, `bool ** False`), some accept what CPU refuses
+# (`float & float`, mm of float32 by float64), some refuse what CPU accepts (empty inputs).
+# On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
+# the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
+# (big input buffers or outputs: a broadcast of two small inputs may be too big for the host;
+# contractions of one dtype, whose layouts meta gets right); a random op's probe
+# draws from a copy of the generator, so the real draws are untouched. A probe error counts
+# only if CPU raises it, word for word, for two different fillings (zeros and ones), so value
+# checks (a zero divisor, index 1 of a size-1 dim) and data-dependent shapes (a boolean mask's
+# count) are not mistaken for user errors; those are found at run time as on the device.
+
+_PROBE_MAX_BYTES = 16 * 2**20
+
+
+
+def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
+    if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES or sum(
+            t.numel() * t.element_size() for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)) > _PROBE_MAX_BYTES:  # (a broadcast's output)
+        return False
+    if cls == CONTRACTION and "conv" not in func._schema.name:  # convolutions keep their
+        # input's memory format (channels_last) on CPU, which meta does not
+        return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
+    return True
+
+
+
+def _tensor_templates(ts):
+    for t in ts:
+        if type(t) is tuple and t:
+            if t[0] == "T":
+                yield t
+            elif t[0] == "L":
+                yield from _tensor_templates(t[1:])
+
+
+
+def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
+    """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
+    first = None
+    # A random op's probe draws from a throwaway generator (the op's overload that takes
+    # one), or else from a throwaway copy of the process's (fork_rng: restoring it would undo
+    # another thread's CPU draws meanwhile, so only where unavoidable).
+    kernel = device_kernel(func)
+    gen_op = with_generator(func) if random and kernel is func else None
+    for fill in (0, 1):
+        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8, device="cpu") for h in handles]
+        cpu = torch.device("cpu")
+
+        seen = {}  # the same tensor passed twice is one twin (CPU's `is_same` overlap checks)
+
+        def twin(v, t):
+            if isinstance(v, torch.Tensor):
+                if id(v) not in seen:
+                    seen[id(v)] = _twin(v, t, bufs, cpu, fill)
+                return seen[id(v)]
+            return _twin(v, t, bufs, cpu, fill)
+
+        rng = torch.random.fork_rng(devices=[]) if random and gen_op is None \
+            else contextlib.nullcontext()
+        with torch._C._DisableTorchDispatch(), cpu_kernels(), warnings.catch_warnings(), rng:
+            warnings.simplefilter("ignore")
+            try:
+                c_args = [twin(v, t) for v, t in zip(args, args_t)]
+                c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
+                if gen_op is not None:
+                    return gen_op(*c_args, **dict(c_kwargs, generator=torch.Generator()))
+                return kernel(*c_args, **c_kwargs)
+            except Exception as e:
+                if first is not None and type(e) is type(first) and str(e) == str(first):
+                    return first.with_traceback(None)
+                if first is not None:  # a value check or a data-dependent shape (a mask's
+                    return None  # count), not a user error: let the device find it
+                first = e.with_traceback(None)  # (no traceback: no cycle through this frame)
+    return None
+
+
+
+def _meta_buffers(handles) -> list:
+    """One meta byte buffer per device buffer: meta twins of views share them, so aliasing
+    and storage offsets behave in shape inference as on the device."""
+    return [torch.empty(0, dtype=torch.uint8, device="meta").set_(
+        torch.UntypedStorage(h.nbytes, device="meta"), 0, (h.nbytes,), (1,)) for h in handles]
+
+
+
+def _to_meta(v, t, metas):
+    """The meta twin of argument v (template t): same sizes, strides, offsets, aliasing."""
+    return _twin(v, t, metas, torch.device("meta"))
+
+
+def _twin(v, t, bufs, device, fill=None):
+    """Argument v (template t) over `bufs`, one byte buffer per device buffer (meta twins for
+    shape inference, host twins for the CPU probe): same sizes, strides, offsets, aliasing.
+    A device= argument becomes `device`, so nothing is allocated (or drawn) for real."""
+    if type(t) is tuple and t and t[0] == "T":
+        li, size, stride, off, dt = t[1:6]  # (t[6:]: an instance number)
+        x = torch.empty(0, dtype=getattr(torch, dt), device=device).set_(
+            bufs[li].untyped_storage(), off, size, stride)
+        if fill:
+            x.fill_(fill)
+        return x
+    if type(t) is tuple and t and t[0] == "L":
+        return [_twin(x, tt, bufs, device, fill) for x, tt in zip(v, t[1:])]
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
+        return device
+    return v
+
+
+
+def _flops(func, args, kwargs, out) -> float:
+    from torch.utils.flop_counter import flop_registry
+    f = flop_registry.get(func.overloadpacket)
+    if f is not None:
+        try:
+            return float(f(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take these args: count elements
+            pass
+    return float(sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)))
+
+
+
+
+def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
+    """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
+    (shapes, dtypes) propagate with PyTorch's own message."""
+    # Below any dispatch mode still on the stack (make_fx's under torch.func.linearize
+    # would trace these meta twins, and refuse their storages).
+    with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as meta_warnings:
+        metas = _meta_buffers(handles)
+        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
+        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
+                                                                       kwargs_t)}
+        warnings.simplefilter("always")
+        # (flags, not the exceptions: a local holding one whose traceback holds this frame
+        # is a cycle keeping the caller's frames, and their tensors' device memory, alive
+        # until the garbage collector runs)
+        try:
+            out = func(*m_args, **m_kwargs)
+        except Exception:  # no meta kernel, data-dependent shapes, or a user error
+            meta_failed = True
+        else:
+            meta_failed = False
+    cls = op_class(func)
+    probe = None
+    if meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
+        probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
+        if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
+            probe._ae_user_error = True
+            try:
+                raise probe
+            finally:
+                probe = None
+    if meta_failed:
+        return _RUN_NOW
+    out = _cpu_shaped(func, m_args, m_kwargs, out)
+    storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
+    leaves, spec = tree_flatten(out)
+    rets = func._schema.returns
+    schema_args = func._schema.arguments
+    ret_alias = []
+    for r in rets:
+        ai = r.alias_info
+        if ai is None or not ai.before_set:  # lists keep it on the element type
+            ret_alias.append(None)
+            continue
+        j = next(j for j, a in enumerate(schema_args)
+                 if a.alias_info is not None and a.alias_info.before_set & ai.before_set)
+        ret_alias.append((j, ai.is_write))
+    per_ret = out if len(rets) > 1 else (out,)
+    leaf_alias = []
+    for r, o in zip(ret_alias, per_ret):
+        n = len(tree_flatten(o)[0])
+        leaf_alias += [(r, k) for k in range(n)]
+    cpu_leaves = tree_flatten(probe)[0] if probe is not None else ()
+    out_leaves, outs, new_bytes, resize = [], [], [], []
+    nh = len(handles)
+    for i, leaf in enumerate(leaves):
+        alias = leaf_alias[i][0] if i < len(leaf_alias) else None
+        if not isinstance(leaf, torch.Tensor):
+            out_leaves.append(("value", leaf))
+            outs.append(None)
+            continue
+        size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
+        dt = str(leaf.dtype)[6:]
+        li = storage_li.get(leaf.untyped_storage()._cdata)
+        if alias is not None and alias[1]:  # in-place or out=: hand back the argument
+            j, k = alias[0], leaf_alias[i][1]
+            out_leaves.append(("arg", j, k))
+            outs.append(None)
+            t = _arg_template(j, schema_args[j].name, args_t, kwargs_t)
+            t = t[1 + k] if t[0] == "L" else t
+            if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
+                cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
+                if isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size:
+                    stride = cpu.stride()  # CPU restrides a resized out (Note [CPU layouts])
+                if (size, stride) != (t[2], t[3]):  # (CPU may keep it: sort into a strided out)
+                    if tuple(size) != tuple(t[2]) and not schema_args[j].is_out:
+                        _refuse_reshaping_self(func, m_args, m_kwargs, schema_args[j].name,
+                                               t, size)
+                    resize.append((j, k, size, stride))
+        elif (alias is not None or cls == VIEW) and li is not None:
+            out_leaves.append(("view", li, size, stride, off, leaf.dtype,
+                               _info(size, stride, off, leaf)))
+            outs.append(None)
+        else:
+            cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
+            if (isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size
+                    and (cpu.stride() != stride or cpu.dtype != leaf.dtype)):
+                # Note [CPU layouts]: where a meta kernel lays out or types an output
+                # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it).
+                stride, dt = cpu.stride(), str(cpu.dtype)[6:]
+                leaf = torch.empty_strided(size, stride, dtype=cpu.dtype, device="meta")
+            k = len(new_bytes)
+            out_leaves.append(("new", k, size, stride, leaf.dtype,
+                               _info(size, stride, 0, leaf)))
+            outs.append(("N", nh + k, size, stride, dt))
+            new_bytes.append(extent_bytes(size, stride, off, leaf.element_size()))
+    writes = []
+    for j, a in enumerate(schema_args):
+        if a.alias_info is not None and a.alias_info.is_write:
+            t = _arg_template(j, a.name, args_t, kwargs_t)
+            if t is None:
+                continue
+            for x in (t[1:] if t[0] == "L" else (t,)):
+                if type(x) is tuple and x[0] == "T" and x[1] not in writes:
+                    writes.append(x[1])
+    flops = _flops(func, m_args, m_kwargs, out)
+    outs = tuple(outs) if new_bytes else None
+    op = None
+    if outs is not None or writes:
+        op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
+                   tuple(new_bytes))
+    if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
+        for w in meta_warnings:
+            warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
+    return MetaResult(tuple(out_leaves), spec, op, tuple(resize),
+                      _conversion_checks(func, args_t, kwargs_t, leaves))
+
+
+# Note [Scalar conversion]: the fill family converts its Scalar to the tensor's dtype with no
+# type promotion, and CPU checks the conversion (c10::checked_convert): nan into an integer,
+# -1.0 into uint8, 1e10 into float16 raise "value cannot be converted to type int64_t without
+# overflow" at the call. That depends on the runtime value, so it cannot be a property of the
+# cached signature (the CPU probe sees the first call's value only): it is checked per call.
+_FILLS = {"fill_", "fill", "masked_fill_", "masked_fill", "index_fill_", "index_fill",
+          "scatter_", "scatter", "full", "full_like", "new_full"}
+_CTYPES = {torch.int64: "int64_t", torch.int32: "int", torch.int16: "int16_t",
+           torch.int8: "int8_t", torch.uint8: "uint8_t", torch.float16: "c10::Half",
+           torch.bfloat16: "c10::BFloat16", torch.float32: "float"}
+
+
+def _arg_template(j, name, args_t, kwargs_t):
+    """The template of schema argument j (`name`): positional or keyword, None if absent."""
+    return args_t[j] if j < len(args_t) else dict(kwargs_t).get(name)
+
+
+def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
+    if func.overloadpacket.__name__ not in _FILLS or not leaves:
+        return ()
+    dtype = leaves[0].dtype if isinstance(leaves[0], torch.Tensor) else None
+    if dtype not in _CTYPES:
+        return ()
+    names = [a.name for a in func._schema.arguments]
+    if func.overloadpacket.__name__.startswith("scatter"):  # with nothing to write, scatter
+        # returns before converting (index_fill, full and the others convert first)
+        j = names.index("index")
+        t = _arg_template(j, "index", args_t, kwargs_t)
+        if type(t) is tuple and t and t[0] == "T" and 0 in t[2]:
+            return ()
+    for name in ("value", "fill_value"):
+        if name in names:
+            j = names.index(name)
+            t = _arg_template(j, name, args_t, kwargs_t)
+            if type(t) is tuple and t and t[0] == "S":
+                return ((t[1], dtype),)
+    return ()
+
+
+def check_conversions(checks, inputs) -> None:
+    """Note [Scalar conversion]: CPU's error for a Scalar its tensor's dtype cannot hold."""
+    for i, dtype in checks:
+        v = inputs[i]
+        if isinstance(v, bool) or isinstance(v, complex):
+            continue
+        if dtype.is_floating_point:  # inf and nan convert; finite values past max do not
+            bad = math.isfinite(v) and abs(float(v)) > torch.finfo(dtype).max
+        else:
+            info = torch.iinfo(dtype)
+            if isinstance(v, float):  # compared as C++ compares doubles
+                bad = v != v or v < float(info.min) or v > float(info.max)
+            elif info.min == 0:  # an unsigned type: negative ints wrap, as in C++
+                bad = v > info.max or -v > info.max
+            else:
+                bad = v < info.min or v > info.max
+        if bad:
+            e = RuntimeError(f"value cannot be converted to type {_CTYPES[dtype]} without "
+                             f"overflow")
+            e._ae_user_error = True
+            raise e
+

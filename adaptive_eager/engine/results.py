@@ -1,0 +1,174 @@
+"""Results and views: the tensors an op returns (new buffers, views of its inputs' buffers,
+its arguments back), in-place view ops that restride a tensor, and out= tensors resized as
+CPU resizes them. Every view is checked against its real buffer (CPU's out-of-bounds error)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from device import Launch
+
+from .tensor import NeuronTensor, fresh
+from ..errors import _out_of_bounds
+from fusion.ir import extent_bytes
+from .meta import _meta_buffers, _to_meta
+from .source import _user_stacklevel
+from .templates import template
+
+aten = torch.ops.aten
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+
+
+def results(eng, func, args, kwargs, handles, meta, new):
+    """What op `func` returns, from its cached meta result: tensors over the new buffers it
+    makes (`new`), views of its arguments' buffers (`handles`), or arguments handed back
+    (in place, out=), in the op's own output structure."""
+    if meta.single:  # one output (most ops): no list, no pytree
+        leaf = meta.leaves[0]
+        if leaf[0] == "new":
+            _, k, size, stride, dtype, info = leaf
+            return fresh(eng, new[k], size, stride, dtype, info)
+        if leaf[0] == "view":
+            return _view(eng, leaf, handles, args)
+    out = []
+    for leaf in meta.leaves:
+        kind = leaf[0]
+        if kind == "new":
+            _, k, size, stride, dtype, info = leaf
+            out.append(fresh(eng, new[k], size, stride, dtype, info))
+        elif kind == "view":
+            out.append(_view(eng, leaf, handles, args))
+        elif kind == "arg":
+            _, j, k = leaf
+            a = func._schema.arguments[j]
+            v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+            out.append(v[k] if isinstance(v, (list, tuple)) else v)
+        else:
+            out.append(leaf[1])
+    return out[0] if meta.single else tree_unflatten(out, meta.spec)
+
+
+def _view(eng, leaf, handles, args):
+    """A view of an argument's buffer. As on CPU, it is an inference tensor exactly when its
+    base is one, in inference mode or not (a tensor made in inference mode otherwise is one:
+    a view of an ordinary tensor made there failed PyTorch's view bookkeeping)."""
+    _, li, size, stride, off, dtype, info = leaf
+    if info[2] > handles[li].nbytes:
+        _out_of_bounds(size, stride, off, dtype, handles[li].nbytes)
+    base = args[0] if isinstance(args[0], torch.Tensor) else args[0][0]
+    inference = base.is_inference()
+    if inference == torch.is_inference_mode_enabled():
+        return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+    with torch.inference_mode(inference):
+        return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+
+
+def inplace_view(eng, func, args, kwargs):
+    """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
+    over the same buffer; resize_ past the buffer moves the tensor to a larger one."""
+    t = args[0]
+    args_t, kwargs_t, handles, _, _ = template(eng, func, args, kwargs)
+    metas = _meta_buffers(handles)
+    m = _to_meta(t, args_t[0], metas)
+    try:
+        func(m, *[_to_meta(v, a, metas) for v, a in zip(args[1:], args_t[1:])],
+             **{k: _to_meta(v, a, metas) for (k, v), (_, a) in zip(kwargs.items(), kwargs_t)})
+    except Exception:
+        _cpu_refusal(func, t, args, kwargs)
+        raise
+    need = extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
+    old = t._handle.nbytes
+    if need > old:
+        if func.overloadpacket is not aten.resize_:
+            _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype, old)
+        grow(eng, t, need)
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        aten.as_strided_.default(t, m.shape, m.stride(), m.storage_offset())
+    t._set_layout()
+    if need > old:
+        fill_uninitialized(t, old // t.element_size())
+    return t
+
+
+def _cpu_refusal(func, t, args, kwargs) -> None:
+    """A meta kernel refused an in-place view op (`t_` of a 3-d tensor raises AssertionError
+    there): raise CPU's own error, from the op on a host tensor of the same layout, when CPU
+    refuses it too (fuzzer seed 72019429)."""
+    host = torch.zeros(t._info[2] // t.element_size() + 1, dtype=t.dtype).as_strided(
+        t.shape, t.stride(), t.storage_offset())
+    try:
+        func(host, *args[1:], **kwargs)
+    except Exception as e:
+        e._ae_user_error = True
+        raise e.with_traceback(None) from None
+
+
+def fill_uninitialized(t, start: int = 0) -> None:
+    """CPU's fill of new memory under `torch.use_deterministic_algorithms(True)` (with
+    `torch.utils.deterministic.fill_uninitialized_memory`, on by default): NaN for floating
+    and complex dtypes, the largest value for the others; elements from `start` on."""
+    if not (torch.are_deterministic_algorithms_enabled()
+            and torch.utils.deterministic.fill_uninitialized_memory):
+        return
+    if t.is_floating_point() or t.is_complex():
+        value = float("nan")
+    else:
+        value = True if t.dtype is torch.bool else torch.iinfo(t.dtype).max
+    n = t._handle.nbytes // t.element_size() - start
+    if n > 0:
+        t.as_strided((n,), (1,), start).fill_(value)
+
+
+def resize_out(eng, t, size, stride) -> None:
+    """An out= tensor of the wrong shape is resized, as CPU's resize_output does (the
+    meta kernel already gave CPU's deprecation warning)."""
+    off = t.storage_offset()
+    need = extent_bytes(size, stride, off, t.element_size())
+    if need > t._handle.nbytes:
+        grow(eng, t, need)
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+        aten.as_strided_.default(t, size, stride, off)
+    t._set_layout()
+
+
+def grow(eng, t, need: int) -> None:
+    """A tensor resized past its buffer: the buffer itself grows (a new, larger
+    allocation that starts with the old bytes), so every view of it sees the new storage,
+    as CPU's resize_ reallocates the storage its views share."""
+    h = t._handle
+    eng.flush("resize")
+    eng._make_room(need)
+    buf = eng.device.alloc(need)
+    if h.buffer is not None and h.nbytes:
+        src, dst, n = h.buffer.storage, buf.storage, h.nbytes
+
+        def copy():
+            u8 = torch.uint8
+            torch.empty(0, dtype=u8, device="cpu").set_(dst, 0, (n,), (1,)).copy_(
+                torch.empty(0, dtype=u8, device="cpu").set_(src, 0, (n,), (1,)))
+
+        with torch._C._DisableTorchDispatch():
+            eng.device.submit(Launch("resize_", copy, 2 * n, 0.0))
+    h.buffer, h.nbytes = buf, need  # the old allocation is released with its last user
+
+
+def resize_outs(eng, func, args, kwargs, resize) -> None:
+    """out= tensors of the wrong shape (meta's `resize`: argument, list index, CPU's size and
+    strides) are resized as CPU resizes them, with CPU's warning word for word."""
+    for j, k, size, stride in resize:
+        a = func._schema.arguments[j]
+        v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
+        v = v[k] if isinstance(v, (list, tuple)) else v
+        if v.numel():
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(v.shape)}, which does not match the required output shape "
+                f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
+                f"release outputs will not be resized unless they have zero elements. "
+                f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
+                f"zero elements with t.resize_(0).", UserWarning,
+                stacklevel=_user_stacklevel())
+        resize_out(eng, v, size, stride)

@@ -1,0 +1,336 @@
+"""The neuron tensor: a wrapper subclass on the `neuron` device whose data is a handle to a
+(simulated) device buffer. `__torch_dispatch__` stays a few lines: it hands every ATen op to
+the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted by reason.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import hooks
+from . import serialization
+from .storage import NeuronStorage, device_address
+from fusion.ir import extent_bytes
+from .source import DEVICE_TYPE
+
+
+_UNBOUNDED = 1 << 62
+
+
+class NeuronTensor(torch.Tensor):
+    """A view (sizes, strides, offset, dtype) of a device buffer (`_handle`), owned by the
+    engine that made it (`_engine`): its ops and host reads go to that engine."""
+    __slots__ = ()  # the handle lives in __dict__ (wrapper subclasses need one)
+
+    @staticmethod
+    def __new__(cls, engine, handle, size, stride, offset, dtype, requires_grad=False,
+                info=None):
+        # The wrapper's own (data-less) storage is made as large as can be, so that in-place
+        # resizes (resize_, out= of another shape) can restride it; the engine checks every
+        # view against the real buffer (`_handle.nbytes`) instead.
+        if offset or requires_grad or info is None:
+            t = torch.Tensor._make_wrapper_subclass(
+                cls, size, strides=stride, storage_offset=offset, dtype=dtype,
+                device=engine.tdev or _device(engine), requires_grad=requires_grad,
+                storage_size=_UNBOUNDED)
+            t._engine = engine
+            t._handle = handle
+            if info is None:
+                t._set_layout()
+            else:
+                t._info = info
+            return t
+        return fresh(engine, handle, size, stride, dtype, info)
+
+    def _set_layout(self):
+        """Cache what every op's template needs (reading it back through torch is slower):
+        `_info` = (layout: sizes, strides, offset, dtype name; bytes of the view; bytes of
+        the buffer it reaches, its end, checked against the buffer)."""
+        layout = (tuple(self.shape), self.stride(), self.storage_offset(), str(self.dtype)[6:])
+        self._info = (layout, self.numel() * self.element_size(),
+                      extent_bytes(layout[0], layout[1], layout[2], self.element_size()))
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new):  # `p.data = q` (module.half(), ...) swaps the buffer too
+        torch.Tensor.data.__set__(self, new)
+        self._engine, self._handle = new._engine, new._handle
+        self._set_layout()
+
+    # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
+    # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper
+    # subclass are not), and otherwise makes a new Parameter, which breaks ties and
+    # optimizers built before `.to`. For traceable wrapper subclasses (this protocol) it
+    # swaps the new tensor into the old Python object (torch.utils.swap_tensors) instead, as
+    # identity and ties survive `.to("cuda")`. A neuron tensor holds no inner tensors: its
+    # buffer handle and view are the context.
+    def __tensor_flatten__(self):
+        return [], (self._engine, self._handle, self.storage_offset(), self.dtype,
+                    self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        engine, handle, offset, dtype, requires_grad = ctx
+        return NeuronTensor(engine, handle, tuple(outer_size), tuple(outer_stride), offset,
+                            dtype, requires_grad)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        # AOTAutograd (torch.compile, backend "neuron") traced this tangent as a plain
+        # tensor on neuron: a neuron tensor is one. Note [Dynamo and the neuron tensor].
+        return self if expected_type in (None, torch.Tensor) else None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1:  # another subclass among the args (DTensor's AsyncCollectiveTensor
+            return NotImplemented  # wrapping a neuron tensor): it unwraps first, then calls us
+        a = args[0] if args else None
+        engine = a._engine if type(a) is NeuronTensor else engine_of(args, kwargs)
+        return engine.dispatch(func, args, kwargs or {})
+
+    def new_tensor(self, data, *, dtype=None, device=None, requires_grad=False, **kwargs):
+        """On this tensor's core unless told otherwise: PyTorch places it through the C++
+        device guard set to this tensor's device, which a Python backend's guard ignores
+        (it landed on neuron:0)."""
+        if device is None or torch.device(device).type == DEVICE_TYPE \
+                and torch.device(device).index is None:
+            device = self.device
+        return torch.Tensor.new_tensor(self, data, dtype=dtype, device=device,
+                                       requires_grad=requires_grad, **kwargs)
+
+    # Note [Hooks that raise] in hooks.py
+    def register_hook(self, hook):
+        return torch.Tensor.register_hook(self, hooks.guarded(hook))
+
+    def register_post_accumulate_grad_hook(self, hook):
+        return torch.Tensor.register_post_accumulate_grad_hook(self, hooks.guarded(hook))
+
+    # -- sync points with their own reason ----------------------------------------------
+    def _host(self, reason: str) -> torch.Tensor:
+        with torch.no_grad():
+            return self._engine.read(self, reason)
+
+    def __repr__(self, *, tensor_contents=None):
+        text = tensor_repr(self, self._host("repr"))
+        return "Parameter containing:\n" + text if self.__dict__.get("_is_param") else text
+
+    def __format__(self, spec):
+        if self.dim() == 0:  # as torch.Tensor: a 0-d tensor formats as its item
+            return self._host("format").item().__format__(spec)
+        return tensor_repr(self, self._host("format"))
+
+    # Python's conversions read the value on the host (the flush reason is passed along,
+    # never stashed), then convert as a CPU tensor does, with CPU's errors.
+    def __bool__(self):
+        return bool(self._host("bool"))
+
+    def __int__(self):
+        return int(self._host("int"))
+
+    def __float__(self):
+        return float(self._host("float"))
+
+    def __index__(self):
+        return self._host("int").__index__()
+
+    def tolist(self):
+        return self._host("tolist").tolist()
+
+    def numpy(self, *, force=False):
+        if force:
+            return self._host("numpy").numpy()
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use "
+                        f"Tensor.cpu() to copy the tensor to host memory first.")
+
+    def __array__(self, dtype=None):
+        return self.numpy()
+
+    # -- storage identity (Note [Device addresses] in storage.py) ------------------------
+    def untyped_storage(self):
+        return NeuronStorage(self._handle, self._engine)
+
+    def _typed_storage(self):  # Tensor.storage(), and what share_memory_ and collate reach
+        if torch.utils.data.get_worker_info() is not None:  # a DataLoader worker's collate
+            raise RuntimeError(
+                f"A DataLoader worker made {DEVICE_TYPE} tensors, which cannot be sent to the "
+                f"main process (their buffers live in this process's device memory). Return "
+                f"CPU tensors from the Dataset and move each batch with .to('{DEVICE_TYPE}') "
+                f"in the training loop (pin_memory=True and non_blocking=True overlap it).")
+        raise RuntimeError(
+            f"A {DEVICE_TYPE} tensor has no TypedStorage (its bytes live in the device's "
+            f"memory, not in a host storage): use t.untyped_storage() for its buffer's "
+            f"identity and size, or t.cpu() for its values.")
+
+    # Note [Sharing across processes]: a neuron buffer cannot be shared with another process
+    # (CUDA shares through IPC handles; the simulated HBM is this process's). Sending one
+    # through torch.multiprocessing raises (it arrived as a CPU copy: the child's writes
+    # were lost without a word); share_memory_ is a no-op, as on CUDA.
+    def share_memory_(self):
+        return self
+
+    def is_shared(self) -> bool:
+        return False
+
+    def data_ptr(self) -> int:
+        return device_address(self._handle) + self.storage_offset() * self.element_size()
+
+    def __dlpack__(self, *args, **kwargs):  # PyTorch packed a null pointer of device "ext"
+        raise _dlpack_error(self)
+
+    def __reduce_ex__(self, proto):
+        # torch.save / pickle as CPU's tensors go: (storage, offset, size, stride), over a
+        # host copy of the buffer shared by its views (Note [Checkpoints] in
+        # serialization.py). Honours map_location; with map_location="cpu" a process
+        # without this package loads it. (Tensor.__reduce_ex__ would wrap our class.)
+        return serialization.reduce(self)
+
+    def __deepcopy__(self, memo):
+        return serialization.deepcopy(self, memo)
+
+    def __copy__(self):  # CPU's goes through __reduce_ex__, which here makes a host copy
+        return serialization.shallow_copy(self)
+
+
+class _Protocol:
+    """Who sees NeuronTensor's traceable-subclass protocol (`__tensor_flatten__`), decided by
+    who asks (read from the caller's frame):
+    - Note [Flatten protocol and Dynamo]: the PT2 stack (modules `_PT2`) never does. Dynamo and
+      AOTAutograd would treat a neuron tensor as a subclass to desugar into inner tensors,
+      which one without inner tensors cannot survive; hidden, it is traced as what it is, a
+      plain tensor on the neuron device.
+    - Note [Module.to keeps Parameters]: `Module._apply` does, so that `.to("neuron")` swaps
+      the new tensor into the old Parameter object, except when the old parameter is already
+      a neuron tensor (`.half()`, `.to(torch.bfloat16)`, another core): then, as on CUDA,
+      `param.data = new` keeps it, which unlike a swap also works while an autograd graph
+      still holds the parameter (a swap needs the only reference).
+    - Libraries that identify storages by walking a subclass's inner tensors
+      (`huggingface_hub`'s shard planner and shared-tensor check, `_HIDDEN_FROM`) do not: with
+      none to walk, every neuron tensor looked like one empty storage (a tied model refused
+      to save, `max_shard_size` was ignored); hidden, they read its storage as a tensor's.
+    Everyone else (swap_tensors, user code) sees it."""
+
+    def __init__(self, name, attr):
+        self.name = name
+        self.attr = attr
+
+    def __get__(self, obj, cls=None):
+        f = sys._getframe(1)
+        while f is not None and f.f_globals.get("__name__") == "torch.utils._python_dispatch":
+            f = f.f_back  # is_traceable_wrapper_subclass(): whoever called it is the asker
+        if f is not None:
+            module = f.f_globals.get("__name__", "")
+            if module.startswith(_HIDDEN_FROM) or (
+                    module == "torch.nn.modules.module" and f.f_code.co_name == "_apply"
+                    and type(f.f_locals.get("param")) is NeuronTensor):
+                raise AttributeError(self.name)
+        return self.attr.__get__(obj, cls)
+
+
+_PT2 = ("torch._dynamo", "torch._functorch", "torch._subclasses", "torch._inductor",
+        "torch.fx", "torch._export", "torch._higher_order_ops", "torch._guards")
+_HIDDEN_FROM = _PT2 + ("huggingface_hub",)
+for _name in ("__tensor_flatten__", "__tensor_unflatten__"):
+    setattr(NeuronTensor, _name, _Protocol(_name, NeuronTensor.__dict__[_name]))
+
+
+def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
+    """Note [Module.to keeps Parameters]: a swap exchanges the two objects' `__dict__`s, so
+    the Parameter `Module._apply` keeps would lose its Python attributes (`_no_weight_decay`,
+    `_is_hf_initialized`, `sequence_parallel`: flags optimizers' param groups and loaders
+    read), which CUDA's `.data` path keeps. Swapping into a neuron tensor from there, they
+    are carried over first. Everyone else's swap is PyTorch's."""
+    if (type(t2) is NeuronTensor and type(t1) is not NeuronTensor
+            and sys._getframe(1).f_code is _APPLY):
+        for k, v in t1.__dict__.items():
+            t2.__dict__.setdefault(k, v)
+    _swap(t1, t2)
+
+
+_APPLY = torch.nn.Module._apply.__code__
+torch.utils.swap_tensors = _swap_keeping_attributes
+
+
+def _dlpack_error(t) -> RuntimeError:
+    return RuntimeError(  # Tensor.__dlpack__'s words for an XLA tensor it cannot export
+        f"Can't export to dlpack a {t.device} tensor: its memory is on the device. Copy it "
+        f"to the host first: `t.cpu()`.")
+
+
+def _to_dlpack(original):
+    def to_dlpack(tensor, *args, **kwargs):
+        if type(tensor) is NeuronTensor:
+            raise _dlpack_error(tensor)
+        return original(tensor, *args, **kwargs)
+    to_dlpack._neuron = True
+    return to_dlpack
+
+
+if not getattr(torch.to_dlpack, "_neuron", False):
+    torch.to_dlpack = torch.utils.dlpack.to_dlpack = _to_dlpack(torch.to_dlpack)
+
+
+def _refuse_sharing(t):
+    """Note [Sharing across processes]: torch.multiprocessing's reducer for neuron tensors."""
+    raise RuntimeError(
+        f"A {DEVICE_TYPE} tensor cannot be sent to another process: its buffer lives in this "
+        f"process's device memory and cannot be shared. Send t.cpu() and move it with "
+        f".to('{DEVICE_TYPE}') in the other process (a copy: writes there are not seen here).")
+
+
+def fresh(engine, handle, size, stride, dtype, info) -> NeuronTensor:
+    """`NeuronTensor(engine, handle, size, stride, 0, dtype, info=info)`, made without going
+    through the class's `__new__` (this runs per op): a view at offset 0 of `handle`, its
+    layout precomputed per op signature by the engine's meta cache (`info`)."""
+    # (the default keywords not passed: each costs time)
+    t = _make_wrapper(NeuronTensor, size, strides=stride, dtype=dtype,
+                      device=engine.tdev or _device(engine), storage_size=_UNBOUNDED)
+    t._engine = engine
+    t._handle = handle
+    t._info = info
+    return t
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _device(engine) -> torch.device:
+    """neuron:k for core k's engine (made on first use: the device type is named only once
+    registration has run)."""
+    engine.tdev = torch.device(DEVICE_TYPE, engine.index)
+    return engine.tdev
+
+
+def engine_of(args, kwargs):
+    """The engine of the first neuron tensor among an op's arguments."""
+    for v in tree_flatten((args, kwargs))[0]:
+        if type(v) is NeuronTensor:
+            return v._engine
+    raise AssertionError("an op reached the neuron tensor's dispatch without one")
+
+
+def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
+    """`tensor([...], device='neuron:0', ...)`: torch's own formatting, with our device."""
+    prefix = "tensor("
+    if cpu.numel() == 0:
+        body = "[]"
+    else:
+        body = torch._tensor_str._tensor_str(cpu, len(prefix))
+    suffixes = [f"device='{t.device}'"]  # torch's order: device, size, dtype, grad
+    if cpu.numel() == 0 and tuple(cpu.shape) != (0,):
+        suffixes.append(f"size={tuple(cpu.shape)}")
+    implicit = (torch.get_default_dtype(), torch.int64, torch.bool,
+                torch.complex64 if torch.get_default_dtype() == torch.float32
+                else torch.complex128)
+    if (t.dtype != torch.get_default_dtype() if cpu.numel() == 0 else t.dtype not in implicit):
+        suffixes.append(f"dtype={t.dtype}")
+    if t.grad_fn is not None:
+        suffixes.append(f"grad_fn=<{type(t.grad_fn).__name__}>")
+    elif t.requires_grad:
+        suffixes.append("requires_grad=True")
+    return torch._tensor_str._add_suffixes(prefix + body, suffixes, len(prefix), False)

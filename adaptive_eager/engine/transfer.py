@@ -1,0 +1,197 @@
+"""Host <-> device: reads (device-to-host, a sync point), writes (host-to-device), and the
+ops that move data across (`copy_`, `_to_copy` to the CPU, `.item()`)."""
+from __future__ import annotations
+
+import torch
+from torch.nn.parameter import UninitializedTensorMixin
+
+from device import Launch
+
+from .tensor import NeuronTensor
+from ..errors import _generator_error, _raise_launch_error
+from .source import DEVICE_TYPE, _source, file_line
+
+aten = torch.ops.aten
+
+
+def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
+    """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
+    if eng.queue:  # a host read that cuts queued work: where (run's advice)
+        src = file_line(_source())
+        eng.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
+    eng.sync(reason)
+    h = t._handle
+    if h.poison is not None:  # Note [Poison] in fusion/program.py
+        _raise_launch_error(h.poison)
+    n = t.numel() * t.element_size()
+    eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
+    eng.device.wait_idle()
+    if dma == "d2h":
+        eng.metrics.d2h_bytes += n
+    if n == 0:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    with torch._C._DisableTorchDispatch():
+        return torch.empty(0, dtype=t.dtype, device="cpu").set_(
+            h.buffer.storage, t.storage_offset(), t.shape, t.stride()).clone()
+
+
+def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
+    """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
+    h = dst._handle
+    if h.seg is eng.seg and eng.queue:  # a queued op uses dst's buffer
+        eng.flush("h2d")  # the copy must land after queued readers/writers of dst
+    src = src.detach()
+    if src.dtype == torch.float64:
+        eng._check_dtype(torch.float64)
+        src = src.to(torch.float32)  # Note [float64 policy] in fusion/program.py
+    n = src.numel() * src.element_size()
+    eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
+    if dma == "h2d":
+        eng.metrics.h2d_bytes += n
+    with torch._C._DisableTorchDispatch():
+        torch.empty(0, dtype=dst.dtype, device="cpu").set_(
+            h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)
+
+
+def upload(eng, cpu: torch.Tensor) -> torch.Tensor:
+    """A new neuron tensor on `eng`'s core holding host tensor `cpu` (made dense first: an
+    expanded host tensor cannot be written into a buffer of its own extent)."""
+    cpu = cpu.contiguous()
+    out = eng.empty(tuple(cpu.shape), cpu.stride(), cpu.dtype)
+    eng.write(out, cpu)
+    return out
+
+
+def on_host(v, tensor):
+    """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
+    by the CPU (recursing into lists and tuples)."""
+    if isinstance(v, NeuronTensor):
+        return tensor(v)
+    if isinstance(v, torch.Generator):
+        raise _generator_error(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(on_host(x, tensor) for x in v)
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
+        return torch.device("cpu")
+    return v
+
+
+def buffer_view(v):
+    """A host tensor viewing neuron tensor v's device buffer (the same bytes)."""
+    h = v._handle
+    if v.numel() == 0 or h.buffer is None:
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cpu")
+    return torch.empty(0, dtype=v.dtype, device="cpu").set_(
+        h.buffer.storage, v.storage_offset(), v.shape, v.stride())
+
+
+def copy_(eng, func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor):
+        if dst._engine is not src._engine:
+            eng.metrics.ops += 1
+            core_to_core(src, dst)
+            return dst
+        return eng._dispatch(func, args, kwargs)
+    eng.metrics.ops += 1
+    if isinstance(dst, NeuronTensor):  # host -> device
+        if isinstance(src, UninitializedTensorMixin):
+            raise _uninitialized(src)
+        if src.dim() == 0:
+            return eng._dispatch(func, args, kwargs)
+        eng.write(dst, src)
+        return dst
+    with torch._C._DisableTorchDispatch():  # device -> host
+        dst.copy_(eng.read(src, "d2h"))
+    return dst
+
+
+def copy(eng, func, args, kwargs):
+    """`aten.copy`, copy_'s functional form (in torch.compile's graphs, after
+    functionalization): a new tensor laid out as `self.clone()` is, on self's device, holding
+    `src` as copy_ writes it, across devices as copy_ goes."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor) \
+            and dst._engine is src._engine:
+        return eng._dispatch(func, args, kwargs)
+    like = torch.empty_like(torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype,
+                                                device="meta"))  # clone's layout
+    if isinstance(dst, NeuronTensor):
+        out = dst._engine.empty(tuple(like.shape), like.stride(), like.dtype)
+    else:
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device="cpu")
+    return copy_(eng, aten.copy_.default, (out,) + tuple(args[1:]), kwargs)
+
+
+def core_to_core(src, dst) -> None:
+    """`dst.copy_(src)` across cores: src's core finishes what it has queued, then a DMA out
+    of it and a DMA into dst's core (each costed on its own core; Note [Cores])."""
+    host = src._engine.read(src, "d2d", dma="d2d")
+    dst._engine.write(dst, host, dma="d2d")
+    dst._engine.metrics.d2d_bytes += host.numel() * host.element_size()
+
+
+def to_copy(eng, func, args, kwargs):
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == DEVICE_TYPE:
+        target = eng.peer(torch.device(dev).index)
+        if target is not eng:  # .to("neuron:k") of another core's tensor
+            eng.metrics.ops += 1
+            x = args[0]
+            kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+            meta = _on_stand_ins(aten._to_copy.default, (x,), kw)  # CPU's layout
+            out = target.empty(tuple(meta.shape), meta.stride(), meta.dtype)
+            core_to_core(x, out)
+            return out
+    if dev is not None and torch.device(dev).type == "cpu":
+        eng.metrics.ops += 1
+        cpu = eng.read(args[0], "cpu")
+        kw = {k: v for k, v in kwargs.items() if k not in ("device", "non_blocking")}
+        with torch._C._DisableTorchDispatch():
+            return aten._to_copy.default(cpu, **kw)
+    if dev is not None and torch.device(dev).type != DEVICE_TYPE:  # .to("meta"): no data
+        return _on_stand_ins(func, args, kwargs)
+    return eng._dispatch(func, args, kwargs)
+
+
+# Factories shaped like a tensor argument, which read no data of it. Given a `device=` other
+# than the tensor's own, they run there (`zeros_like(x, device="cpu")` is a CPU tensor).
+LIKE = [getattr(aten, n).default for n in (
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full")]
+LIKE.append(aten.randint_like.low_dtype)
+
+
+def like(eng, func, args, kwargs):
+    dev = kwargs.get("device")
+    if dev is None or eng.peer(torch.device(dev).index) is eng \
+            and torch.device(dev).type == DEVICE_TYPE:
+        return eng._dispatch(func, args, kwargs)
+    return _on_stand_ins(func, args, kwargs)
+
+
+def _on_stand_ins(func, args, kwargs):
+    """`func` with every neuron tensor argument replaced by a meta tensor of its layout: for
+    ops whose result is on another device and reads no data of those arguments."""
+    def stand_in(v):
+        if type(v) is not NeuronTensor:
+            return v
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return func(*[stand_in(v) for v in args], **kwargs)
+
+
+def local_scalar_dense(eng, func, args, kwargs):
+    eng.metrics.ops += 1
+    v = eng.read(args[0], "item")
+    with torch._C._DisableTorchDispatch():
+        return v.item()
+
+
+def _uninitialized(t) -> RuntimeError:
+    """Lazy modules' parameters cannot move uninitialized: an UninitializedParameter is a CPU
+    tensor PyTorch re-types in place (`Tensor._make_subclass`), which a neuron tensor (a
+    wrapper subclass) cannot be."""
+    return RuntimeError(
+        f"Cannot move an uninitialized {type(t).__name__} (a lazy module's: nn.LazyLinear, "
+        f"nn.LazyConv2d, ...) to {DEVICE_TYPE}: initialize the module first with one forward "
+        f"on the CPU (a dry run: `model(example_input)`), then call .to('{DEVICE_TYPE}').")

@@ -1,0 +1,354 @@
+"""torch.distributed on neuron tensors (c10d glue): gloo carries the bytes, the device
+accounts for them.
+
+Note [Collectives]: a c10d op on neuron tensors (`c10d::allreduce_`, `c10d::send`, ...) is a
+device op, never a CPU fallback. The engine flushes its queue first (reason `collective`:
+a boundary in adaptive mode, as in the reference), then gloo runs the op over host views of
+the device buffers (the same bytes: no copy in or out) with the group's backend for the
+neuron device, and the device queue gets one
+collective launch whose time comes from the ring/tree model in device/interconnect.py.
+Errors gloo raises (mismatched sizes, a closed peer) surface at the call, in PyTorch's words.
+An async op returns gloo's own Work: `.wait()` waits for the bytes, as with any backend, and
+the values are not to be read before it (as on CUDA); its results are the neuron tensors
+(Note [Work results]). Functional collectives (DTensor,
+tensor parallel) are composed from these: Note [Functional collectives].
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map
+
+from device import Launch
+from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
+
+from ..engine import engine as _engine
+from ..engine.tensor import NeuronTensor
+from ..errors import _raise_launch_error
+from ..engine.templates import _two_devices
+from ..engine.transfer import buffer_view, on_host
+
+DEVICE_TYPE = "neuron"
+
+# c10d op -> (cost pattern, the argument whose bytes are the collective's size, counted as
+# nccl-tests count it: all-reduce the tensor, all-gather the gathered output, reduce-scatter
+# and all-to-all the input, tree ops and P2P this rank's tensors).
+_COLLECTIVES = {
+    "allreduce_": (RING_ALL_REDUCE, "tensors"),
+    "allreduce_coalesced_": (RING_ALL_REDUCE, "tensors"),
+    "allgather_": (RING_GATHER, "output_tensors"),
+    "_allgather_base_": (RING_GATHER, "output_tensor"),
+    "allgather_coalesced_": (RING_GATHER, "output_lists"),
+    "allgather_into_tensor_coalesced_": (RING_GATHER, "outputs"),
+    "reduce_scatter_": (RING_GATHER, "input_tensors"),
+    "_reduce_scatter_base_": (RING_GATHER, "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": (RING_GATHER, "inputs"),
+    "alltoall_": (RING_GATHER, "input_tensors"),
+    "alltoall_base_": (RING_GATHER, "input"),
+    "broadcast_": (TREE, "tensors"),
+    "reduce_": (TREE, "tensors"),
+    "gather_": (TREE, "input_tensors"),
+    "scatter_": (TREE, "output_tensors"),
+    "send": (P2P, "tensors"),
+    "recv_": (P2P, "tensors"),
+    "recv_any_source_": (P2P, "tensors"),
+    "barrier": (BARRIER, None),
+    "monitored_barrier_": (BARRIER, None),
+}
+
+_NEURON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+_done = False
+
+
+def register() -> None:
+    """gloo is the default backend for neuron (PyTorch's device-to-backend map, the slot
+    it keeps for third-party devices) and a gloo group carries neuron tensors; c10d ops on
+    neuron tensors reach `collective`. Idempotent."""
+    global _done
+    if _done or not dist.is_available():
+        return
+    backend = dist.Backend
+    backend.default_device_backend_map.setdefault(DEVICE_TYPE, backend.GLOO)
+    capability = backend.backend_capability[backend.GLOO]
+    if DEVICE_TYPE not in capability:
+        capability.append(DEVICE_TYPE)  # `backend="gloo"` covers neuron tensors too
+    for name in _COLLECTIVES:
+        packet = getattr(torch.ops.c10d, name)
+        for overload in packet.overloads():
+            _engine._SPECIAL[getattr(packet, overload)] = collective
+    _register_functional()
+    _route_work_results()
+    _done = True
+
+
+# Note [Work results]: gloo's Work holds the host views a collective ran over; its `result()`
+# and its future's value handed those CPU tensors back where CUDA hands back the CUDA tensors
+# (`v + a` raised the two-devices error, and writing through `v` bypassed adaptive mode's
+# queue: a queued `a * 2` saw it). They are mapped back to the neuron tensors they view.
+_DEVICE_OF: dict = {}  # id(host view) -> (weakref to it, the neuron tensor it views)
+
+
+def _remember(v, t) -> None:
+    _DEVICE_OF[id(v)] = (weakref.ref(v, lambda _, k=id(v): _DEVICE_OF.pop(k, None)), t)
+
+
+def _device_tensor(v):
+    entry = _DEVICE_OF.get(id(v)) if isinstance(v, torch.Tensor) else None
+    return entry[1] if entry is not None and entry[0]() is v else v
+
+
+def _on_device(value):
+    return tree_map(_device_tensor, value)
+
+
+def _route_work_results() -> None:
+    work = dist.Work
+    if getattr(work.result, "_neuron", False):
+        return
+    result, get_future = work.result, work.get_future
+
+    def work_result(self):
+        return _on_device(result(self))
+
+    def work_get_future(self):
+        fut = get_future(self)
+        return fut.then(lambda f: _on_device(f.value()))
+    work_result._neuron = work_get_future._neuron = True
+    work.result, work.get_future = work_result, work_get_future
+
+
+def collective(eng, func, args, kwargs):
+    """One c10d op on neuron tensors: a boundary, then gloo over the device buffers, then a
+    costed collective launch (Note [Collectives]). Runs under the engine lock."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, NeuronTensor)]
+    for t in tensors:  # CUDA's rule (another core's queue was not flushed: garbage was sent)
+        if t._engine is not eng:
+            raise _two_devices(eng, t.device, func)
+    eng.metrics.ops += 1
+    eng.device.advance_host(eng.spec.host_op_overhead_us)
+    eng.flush("collective")
+    pattern, size_arg = _COLLECTIVES[func._schema.name.split("::")[1]]
+    for t in tensors:
+        if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
+            eng.synchronize()  # the earliest deferred error first, then this value's
+            _raise_launch_error(t._handle.poison)
+    views = {}
+
+    def view(t):
+        v = buffer_view(t)
+        views[id(v)] = t
+        _remember(v, t)  # Note [Work results]
+        return v
+
+    with torch._C._DisableTorchDispatch():
+        h_args = [on_host(a, view) for a in args]
+        h_kwargs = {k: on_host(v, view) for k, v in kwargs.items()}
+        # The group's neuron backend (gloo) runs it: the op's PrivateUse1 kernel asks the
+        # group for the backend of the neuron device, and gloo reads host tensors.
+        out = func.redispatch(_NEURON_KEYS, *h_args, **h_kwargs)
+    _keep_until_done(out)
+    nbytes = _size(func, args, kwargs, size_arg)
+    cost = collective_us(eng.spec, pattern, nbytes, _world(args, kwargs))
+    eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
+                             dma_bytes=nbytes, cost_us=cost))
+    eng.metrics.collectives += 1
+    eng.metrics.collective_bytes += nbytes
+    # c10d ops return the tensors they were given (in place): the caller's neuron tensors.
+    return tree_map(lambda v: views.get(id(v), v) if isinstance(v, torch.Tensor) else v, out)
+
+
+# Note [Gloo's thread and the GIL]: gloo holds the host views of a collective (tensors made
+# in Python) in its Work, and drops them on its own worker thread, which takes the GIL to
+# release their Python objects. If that drop is the last reference, and the main thread is
+# at that moment destroying the process group (a DDP model's Reducer freed, holding the GIL
+# while it joins gloo's threads), the two wait for each other forever. So we hold each Work
+# until it was seen completed at an earlier collective: gloo's thread has let go of it by
+# then, and the last reference is always ours, dropped on a Python thread.
+_WORKS: list[list] = []  # [work, completed when last looked at]
+
+
+def _keep_until_done(out) -> None:
+    global _WORKS
+    kept = []
+    for entry in _WORKS:
+        if not entry[1]:  # completed at an earlier look: ours to drop now
+            entry[1] = entry[0].is_completed()
+            kept.append(entry)
+    kept += [[dist.Work.unbox(w), False] for w in tree_flatten(out)[0]
+             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
+    _WORKS = kept
+
+
+def _size(func, args, kwargs, name) -> int:
+    if name is None:
+        return 0
+    names = [a.name for a in func._schema.arguments]
+    i = names.index(name)
+    v = args[i] if i < len(args) else kwargs[name]
+    return sum(t.numel() * t.element_size() for t in tree_flatten(v)[0]
+               if isinstance(t, torch.Tensor))
+
+
+def _world(args, kwargs) -> int:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.ScriptObject) and "c10d.ProcessGroup" in str(v._type()):
+            return dist.ProcessGroup.unbox(v).size()
+    return 1
+
+
+# -- functional collectives (DTensor, tensor parallel) ---------------------------------------
+# Note [Functional collectives]: `_c10d_functional::*` ops return new tensors and are waited
+# on with `wait_tensor`. Their own kernel (CompositeExplicitAutograd, in C++) would call the
+# group's backend for the device of what it is handed, so on neuron they are composed here
+# from the in-place c10d ops above, on neuron tensors: each collective inside is a device
+# op as any other (a boundary, costed, counted). They complete before they return (gloo
+# waits), so `wait_tensor` has nothing left to wait for.
+_REDUCE_OPS = {"sum": "SUM", "product": "PRODUCT", "min": "MIN", "max": "MAX",
+               "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
+
+
+# The single-tensor forms (the *_into_tensor / *_tensor names are deprecated where these exist)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _group(name):
+    if isinstance(name, dist.ProcessGroup):
+        return name
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _all_reduce_into(t, reduce_op: str, pg) -> None:
+    op = reduce_op.lower()
+    if op == "avg":  # gloo has no AVG: a sum, then a division (as DTensor's Partial("avg"))
+        dist.all_reduce(t, dist.ReduceOp.SUM, group=pg)
+        t.div_(pg.size())
+    elif op in _REDUCE_OPS:
+        dist.all_reduce(t, getattr(dist.ReduceOp, _REDUCE_OPS[op]), group=pg)
+    else:
+        raise ValueError(f"all_reduce on neuron: unsupported reduce_op {reduce_op!r}; "
+                         f"use one of {sorted(_REDUCE_OPS) + ['avg']}")
+
+
+def _f_all_reduce(input, reduce_op, group_name):
+    out = input.clone(memory_format=torch.contiguous_format)
+    _all_reduce_into(out, reduce_op, _group(group_name))
+    return out
+
+
+def _f_all_reduce_(input, reduce_op, group_name):
+    _all_reduce_into(input, reduce_op, _group(group_name))
+    return input
+
+
+def _f_all_reduce_coalesced(inputs, reduce_op, group_name):
+    return [_f_all_reduce(x, reduce_op, group_name) for x in inputs]
+
+
+def _f_all_gather_into_tensor(input, group_size, group_name, out=None):
+    if out is None:
+        out = input.new_empty((input.shape[0] * group_size,) + tuple(input.shape[1:]))
+    _all_gather_single(out, input.contiguous(), group=_group(group_name))
+    return out
+
+
+def _f_all_gather_into_tensor_coalesced(inputs, group_size, group_name):
+    return [_f_all_gather_into_tensor(x, group_size, group_name) for x in inputs]
+
+
+def _f_reduce_scatter_tensor(input, reduce_op, group_size, group_name, out=None):
+    pg = _group(group_name)
+    op = reduce_op.lower()
+    if out is None:
+        out = input.new_empty((input.shape[0] // group_size,) + tuple(input.shape[1:]))
+    red = dist.ReduceOp.SUM if op == "avg" else getattr(dist.ReduceOp, _REDUCE_OPS[op])
+    _reduce_scatter_single(out, input.contiguous(), red, group=pg)
+    if op == "avg":
+        out.div_(pg.size())
+    return out
+
+
+def _f_reduce_scatter_tensor_coalesced(inputs, reduce_op, group_size, group_name):
+    return [_f_reduce_scatter_tensor(x, reduce_op, group_size, group_name) for x in inputs]
+
+
+def _f_all_to_all_single(input, output_split_sizes, input_split_sizes, group_name):
+    rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
+    out = input.new_empty((rows,) + tuple(input.shape[1:]))
+    dist.all_to_all_single(out, input.contiguous(), list(output_split_sizes) or None,
+                           list(input_split_sizes) or None, group=_group(group_name))
+    return out
+
+
+def _f_broadcast(input, src, group_name):
+    out = input.clone(memory_format=torch.contiguous_format)
+    return _f_broadcast_(out, src, group_name)
+
+
+def _f_broadcast_(input, src, group_name):
+    pg = _group(group_name)
+    dist.broadcast(input, dist.get_global_rank(pg, src), group=pg)
+    return input
+
+
+def _f_wait_tensor(tensor):
+    return tensor
+
+
+_FUNCTIONAL = {
+    "all_reduce": _f_all_reduce, "all_reduce_": _f_all_reduce_,
+    "all_reduce_coalesced": _f_all_reduce_coalesced,
+    "all_gather_into_tensor": _f_all_gather_into_tensor,
+    "all_gather_into_tensor_out": _f_all_gather_into_tensor,
+    "all_gather_into_tensor_coalesced": _f_all_gather_into_tensor_coalesced,
+    "reduce_scatter_tensor": _f_reduce_scatter_tensor,
+    "reduce_scatter_tensor_out": _f_reduce_scatter_tensor,
+    "reduce_scatter_tensor_coalesced": _f_reduce_scatter_tensor_coalesced,
+    "all_to_all_single": _f_all_to_all_single,
+    "broadcast": _f_broadcast, "broadcast_": _f_broadcast_,
+    "wait_tensor": _f_wait_tensor,
+}
+
+
+def _functional(impl):
+    def run(eng, func, args, kwargs):
+        return impl(*args, **kwargs)
+    return run
+
+
+# FSDP2's own copy ops (fsdp::all_gather_copy_in, split_with_sizes_copy, chunk_cat) have
+# Python kernels for CPU and CUDA made of plain ATen ops: on neuron the same kernel runs, its
+# ops reaching the engine one by one (no fallback).
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+def _python_kernel(eng, func, args, kwargs):
+    return func.redispatch(_CPU_KEYS, *args, **kwargs)
+
+
+def _register_functional() -> None:
+    import torch.distributed._functional_collectives  # noqa: F401  (defines the ops)
+    ns = torch.ops._c10d_functional
+    for name, impl in _FUNCTIONAL.items():
+        if hasattr(ns, name):
+            packet = getattr(ns, name)
+            for overload in packet.overloads():
+                _engine._SPECIAL[getattr(packet, overload)] = _functional(impl)
+    # DTensor wraps a collective's result for autograd with this Python custom op: its own
+    # function runs (it wraps the neuron tensor in an AsyncCollectiveTensor).
+    from torch._library.custom_ops import _maybe_get_opdef
+    wrap = getattr(ns, "_wrap_tensor_autograd", None)
+    opdef = _maybe_get_opdef(wrap.default) if wrap is not None else None
+    if opdef is not None:
+        _engine._SPECIAL[wrap.default] = _functional(opdef._init_fn)
+    try:
+        import torch.distributed.fsdp  # noqa: F401  (defines fsdp::*)
+    except ImportError:
+        return
+    for name in ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"):
+        if hasattr(torch.ops.fsdp, name):
+            packet = getattr(torch.ops.fsdp, name)
+            for overload in packet.overloads():
+                _engine._SPECIAL[getattr(packet, overload)] = _python_kernel

@@ -1,0 +1,307 @@
+"""Registers `neuron` into PyTorch from pure Python (PrivateUse1, renamed)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..engine.tensor import NeuronTensor, _refuse_sharing
+from ..engine.source import DEVICE_TYPE
+from . import attention, autocast, compile, distributed, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
+from .. import errors
+from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
+
+_done = False
+_lib = None
+
+
+def register() -> None:
+    """Idempotent. Fails clearly when PrivateUse1 already belongs to another backend."""
+    global _done, _lib
+    if _done:
+        return
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "privateuseone":
+        raise RuntimeError(
+            f"Cannot register the 'neuron' device: PyTorch's PrivateUse1 slot already belongs "
+            f"to the backend '{name}' (only one out-of-tree backend can be loaded per "
+            f"process). Do not import both; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop "
+            f"backends from loading on `import torch`.")
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
+    neuron._start_streams()
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl("empty.memory_format", _empty, "PrivateUse1")
+    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    for op in _HOST_FACTORIES:
+        _lib.impl(op, _host_factory(op), "PrivateUse1")
+    _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
+    autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
+    _register_fused_rnn_cells()
+    _register_undecomposed()
+    _wrap_backward()
+    from multiprocessing.reduction import ForkingPickler
+    ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
+    hooks.install()  # Note [Hooks that raise]
+    _route_accelerator_api()
+    _storage.refuse_device_storages()
+    cpu_settings.install(lambda: _engine.flush_all("settings"))  # Note [CPU settings]
+    pinned.register()
+    serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])
+    profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
+    compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
+    distributed.register()
+    _done = True
+
+
+def _check_grad_devices(outputs, grads) -> None:
+    """CUDA's check of the gradients a backward starts from (autograd's validate_outputs,
+    which skips tensor subclasses): one on another device is refused unless it is 0-d. A CPU
+    gradient for a neuron output otherwise left `.grad` on the CPU; a neuron gradient for a
+    CPU output failed an internal assert of autograd's stream bookkeeping."""
+    for i, (out, g) in enumerate(zip(outputs, grads)):
+        if isinstance(g, torch.Tensor) and g.dim() and g.device != out.device and (
+                type(out) is NeuronTensor or type(g) is NeuronTensor):
+            raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} "
+                               f"but got {g.device}")
+
+
+def _wrap_backward() -> None:
+    """Errors raised by neuron ops on autograd's device thread are handed over (Note
+    [Device-thread errors] in errors.py) and re-raised here, on the caller's thread, as the
+    original exception. Wraps the one private function both backward() and grad() call."""
+    import torch.autograd
+    import torch.autograd.graph as graph
+    run = graph._engine_run_backward
+    if getattr(run, "_neuron", False):
+        return
+
+    def _engine_run_backward(outputs, grads, *args, **kwargs):
+        _check_grad_devices(outputs, grads)
+        # A neuron backward runs on the caller's thread, as CPU's does: autograd orders the
+        # nodes a double backward creates by a per-thread sequence number, so on its device
+        # thread gradients were summed in another order than on CPU (ulps off). And Note
+        # [Cores] in cores.py: once another core is used, autograd's device threads fail.
+        neuron = _engine.other_cores_used() or any(type(o) is NeuronTensor for o in outputs)
+        threads = (torch.autograd.set_multithreading_enabled(False) if neuron
+                   else contextlib.nullcontext())
+        try:
+            with threads:
+                result = run(outputs, grads, *args, **kwargs)
+        except (RuntimeError, TypeError):  # the C++ refusal of a handed-over error
+            err = errors.take_handoff()
+            if err is None:
+                raise
+            raise err.with_traceback(None) from None
+        err = errors.take_handoff()  # an op returning nothing swallows the refusal
+        if err is not None:
+            raise err.with_traceback(None)
+        return result
+
+    _engine_run_backward._neuron = True
+    graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
+
+
+# torch.accelerator, the device-generic API, syncs and reads memory through the C++ device
+# guard and allocator, which a Python backend cannot provide (PyTorch raises "Backend doesn't
+# support synchronizing" and an internal assert): for neuron, these go to torch.neuron's own.
+def _route_accelerator_api():
+    import torch.accelerator.memory as memory
+    from torch.accelerator._utils import _get_device_index
+
+    def route(module, name, ours, takes_device=True):
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            acc = torch.accelerator.current_accelerator()
+            if acc is None or acc.type != DEVICE_TYPE:
+                return original(*args, **kwargs)
+            if not takes_device:
+                return ours()
+            device = args[0] if args else next(iter(kwargs.values()), None)
+            if device is None or isinstance(device, (str, torch.device)) \
+                    and torch.device(device).index is None:
+                return ours(None)  # the current core, ours (PyTorch asks the C++ guard: 0)
+            return ours(_get_device_index(device, optional=True))
+        for mod in (module, torch.accelerator):  # the name is re-exported there too
+            if getattr(mod, name, None) is original:
+                setattr(mod, name, call)
+
+    route(torch.accelerator, "synchronize", neuron.synchronize)
+    route(memory, "memory_stats", neuron.memory_stats)  # memory_allocated & co. read it
+    route(memory, "reset_peak_memory_stats", neuron.reset_peak_memory_stats)
+    route(memory, "get_memory_info", neuron.mem_get_info)
+    route(memory, "empty_cache", neuron.empty_cache, takes_device=False)
+    for name in ("set_device_index", "set_device_idx"):
+        route(torch.accelerator, name, neuron.set_device)
+    for name in ("current_device_index", "current_device_idx"):
+        route(torch.accelerator, name, neuron.current_device, takes_device=False)
+    route(torch.accelerator, "device_index", neuron.device)  # a context manager
+
+
+# PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and
+# they have no CPU kernel to fall back to: on neuron they are composed from ops the device has,
+# at the Autograd key, so autograd differentiates the composition.
+def _lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias + hidden_bias
+    i, f, g, o = gates.chunk(4, 1)
+    cy = f.sigmoid() * cx + i.sigmoid() * g.tanh()
+    hy = o.sigmoid() * cy.tanh()
+    return hy, cy, gates  # workspace: the gates, as the fused kernel keeps them
+
+
+def _gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    if input_bias is not None:
+        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
+    ir, ii, in_ = input_gates.chunk(3, 1)
+    hr, hi, hn = hidden_gates.chunk(3, 1)
+    r, z = (ir + hr).sigmoid(), (ii + hi).sigmoid()
+    n = (in_ + r * hn).tanh()
+    hy = n + z * (hx - n)
+    return hy, torch.cat([r, z, n, hx, hn], 1)  # workspace of the fused kernel's shape
+
+
+# ATen's dropout runs the fused `native_dropout` on every device but the CPU, whose backward
+# multiplies by the mask and a float scale; CPU multiplies by `mask / (1 - p)` rounded to the
+# input's dtype: in float16 / bfloat16 the gradients differed by an ulp (every HF model with
+# dropout trained in half precision). Neuron composes CPU's `_dropout`, op for op.
+def _dropout(input, p, train):
+    if p < 0 or p > 1:
+        raise RuntimeError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 0 or not train or input.numel() == 0:
+        return input
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    return input * torch.empty_like(input).bernoulli_(1 - p).div_(1 - p)
+
+
+# one_hot takes a functional path for any tensor with the Python key (ours): `eq` against an
+# arange, which lays the result out like the input and gives an all-zero row for a class out
+# of range. CPU and CUDA fill a fresh contiguous tensor with scatter_, which raises on a bad
+# class: so does neuron, as CUDA does it (a bad class is the scatter's deferred error).
+def _one_hot(self, num_classes=-1):
+    if self.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if self.numel() == 0:
+        if num_classes <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return self.new_empty((*self.shape, num_classes))
+    if num_classes == -1:
+        num_classes = int(self.max().item()) + 1
+    elif num_classes < 1:
+        raise RuntimeError("num_classes should be positive")
+    out = self.new_zeros((*self.shape, num_classes))
+    return out.scatter_(-1, self.unsqueeze(-1), 1)
+
+
+# Ops with a CPU (and CUDA) kernel that PyTorch decomposes for any other backend
+# (CompositeImplicitAutograd): silu's backward in bfloat16 then rounds every intermediate,
+# where CPU's and CUDA's kernels compute in float32 and round once. A PrivateUse1 kernel stops
+# the decomposition, so the op itself reaches the engine, which runs CPU's kernel. The kernel
+# is reached only without the Python key (never for our tensors): the decomposition then.
+_NOT_DECOMPOSED = ("silu_backward", "mish_backward", "native_channel_shuffle")
+
+
+def _register_undecomposed():
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _NOT_DECOMPOSED:
+        op = getattr(torch.ops.aten, name).default
+        lib.impl(name, lambda *args, _op=op, **kwargs: _op.decompose(*args, **kwargs),
+                 "PrivateUse1")
+    _LIBS.append(lib)
+
+
+def _register_fused_rnn_cells():
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
+    lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
+    lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")
+    lib.impl("dropout", _dropout, "AutogradPrivateUse1")
+    lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
+    attention.register()  # and in torch.compile's graphs
+    lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
+    lib.impl("linalg_svdvals", linalg.svdvals, "AutogradPrivateUse1")
+    lib.impl("linalg_eigvalsh", linalg.eigvalsh, "AutogradPrivateUse1")
+    for name in ("gru", "rnn_tanh", "rnn_relu"):
+        lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
+    lib.impl("lstm_cell", rnn.lstm_cell, "AutogradPrivateUse1")
+    lib.impl("gru_cell", rnn.gru_cell, "AutogradPrivateUse1")
+    # Conjugate and negative views are materialized on the device (README, Known gaps), so
+    # autograd must not take them for views either: it rebased a later in-place change of
+    # the base onto them, and `resolve_conj()` (a copy on CPU, the tensor itself here) took
+    # its gradient away (fuzzer seed 40003841: a gradient of 0 for CPU's 1)
+    lib.impl("_conj", lambda self: torch.conj_physical(self), "AutogradPrivateUse1")
+    lib.impl("_neg_view", lambda self: torch.neg(self), "AutogradPrivateUse1")
+    _LIBS.append(lib)
+
+
+_LIBS = []  # every torch.library.Library registered here, kept alive
+
+
+def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+           memory_format=None):
+    size = tuple(int(s) for s in size)
+    stride = torch.empty(size, device="meta",
+                         memory_format=memory_format or torch.contiguous_format).stride()
+    out = cores.engine(device).empty(size, stride, dtype)
+    results.fill_uninitialized(out)
+    return out
+
+
+def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    out = cores.engine(device).empty(tuple(int(s) for s in size),
+                                     tuple(int(s) for s in stride), dtype)
+    results.fill_uninitialized(out)
+    return out
+
+
+def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
+    kind without memory; the device has no such kind, so it gets materialized zeros."""
+    return _empty(size, dtype=dtype, device=device).zero_()
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
+    device="neuron")` builds on the host, then copies)."""
+    eng = dst._engine if isinstance(dst, NeuronTensor) else src._engine
+    return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+
+
+# Factories whose default kernels write through a resizing `out=`, or call a CPU-only kernel
+# stub (kaiser_window: an internal assert on any other device): computed on the host and
+# copied in (random ones draw from the device generator, so seeds behave as on the device).
+_HOST_FACTORIES = ["arange", "arange.start", "arange.start_step", "linspace", "logspace",
+                   "eye", "eye.m", "randperm", "randperm.generator", "tril_indices",
+                   "triu_indices", "range", "range.step", "kaiser_window",
+                   "kaiser_window.periodic", "kaiser_window.beta"]
+
+
+def _host_factory(name):
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+    random = packet == "randperm"
+
+    def impl(*args, **kwargs):
+        if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
+            raise errors._generator_error(kwargs["generator"])
+        eng = cores.engine(kwargs.get("device"))
+        with eng.lock, torch._C._DisableTorchDispatch():
+            meta = op(*args, **dict(kwargs, device=torch.device("meta")))
+            out = eng.empty(tuple(meta.shape), meta.stride(), meta.dtype)  # the device's
+            kwargs = dict(kwargs, device=torch.device("cpu"))  # out-of-memory error first
+            if random:
+                eng.flush("rng")
+                cpu = eng.device.rng.run(op, args, kwargs)
+            else:
+                cpu = op(*args, **kwargs)
+            eng.metrics.ops += 1
+            eng.write(out, cpu)
+            return out
+
+    return impl

@@ -1,0 +1,290 @@
+"""Executors: the interpreter (default, bit for bit eager) and TorchInductor (`inductor`
+blocking, `auto` tiered in the background). Fused groups compiled by Inductor match CPU and
+eager within float32 tolerance; random ops stay interpreted; every group left to the
+interpreter is counted with its reason.
+
+Inductor compiles take seconds: the tests here compile a handful of tiny groups, and reuse
+them (same graphs hit Inductor's FX graph cache under the session's cache directory).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from fusion.executors import tiered
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32: Inductor's fused loops reorder arithmetic
+
+
+def chain(x, b):
+    return F.gelu(x + b) * 0.5 + x  # bias, GELU, scale, residual: one fused group
+
+
+def _inputs(seed=0, n=64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, generator=g), torch.randn(32, generator=g)
+
+
+def test_default_executor_is_the_interpreter_and_compiles_nothing():
+    assert ae.config.executor == "interpreter"
+    x, b = _inputs()
+    with ae.adaptive():
+        y = chain(x.to("neuron"), b.to("neuron")).cpu()
+        assert ae.explain().compiled == [False]
+    assert torch.equal(y, chain(x, b))  # bit for bit
+    m = ae.metrics()
+    assert m.compiled_launches == 0 and m.compiled_groups == 0
+    assert m.interpreted_launches == m.launches
+
+
+def test_unknown_executor_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="unknown executor 'jit'.*interpreter"):
+        with ae.override(executor="jit"):
+            pass
+
+
+def test_inductor_compiles_a_fused_group_before_its_first_launch():
+    x, b = _inputs()
+    xn, bn = x.to("neuron"), b.to("neuron")
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        y1 = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [True]
+        assert "[compiled]" in str(ae.explain())
+        y2 = chain(xn, bn).cpu()
+        m = ae.metrics()
+    torch.testing.assert_close(y1, chain(x, b), **TOL)
+    assert torch.equal(y1, y2)
+    assert m.compiled_launches == 2 and m.interpreted_launches == 0
+    assert m.compiled_groups <= 1  # 0 when an earlier test compiled this group already
+    assert m.compile_failures == {}
+
+
+def test_inductor_in_place_updates_of_inputs_and_strided_views():
+    """An optimizer-like update of a buffer from outside the group (written back into its
+    storage), reading transposed and sliced views of inputs."""
+    torch.manual_seed(0)
+    p, g, w = torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+
+    def step(p, g, w):
+        p.mul_(0.9).add_(g * w.t(), alpha=-0.1)  # in place on an input, a transposed view
+        return (p[2:, 1:] * 2).sum(0) + w[1:, 2:].t().sum(1)[1:2]  # slices, offsets
+
+    expected = step(p.clone(), g, w)
+    pn, gn, wn = p.to("neuron"), g.to("neuron"), w.to("neuron")
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        out = step(pn, gn, wn).cpu()
+        assert any(ae.explain().compiled)
+        assert ae.metrics().compiled_launches >= 1
+    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(pn.cpu(), p.mul(0.9).add(g * w.t(), alpha=-0.1), **TOL)
+
+
+def test_inductor_views_of_buffers_made_in_the_group():
+    """Views (and writes through them) of a buffer an op made inside the group. Inductor
+    lays out a cat of one transposed input transposed, ATen contiguous, and as_strided
+    reads whatever storage it is given: `k @ k.T` came out wrong (transformers' KV cache
+    does this cat on its first update). Note [Views of buffers made in the group]."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2)
+
+    def f(x):
+        k = torch.cat([torch.tensor([], device=x.device), x.transpose(0, 1)])
+        a = k @ k.T
+        y = x * 2  # contiguous, then written through a transposed view and a slice
+        y.t()[0].mul_(3)
+        y[1:].add_(1)
+        b = y + y.t().sum()  # the made view, read after the writes
+        return a, b, torch.stack([x.t()]).squeeze(0) * 1
+
+    expected = f(x)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        outs = [t.cpu() for t in f(x.to("neuron"))]
+        assert ae.metrics().compiled_launches >= 1
+    for out, exp in zip(outs, expected):
+        torch.testing.assert_close(out, exp, **TOL)
+
+
+def test_inductor_compiles_groups_with_host_scalar_tensors():
+    """0-d CPU tensors in a group (`torch.tensor(1.5, device=...)` uploads, `x * cpu_t`):
+    their graph inputs were made with the template's dtype name, an internal TypeError
+    reported as a compile failure on every `generate`."""
+    x = torch.randn(4)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        c = torch.tensor(1.5, device="neuron")
+        out = (x.to("neuron") * c * torch.tensor(2.0)).cpu()
+        m = ae.metrics()
+    torch.testing.assert_close(out, x * 3.0, **TOL)
+    assert m.compile_failures == {} and m.compiled_launches >= 1
+
+
+def test_foreach_writes_over_aliased_arguments_run_interpreted():
+    """Functionalization computes an op's writes from the values before it; eager foreach
+    goes tensor by tensor. `_foreach_mul_([x, x], s)` scaled x once under Inductor (fuzzer
+    seed 18000295); `_foreach_add_([a, b], [b, a])` added the old a to b."""
+    x0, a0, b0 = torch.randn(3), torch.randn(3), torch.randn(3)
+    x, a, b = x0.clone(), a0.clone(), b0.clone()
+    torch._foreach_mul_([x, x], 0.5)
+    torch._foreach_add_([a, b], [b, a])
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        xn, an, bn = x0.to("neuron"), a0.to("neuron"), b0.to("neuron")
+        torch._foreach_mul_([xn, xn], 0.5)
+        torch._foreach_add_([an, bn], [bn, an])
+        outs = [t.cpu() for t in (xn, an, bn)]
+        m = ae.metrics()
+    for out, exp in zip(outs, (x, a, b)):
+        torch.testing.assert_close(out, exp, **TOL)
+    assert set(m.compile_failures) <= {"an op writes one buffer through two arguments",
+                                       "a foreach op writes a buffer another of its "
+                                       "arguments reads"}
+
+
+def test_out_of_another_dtype_runs_interpreted():
+    """`torch.sum(float_t, 0, out=int_t)`: Inductor's functional form gave other integers
+    than eager's kernel (fuzzer seed 21000083)."""
+    x = torch.randn(2, 3, 4) * 3
+    out = torch.empty(3, 4, dtype=torch.int64)
+    torch.sum(x * 1, 0, out=out)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        on = torch.empty(3, 4, dtype=torch.int64, device="neuron")
+        torch.sum(x.to("neuron") * 1, 0, out=on)
+        got = (on + 0).cpu()
+        m = ae.metrics()
+    assert torch.equal(got, out)
+    assert "out= of another dtype than its inputs" in m.compile_failures
+
+
+def test_inductor_gradient_through_an_expanded_scalar_of_the_group():
+    """mean's backward expands a 0-d value made in the group; its storage node was an
+    as_strided_scatter of the 0-d value, which Inductor turned into zeros here: the gradient
+    came out 0 (fuzzer seed 23001022)."""
+    def run(executor):
+        torch.manual_seed(0)
+        with ae.override(executor=executor), ae.adaptive(strategy="matmul"):
+            v2 = torch.randn((1, 2, 2), device="neuron")
+            v4 = v2.detach().requires_grad_()
+            torch.neuron.synchronize()
+            y = F.batch_norm(v2, None, None, training=True)  # kept: part of the group's output
+            v4.pow(1).mean().backward()
+            return v4.grad.cpu() + 0 * y.sum().cpu()
+    torch.testing.assert_close(run("inductor"), run("interpreter"), **TOL)
+    assert torch.equal(run("interpreter"), torch.full((1, 2, 2), 0.25))
+
+
+def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
+    x, _ = _inputs()
+
+    def f(x):
+        torch.manual_seed(3)
+        return F.dropout(x * 2, 0.5) + 1
+
+    eager = f(x.to("neuron")).cpu()
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        lazy = f(x.to("neuron")).cpu()
+        m = ae.metrics()
+    assert torch.equal(lazy, eager)
+    assert m.compiled_launches == 0
+    assert m.compile_failures.get("random op") == 1
+
+
+def test_an_inductor_failure_runs_interpreted_counted_with_its_reason(monkeypatch):
+    def boom(gm, example_inputs):
+        raise RuntimeError("no lowering for this group")
+    monkeypatch.setattr(torch._inductor, "compile", boom)
+    x, b = _inputs(n=48)  # shapes no other test compiles
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        y = chain(x.to("neuron"), b.to("neuron")).cpu()
+        y2 = chain(x.to("neuron"), b.to("neuron")).cpu()
+        m = ae.metrics()
+    assert torch.equal(y, chain(x, b)) and torch.equal(y2, y)  # interpreted: bit for bit
+    assert m.compile_failures == {
+        "inductor: RuntimeError: no lowering for this group": 1}
+    assert m.compiled_launches == 0 and m.compiled_groups == 0
+
+
+def test_runtime_scalars_that_keep_changing_stay_interpreted(monkeypatch):
+    monkeypatch.setattr(tiered, "MAX_VARIANTS", 1)
+    x, b = _inputs(n=40)
+    xn, bn = x.to("neuron"), b.to("neuron")
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        outs = [((xn + bn) * s).cpu() for s in (0.5, 0.5, 0.25, 0.125)]
+        m = ae.metrics()
+    for s, o in zip((0.5, 0.5, 0.25, 0.125), outs):
+        torch.testing.assert_close(o, (x + b) * s, **TOL)
+    assert m.compiled_launches == 2  # the two launches with the scalars it was compiled for
+    assert m.compile_failures == {"runtime scalars change between launches": 1}
+
+
+def test_auto_interprets_until_tier_up_then_swaps_compiled_code_in():
+    x, b = _inputs()
+    xn, bn = x.to("neuron"), b.to("neuron")
+    with ae.override(executor="auto", tier_up=2), ae.adaptive():
+        ae.reset_metrics()
+        first = [chain(xn, bn).cpu() for _ in range(2)]  # launches 1, 2: interpreted
+        assert ae.metrics().compiled_launches == 0
+        assert ae.metrics().tier_ups == 1  # the second launch sent it to the compiler
+        ae.wait_for_compiles()
+        after = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [True]
+        m = ae.metrics()
+    assert all(torch.equal(f, chain(x, b)) for f in first)  # interpreted: bit for bit
+    torch.testing.assert_close(after, chain(x, b), **TOL)
+    assert m.compiled_launches == 1 and m.interpreted_launches == 2
+
+
+def test_a_second_process_with_a_warm_cache_compiles_nothing(tmp_path):
+    """Inductor's caches live under TORCH_NEURONX_NEFF_CACHE_DIR: a new process finds the
+    group's compiled code there (FX graph cache hit), so Inductor generates nothing."""
+    x, b = _inputs()
+    with ae.override(executor="inductor"), ae.adaptive():  # this process fills the cache
+        chain(x.to("neuron"), b.to("neuron")).cpu()
+        assert ae.explain().compiled == [True]
+    script = tmp_path / "warm.py"
+    script.write_text(
+        "import json, torch, torch.nn.functional as F\n"
+        "import adaptive_eager as ae\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x, b = torch.randn(64, 32, generator=g), torch.randn(32, generator=g)\n"
+        "with ae.override(executor='inductor'), ae.adaptive():\n"
+        "    xn, bn = x.to('neuron'), b.to('neuron')\n"
+        "    y = (F.gelu(xn + bn) * 0.5 + xn).cpu()\n"
+        "    m = ae.metrics()\n"
+        "print(json.dumps({'groups': m.compiled_groups, 'hits': m.inductor_cache_hits,\n"
+        "                  'launches': m.compiled_launches}))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], env=env, check=True,
+                         capture_output=True, text=True).stdout.splitlines()[-1]
+    run = json.loads(out)
+    assert run == {"groups": 1, "hits": 1, "launches": 1}, run  # loaded, not generated
+
+
+def test_metrics_report_shows_the_executor_rows():
+    text = ae.metrics_report()
+    for row in ("launches compiled / interpreted", "Inductor compile time (wall)",
+                "tier-ups", "groups not compiled"):
+        assert row in text
+
+
+def test_benchmark_smoke_tiny_sizes():
+    """benchmarks/executors.py at a tiny size: every mode runs and the figures are there."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import executors
+    res = executors.run("mlp_train", executors.TINY["mlp_train"],
+                        ["cpu", "interpreter", "inductor"], rounds=1, per_round=1, first_n=2)
+    assert set(res["steady"]) == {"cpu", "interpreter", "inductor"}
+    assert res["first"]["inductor"]["compiled_launches"] > 0
+    assert any(r["compiled"] for r in res["calibration"])
+    assert "| mlp_train | inductor |" in executors.table([res])

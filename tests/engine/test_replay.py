@@ -1,0 +1,188 @@
+"""Note [Replay] (adaptive_eager/engine/replay.py): steady-state ops queued from the trace of the same
+step last time. Replay changes host time only: values, launches, flushes and device time are
+those of the slow path, which `replay=False` forces and `check_replay=True` runs beside it."""
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.tools.models import train
+
+N = "neuron"
+
+
+def chain(x, n=40):
+    for _ in range(n):
+        x = x * 1.0001 + 0.001
+    return x
+
+
+def steps(fn, n, **settings):
+    """Run `fn` n times (each followed by a sync), adaptive graph, default policy; return the
+    last result on the host and the metrics of the last step."""
+    with ae.override(**settings), ae.adaptive(strategy="graph"):
+        for _ in range(n - 1):
+            fn()
+            torch.neuron.synchronize()
+        ae.reset_metrics()
+        out = fn()
+        torch.neuron.synchronize()
+        m = ae.metrics()
+    return out.cpu(), m
+
+
+def same_work(a, b) -> bool:
+    return (a.ops, a.launches, a.flushes, a.group_sizes, a.device_time_us) == \
+        (b.ops, b.launches, b.flushes, b.group_sizes, b.device_time_us)
+
+
+@pytest.mark.parametrize("low", [0, 2], ids=["lazy", "default-policy"])
+def test_steady_state_chain_is_replayed_with_the_slow_paths_results(low):
+    x = torch.randn(16).to(N)
+    kw = dict(queue_low_threshold=low, max_group_ops=16)  # several segments per step
+    out, m = steps(lambda: chain(x), 3, **kw)
+    slow, ms = steps(lambda: chain(x), 3, replay=False, **kw)
+    assert m.replayed_ops == m.ops == 80 and ms.replayed_ops == 0
+    assert torch.equal(out, slow) and torch.equal(out, chain(x.cpu()))
+    assert same_work(m, ms) and m.launches >= 5
+
+
+def test_every_replayed_op_agrees_with_the_slow_path():
+    """check_replay: each replayed op's cache key, buffers, runtime values and cut are the
+    slow path's (an AssertionError otherwise) on a training step of each model."""
+    for kind in ("mlp", "gpt"):  # (steps 1 and 2 differ: the optimizer's state is made)
+        with ae.adaptive():
+            ref, _ = train(kind, N, steps=4)
+            ae.reset_metrics()
+            with ae.override(check_replay=True):
+                checked, _ = train(kind, N, steps=4)
+            m = ae.metrics()
+        assert checked == ref and m.replayed_ops > m.ops // 4, (kind, m.replayed_ops, m.ops)
+
+
+def test_a_step_that_changes_midway_leaves_the_replay_with_the_same_work():
+    """The trace matches the first ops, then the step differs (another scalar type, another
+    shape, a new op): the slow path takes over mid-segment and the online group is rebuilt
+    from the replayed nodes, so grouping and flushes are those of a run with no replay."""
+    x, y = torch.randn(16).to(N), torch.randn(8).to(N)
+    variants = [lambda: chain(x, 10) * 2, lambda: chain(x, 10) * 2.0,
+                lambda: chain(x, 10).sum() + chain(y, 5).sum(), lambda: chain(x, 10).exp()]
+
+    def run(replay):
+        outs, ms = [], []
+        with ae.override(queue_low_threshold=2, max_group_ops=8, replay=replay), \
+                ae.adaptive(strategy="graph"):
+            for v in variants + variants[::-1] + variants:
+                ae.reset_metrics()
+                outs.append(v().cpu())
+                ms.append(ae.metrics())
+        return outs, ms
+    slow, mss = run(False)  # (first: its compiles are not compared)
+    outs, ms = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(outs, slow))
+    assert all(same_work(a, b) for a, b in zip(ms, mss))
+    assert sum(m.replayed_ops for m in ms) > 0
+
+
+def test_a_replayed_ops_deferred_error_names_the_users_line():
+    x = torch.arange(5.).to(N)
+
+    def step(i):
+        y = x * 2
+        return y.index_select(0, i)  # the line named
+
+    with ae.override(queue_low_threshold=0), ae.adaptive():
+        for _ in range(3):
+            step(torch.tensor([1]).to(N))
+            torch.neuron.synchronize()
+        ae.reset_metrics()
+        bad = step(torch.tensor([9]).to(N))  # out of range: fails at run time
+        assert ae.metrics().replayed_ops == 2
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select") as e:
+            torch.neuron.synchronize()
+    line = step.__code__.co_firstlineno + 2
+    assert f'test_replay.py", line {line}' in str(e.value)
+    with pytest.raises(ae.NeuronRuntimeError):
+        bad.cpu()
+
+
+def test_replay_follows_settings_and_modes():
+    """A trace is made under one policy (lazy or eager, a strategy): after a switch, ops
+    take the slow path until a trace of the new policy exists; results never change."""
+    x = torch.randn(16).to(N)
+    want = chain(x.cpu(), 12)
+    for strategy in ("graph", "matmul", "graph"):
+        for adaptive in (True, False, True):
+            with ae.adaptive(adaptive, strategy=strategy):
+                for _ in range(3):
+                    assert torch.equal(chain(x, 12).cpu(), want)
+    with ae.adaptive():
+        for _ in range(3):
+            ae.reset_metrics()
+            chain(x, 12).cpu()
+    assert ae.metrics().replayed_ops == 24
+
+
+def test_replay_follows_flush_to_zero():
+    """Note [CPU settings]: a queue runs under one flush-to-zero mode; an op issued under
+    another flushes it first. Replayed ops keep that rule (and replay goes on after the
+    setting was ever used)."""
+    x = torch.full((4,), 3e-38).to(N)
+    try:
+        with ae.adaptive():
+            for ftz in (True, False, True, False):
+                torch.set_flush_denormal(ftz)
+                want = x.cpu() * 0.01 * 0.5
+                for _ in range(3):
+                    ae.reset_metrics()
+                    assert torch.equal((x * 0.01 * 0.5).cpu(), want)
+                assert ae.metrics().replayed_ops == 2
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_ops_of_our_handlers_are_not_replayed_past_the_handler():
+    """An in-place foreach op is queued by a handler of ours that also bumps its tensors'
+    versions (as CPU does): a replayed step still goes through it, so autograd still sees
+    the write (`_version`) and the step's values are CPU's."""
+    def step(ts, g):
+        torch._foreach_add_(ts, [g, g])
+        return ts[0] * 2 + ts[1]
+
+    cpu = [torch.ones(4), torch.ones(4)]
+    dev = [t.to(N) for t in cpu]
+    g = torch.arange(4.0)
+    with ae.adaptive(strategy="graph"):
+        for _ in range(4):
+            out = step(dev, g.to(N))
+            torch.neuron.synchronize()
+        m = ae.metrics()
+    for _ in range(4):
+        ref = step(cpu, g)
+    assert m.replayed_ops > 0
+    assert [t._version for t in dev] == [t._version for t in cpu]
+    assert torch.equal(out.cpu(), ref)
+    # an op such a handler queued is never followed past it: the slow way, through the
+    # handler (`copy_`'s, here; the foreach op's list argument is not replayed in any case)
+    a, b = torch.zeros(4).to(N), torch.ones(4).to(N)
+    with ae.adaptive(strategy="graph"):
+        for _ in range(3):
+            ae.reset_metrics()
+            (a.copy_(b * 2) + 1).sum()
+            torch.neuron.synchronize()
+        m = ae.metrics()
+    assert m.ops == 4 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
+
+
+def test_a_step_picks_among_the_traces_that_begin_with_its_first_op():
+    """Two steps whose first op is the same op overload with other arguments (a scalar, a
+    tensor): each finds its own trace among those filed under that op, newest first."""
+    x, y = torch.randn(8).to(N), torch.randn(8).to(N)
+    steps_ = [lambda: (x * 2.0 + 1).sum(), lambda: (x * y + 1).sum()]
+    with ae.adaptive(strategy="graph"):
+        for i in range(6):
+            ae.reset_metrics()
+            out = steps_[i % 2]()
+            torch.neuron.synchronize()
+            m = ae.metrics()
+    assert m.ops == 3 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
+    assert torch.equal(out.cpu(), (x.cpu() * y.cpu() + 1).sum())

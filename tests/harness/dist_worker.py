@@ -1,0 +1,202 @@
+"""What each rank of tests/integration/test_distributed.py runs (a module, so spawned processes can
+import it). Every scenario returns plain data; the parent process asserts on it."""
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import adaptive_eager as ae
+
+MODES = ["eager", "graph", "matmul"]
+STEPS = 3
+GLOBAL_BATCH = 8
+
+
+def _mode(mode):
+    return ae.adaptive(False) if mode == "eager" else ae.adaptive(strategy=mode)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+            for _ in range(STEPS)]
+
+
+def cpu_losses():
+    """The reference: one process, CPU, the whole global batch."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in make_data():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _train_sharded(model, rank, world):
+    """Data-parallel SGD: each rank trains on its shard; the global loss is the ranks' mean."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = GLOBAL_BATCH // world
+    losses = []
+    for x, y in make_data():
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def ddp_losses(rank, world):
+    """DDP on neuron: each rank trains on its shard; the global loss is the ranks' mean."""
+    model = torch.nn.parallel.DistributedDataParallel(make_model().to("neuron"))
+    losses = _train_sharded(model, rank, world)
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def _full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+
+
+def fsdp2_losses(rank, world, mesh):
+    """FSDP2 (fully_shard per layer and at the root): data parallel over sharded params."""
+    from torch.distributed.fsdp import fully_shard
+    model = make_model().to("neuron")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses = _train_sharded(model, rank, world)
+    return losses, [_full(p) for p in model.parameters()]
+
+
+def tp_losses(rank, world, mesh):
+    """Tensor parallel: the first Linear split by columns, the second by rows; every rank
+    sees the whole batch."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    model = make_model().to("neuron")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in make_data():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [_full(p) for p in model.parameters()]
+
+
+def dtensor_values(rank, world, mesh):
+    """A DTensor sharded by rows: its local shard, a redistribution, a reduction."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    d = distribute_tensor(x.to("neuron"), mesh, [Shard(0)])
+    full = d.redistribute(mesh, [Replicate()]).to_local()
+    return {"local": d.to_local().cpu(), "full": full.cpu(),
+            "sum": (d * 2).sum().full_tensor().item()}
+
+
+def collectives(rank, world):
+    """Each collective and P2P op once, on neuron tensors: values and what they cost."""
+    out = {}
+    dev = "neuron"
+    before = ae.metrics()
+    x = torch.arange(4, dtype=torch.float32, device=dev) + 10 * rank
+    dist.all_reduce(x)
+    out["all_reduce"] = x.cpu()
+    y = torch.full((4,), float(rank + 1), device=dev)
+    work = dist.all_reduce(y, op=dist.ReduceOp.MAX, async_op=True)
+    work.wait()
+    out["all_reduce_async_max"] = y.cpu()
+    gathered = [torch.empty(2, device=dev) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank), device=dev))
+    out["all_gather"] = [t.cpu() for t in gathered]
+    flat = torch.empty(2 * world, device=dev)
+    dist.all_gather_single(flat, torch.full((2,), float(rank), device=dev))
+    out["all_gather_into_tensor"] = flat.cpu()
+    rs = torch.empty(2, device=dev)
+    dist.reduce_scatter_single(rs, torch.arange(2 * world, dtype=torch.float32, device=dev))
+    out["reduce_scatter_tensor"] = rs.cpu()
+    b = torch.full((3,), float(rank + 5), device=dev)
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b.cpu()
+    a2a = torch.empty(world, device=dev)
+    dist.all_to_all_single(a2a, torch.arange(world, dtype=torch.float32, device=dev) + 10 * rank)
+    out["all_to_all_single"] = a2a.cpu()
+    if rank == 0:
+        dist.send(torch.tensor([1.0, 2.0], device=dev), dst=1)
+        out["send_recv"] = None
+    else:
+        r = torch.zeros(2, device=dev)
+        dist.recv(r, src=0)
+        out["send_recv"] = r.cpu()
+    dist.barrier(device_ids=[0])
+    m = ae.metrics() - before
+    out["collectives"] = m.collectives
+    out["collective_bytes"] = m.collective_bytes
+    out["cpu_fallbacks"] = m.cpu_fallbacks
+    return out
+
+
+def adaptive_boundary(rank, world):
+    """In adaptive mode the queue before a collective is flushed under 'collective'."""
+    with ae.adaptive(strategy="graph"):
+        before = ae.metrics()
+        x = torch.ones(4, device="neuron")
+        y = (x * 2 + 1).relu()
+        dist.all_reduce(y)
+        flushes = (ae.metrics() - before).flushes
+        last = ae.explain()
+        value = y.cpu()
+    return {"flushes": flushes, "reason": last.report.reason, "ops": last.report.n_ops,
+            "launches": last.launches, "value": value}
+
+
+def run(rank, world, port, results):
+    """One rank: every scenario in every mode; results (or the traceback) into `results`."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    mine = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            # no backend: neuron's default; a short timeout, so a rank that failed cannot
+            # leave the other one waiting in a collective for gloo's default 30 minutes
+            dist.init_process_group(rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=60))
+            mine["backend"] = type(dist.group.WORLD._get_backend(torch.device("neuron"))).__name__
+            mine["backend_config"] = dist.get_backend_config()
+            mine["device_types"] = [str(d) for d in dist.group.WORLD._device_types]
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("neuron", (world,))
+            for mode in MODES:
+                with _mode(mode):
+                    mine[("collectives", mode)] = collectives(rank, world)
+                    mine[("ddp", mode)] = ddp_losses(rank, world)
+                    mine[("fsdp2", mode)] = fsdp2_losses(rank, world, mesh)
+                    mine[("tp", mode)] = tp_losses(rank, world, mesh)
+                    mine[("dtensor", mode)] = dtensor_values(rank, world, mesh)
+            mine["fallbacks"] = ae.metrics().cpu_fallbacks
+            mine["boundary"] = adaptive_boundary(rank, world)
+            dist.destroy_process_group()
+        except BaseException:
+            mine["error"] = traceback.format_exc()
+    mine["warnings"] = [str(w.message) for w in caught]
+    results[rank] = mine

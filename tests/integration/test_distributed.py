@@ -1,0 +1,293 @@
+"""torch.distributed on neuron (issue 11): collectives as device ops over gloo, DDP.
+
+The multi-process part spawns two ranks once per session (gloo over 127.0.0.1); each rank
+runs every scenario in eager and both adaptive strategies, and the tests assert on what the
+ranks sent back. The single-process part runs a world of one in this process."""
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import adaptive_eager as ae
+from device import DeviceSpec
+from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
+
+from tests.harness import dist_worker as W
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Two spawned ranks' results: {rank: {scenario key: data}}."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(W.run, args=(WORLD, _free_port(), results), nprocs=WORLD, join=True)
+        out = dict(results)
+    for r in range(WORLD):
+        assert "error" not in out[r], f"rank {r} failed:\n{out[r]['error']}"
+    return out
+
+
+# -- the default backend -------------------------------------------------------------------
+def test_default_backend_is_gloo(ranks):
+    for r in range(WORLD):
+        assert ranks[r]["backend"] == "ProcessGroupGloo"
+        assert ranks[r]["backend_config"] == "neuron:gloo"
+        assert "neuron" in ranks[r]["device_types"]
+
+
+def test_gloo_backend_covers_neuron():
+    assert dist.Backend.default_device_backend_map["neuron"] == "gloo"
+    assert "neuron" in dist.Backend.backend_capability["gloo"]
+
+
+def test_no_fallback_warning(ranks):
+    for r in range(WORLD):
+        assert not [w for w in ranks[r]["warnings"] if "fell back" in w], ranks[r]["warnings"]
+
+
+# -- collectives: values -------------------------------------------------------------------
+@pytest.mark.parametrize("mode", W.MODES)
+def test_collective_values(ranks, mode):
+    a = torch.arange(4, dtype=torch.float32)
+    for r in range(WORLD):
+        got = ranks[r][("collectives", mode)]
+        torch.testing.assert_close(got["all_reduce"], 2 * a + 10)
+        torch.testing.assert_close(got["all_reduce_async_max"], torch.full((4,), 2.0))
+        assert [t.tolist() for t in got["all_gather"]] == [[0.0, 0.0], [1.0, 1.0]]
+        assert got["all_gather_into_tensor"].tolist() == [0.0, 0.0, 1.0, 1.0]
+        # reduce_scatter of arange(4) from both ranks: rank r gets 2 * [2r, 2r + 1]
+        assert got["reduce_scatter_tensor"].tolist() == [4.0 * r, 4.0 * r + 2]
+        assert got["broadcast"].tolist() == [6.0, 6.0, 6.0]
+        assert got["all_to_all_single"].tolist() == [float(r), float(r + 10)]
+    assert ranks[1][("collectives", mode)]["send_recv"].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_collectives_counted_not_fallbacks(ranks, mode):
+    for r in range(WORLD):
+        got = ranks[r][("collectives", mode)]
+        assert got["cpu_fallbacks"] == {}
+        # 2 all_reduce, all_gather, all_gather_into_tensor, reduce_scatter, broadcast,
+        # all_to_all, one of send/recv, barrier
+        assert got["collectives"] == 9
+        f = 4
+        assert got["collective_bytes"] == (4 * f + 4 * f + 2 * WORLD * f + 2 * WORLD * f
+                                           + 2 * WORLD * f + 3 * f + WORLD * f + 2 * f + 0)
+
+
+def test_adaptive_collective_is_a_boundary(ranks):
+    for r in range(WORLD):
+        got = ranks[r]["boundary"]
+        assert got["flushes"].get("collective") == 1
+        assert got["reason"] == "collective"
+        assert (got["ops"], got["launches"]) == (4, 1)  # fill, mul, add, relu: one fused launch
+        assert got["value"].tolist() == [6.0] * 4
+
+
+# -- DDP -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", W.MODES)
+def test_ddp_matches_single_process_cpu(ranks, mode):
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        losses, params = ranks[r][("ddp", mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("style", ["fsdp2", "tp"])
+@pytest.mark.parametrize("mode", W.MODES)
+def test_parallel_style_matches_single_process_cpu(ranks, style, mode):
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        losses, params = ranks[r][(style, mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_dtensor_on_a_neuron_mesh(ranks, mode):
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    for r in range(WORLD):
+        got = ranks[r][("dtensor", mode)]
+        torch.testing.assert_close(got["local"], x[2 * r:2 * r + 2])
+        torch.testing.assert_close(got["full"], x)
+        assert got["sum"] == 2 * x.sum().item()
+
+
+def test_no_cpu_fallback_in_any_parallel_style(ranks):
+    for r in range(WORLD):
+        assert ranks[r]["fallbacks"] == {}
+
+
+# -- one process, a world of one -----------------------------------------------------------
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_collective_costs_device_time(world_of_one):
+    x = torch.ones(1024, device="neuron")
+    ae.synchronize()
+    before = ae.metrics()
+    dist.all_reduce(x)
+    ae.synchronize()
+    m = ae.metrics() - before
+    assert m.collectives == 1 and m.collective_bytes == 4096 and m.launches == 0
+    assert "collectives (bytes)" in ae.metrics_report()
+    assert m.device_time_us == pytest.approx(
+        collective_us(ae.engine.engine.ENGINE.spec, RING_ALL_REDUCE, 4096, 1))
+    assert x.cpu().tolist() == [1.0] * 1024
+
+
+def test_async_work_handle(world_of_one):
+    x = torch.ones(3, device="neuron") * 2
+    work = dist.all_reduce(x, async_op=True)
+    assert work.wait()
+    assert x.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_async_work_results_are_the_neuron_tensors(world_of_one, mode):
+    """Note [Work results]: `work.result()` and the future's value were gloo's host views (CPU
+    tensors over the device buffer): `v + a` raised, and in adaptive mode a write through `v`
+    reached an op queued before it (`b = a * 2` gave 60 instead of 6)."""
+    import warnings
+    a = torch.full((3,), 3.0, device="neuron")
+    v = dist.all_reduce(a, async_op=True).get_future().wait()[0]
+    b = a * 2
+    v.mul_(10)
+    assert v.device.type == "neuron" and b.cpu().tolist() == [6.0] * 3
+    assert (v + a).cpu().tolist() == [60.0] * 3
+    work = dist.all_reduce(a, async_op=True)
+    work.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Work.result is deprecated
+        assert work.result()[0].device.type == "neuron"
+
+
+def test_collective_on_poisoned_input_raises_device_error(world_of_one):
+    x = torch.ones(4, device="neuron")
+    y = x.index_select(0, torch.tensor([7], device="neuron"))  # found only when it runs
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        dist.all_reduce(y)
+    ae.synchronize()  # the error was raised once, at the collective
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        dist.all_reduce(y)  # y stays unreadable, as a read of it would say
+    z = torch.ones(2, device="neuron")
+    dist.all_reduce(z)  # and the device keeps working
+    assert z.cpu().tolist() == [1.0, 1.0]
+
+
+def test_a_collective_over_two_cores_raises_cudas_error(world_of_one):
+    """It flushed one core's queue only: gloo sent another core's pending value's never
+    written memory, or its value before a queued in-place write (adaptive mode)."""
+    with ae.adaptive(strategy="graph"):
+        out = torch.zeros(4, device="neuron:0")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            dist.all_gather_into_tensor(out, torch.arange(4.0).to("neuron:1") * 2)
+        t = torch.arange(4.0).to("neuron:0") * 2
+        dist.all_gather_into_tensor(out, t)  # one core: fine
+        assert out.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_collective_trace_row(world_of_one, tmp_path):
+    dist.all_reduce(torch.ones(2, device="neuron"))
+    ae.save_trace(str(tmp_path / "t.json"))
+    import json
+    events = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    from device.core import TRACKS
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert rows[TRACKS["collective"]] == "collectives"
+    assert any(e.get("cat") == "collective" and e["tid"] == TRACKS["collective"] for e in events)
+
+
+# -- the cost model ------------------------------------------------------------------------
+def test_ring_all_reduce_formula():
+    spec = DeviceSpec(interconnect_gbps=100.0, interconnect_latency_us=2.0,
+                      launch_overhead_us=10.0)
+    n, p = 8_000_000, 8
+    want = 10.0 + 2 * (p - 1) * (2.0 + n / p / (100.0 * 1e3))
+    assert collective_us(spec, RING_ALL_REDUCE, n, p) == pytest.approx(want)
+    assert collective_us(spec, RING_GATHER, n, p) == pytest.approx(
+        10.0 + (p - 1) * (2.0 + n / p / 1e5))
+    assert collective_us(spec, TREE, n, p) == pytest.approx(10.0 + 3 * (2.0 + n / 1e5))
+    assert collective_us(spec, P2P, n, 2) == pytest.approx(10.0 + 2.0 + n / 1e5)
+    assert collective_us(spec, BARRIER, 0, 5) == pytest.approx(10.0 + math.ceil(math.log2(5)) * 2)
+    assert collective_us(spec, RING_ALL_REDUCE, n, 1) == 10.0  # one rank: nothing moves
+
+
+def test_ring_all_reduce_bandwidth_term_saturates():
+    """The ring's bytes per rank approach 2n as p grows: time grows with latency only."""
+    spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0)
+    t = [collective_us(spec, RING_ALL_REDUCE, 2**26, p) for p in (2, 64, 512)]
+    assert t[0] < t[1] < t[2] < 2 * t[0]
+
+
+# -- storage resize (FSDP2 frees and re-allocates unsharded parameters) ----------------------
+@pytest.mark.parametrize("mode", W.MODES)
+def test_storage_resize_frees_and_reallocates(mode):
+    with W._mode(mode):
+        x = torch.arange(6, dtype=torch.float32).to("neuron")
+        y = x * 2
+        torch.neuron.synchronize()
+        st = y.untyped_storage()
+        used = torch.neuron.memory_allocated()
+        st.resize_(0)
+        assert st.size() == 0 and torch.neuron.memory_allocated() == used - 24
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+            y + 1  # CPU would crash here
+        st.resize_(24)
+        assert st.nbytes() == 24 and torch.neuron.memory_allocated() == used
+        y.copy_(torch.ones(6))
+        assert (y + 1).cpu().tolist() == [2.0] * 6
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_storage_resize_keeps_the_prefix(mode):
+    with W._mode(mode):
+        y = torch.arange(6, dtype=torch.float32).to("neuron") * 2  # queued in adaptive mode
+        y.untyped_storage().resize_(12)  # runs the queue first
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 12"):
+            y[:3]  # y's own extent no longer fits: refused before any view is made
+        y.untyped_storage().resize_(24)
+        assert y.cpu()[:3].tolist() == [0.0, 2.0, 4.0]
+
+
+# -- torchrun ------------------------------------------------------------------------------
+def test_torchrun_ddp_example(tmp_path):
+    """`torchrun --nproc-per-node 2 benchmarks/train_ddp.py`: the losses of one CPU process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "losses.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(root, "benchmarks", "train_ddp.py"), "--adaptive", "--out", str(out)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+            root, os.environ.get("PYTHONPATH")]))})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(W.cpu_losses()[0]))
+    assert got["world"] == 2 and got["device_count"] == 4  # rank r on neuron:r of the chip
+    assert got["devices"] == ["neuron:0"]  # rank 0's (rank 1 checks its own neuron:1)
+    assert got["cpu_fallbacks"] == {} and got["collectives"] > 0
