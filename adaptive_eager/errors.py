@@ -6,8 +6,6 @@ NeuronRuntimeError naming the op and the user's line. Bugs of ours are raised as
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from fusion.ir import extent_bytes
@@ -50,6 +48,25 @@ class NeuronFallbackError(RuntimeError):
     """A device op could not run and CPU recovery is turned off."""
 
 
+class FlushInterrupted(Exception):
+    """The flush that computes a value stopped before it did (KeyboardInterrupt, ...)."""
+
+
+class NeuronInductorError(RuntimeError):
+    """TorchInductor (torch.compile's default backend) was asked to compile neuron code."""
+
+
+def user_error(e: BaseException) -> BaseException:
+    """Tag `e` as CPU's own error for the user's call (Engine.dispatch raises it with no
+    frames of ours); returns `e`."""
+    e._ae_user_error = True
+    return e
+
+
+def is_user_error(e: BaseException) -> bool:
+    return getattr(e, "_ae_user_error", False)
+
+
 
 def _out_of_bounds(size, stride, off, dtype, nbytes):
     """CPU's error for a view that would address memory outside its buffer."""
@@ -57,51 +74,7 @@ def _out_of_bounds(size, stride, off, dtype, nbytes):
     e = RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset "
                      f"{off}, and itemsize {dtype.itemsize} requiring a storage size of {need} "
                      f"are out of bounds for storage of size {nbytes}")
-    e._ae_user_error = True
-    raise e
-
-
-
-_HANDOFF: list = []  # errors raised on autograd's device thread, for the caller (_surface)
-
-_HANDOFF_LOCK = threading.Lock()
-
-
-
-def _hand_off(e: BaseException) -> str:
-    """Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
-    where a Python exception unwinding through PyTorch's Python device guard aborts the
-    process (the guard calls into Python while the error is pending). There the error is
-    handed over instead: the op returns a value the dispatcher refuses with a C++ error,
-    which autograd carries to the caller safely, and the backward wrapper in
-    _registration re-raises the original exception."""
-    with _HANDOFF_LOCK:
-        _HANDOFF.append(e)
-    return f"<{type(e).__name__} on autograd's device thread: {e}>"
-
-
-
-def in_backward() -> bool:
-    """Inside a backward node (autograd's device thread, or the caller's own thread once
-    backward runs single-threaded): where an error must be handed over, not raised."""
-    return (torch._C._current_autograd_node() is not None
-            or type(threading.current_thread()) is threading._DummyThread)
-
-
-def after_fork() -> None:
-    """A forked child's own hand-off lock (Note [Threads] across os.fork in (engine.py))."""
-    global _HANDOFF_LOCK
-    _HANDOFF_LOCK = threading.Lock()
-
-
-def take_handoff() -> BaseException | None:
-    """The first error handed over from autograd's device thread, if any (clears them)."""
-    with _HANDOFF_LOCK:
-        if not _HANDOFF:
-            return None
-        first = _HANDOFF[0]
-        _HANDOFF.clear()
-        return first
+    raise user_error(e)
 
 
 

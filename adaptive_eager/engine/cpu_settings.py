@@ -7,7 +7,7 @@ call, so the queue must too:
 - a call that changes a process-wide setting first flushes every core's queue, under the old
   value; a call that changes nothing flushes nothing (Dynamo restores them after each trace);
 - flush-to-zero is a flag of each thread's CPU with no getter: its setter is tracked per
-  thread, and a queue holds the ops of one setting only (`Engine.queue_ftz`): an op recorded
+  thread, and a queue holds the ops of one setting only (`Segment.ftz`): an op recorded
   under another flushes the queue first, and a flush runs under its queue's setting, whichever
   thread flushes.
 """

@@ -24,19 +24,20 @@ from fusion.executors import make_executor
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, composite_key, op_class
-from fusion.partition import STRATEGIES, OnlineGroup
+from fusion.partition import STRATEGIES
+from fusion.ir import extent_bytes
 from fusion.program import cpu_kernels
 
 from .. import config as _config
-from . import cpu_settings, replay, results, transfer
+from . import cpu_settings, hooks, replay, results, transfer
 from .. import errors
 from .tensor import NeuronTensor
-from ..errors import _hand_off, _raise_launch_error
+from ..errors import _raise_launch_error
+from .hooks import _hand_off, in_backward
 from .fallback import run_now
-from fusion.ir import extent_bytes
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
                    infer)
-from .queue import record
+from .queue import Segment, record
 from .replay import MISS, MISSED
 from .source import _user_stacklevel
 from .templates import template
@@ -225,28 +226,12 @@ class Engine:
         self.index = index
         self.tdev = None  # torch.device("neuron", index), made with the first tensor
         self.metrics = COUNTERS  # the one counters object (device/counters.py)
-        self.queue: list[Node] = []
-        # The queued segment's buffers, by index (Node.uids): a handle, or a weakref to a
-        # pending one; `seg` is the segment's token (Handle.seg), replaced at each flush.
-        self.refs: list = []
-        self.seg = object()
-        # Note [Replay] (replay.py): the trace being recorded (its nodes; per node, its
-        # meta result and cut), the one expected, whether a node of this segment was
-        # replayed (the online group is behind), the trace this one follows so far, and
-        # recent traces by their first op.
-        self.tnodes: list = []
-        self.tsteps: list = []
-        self.expect = None
-        self.replayed = False
-        self.tfrom = None
-        self.traces: dict = {}
-        self.queue_ftz = False  # its ops' flush-to-zero (Note [CPU settings])
-        self.online = OnlineGroup()
-        self.pending_bytes = 0
+        self.seg = Segment()  # what is queued (Note [Segments] in queue.py)
+        self.traces = replay.Traces()  # what replay follows (Note [Replay] in replay.py)
         self.meta_cache: dict = {}
         self.last_report = None
         self.lock = _LOCK
-        self._warned: set[str] = set()
+        self.warned: set[str] = set()  # warnings given once per process
         self.spec = spec or DeviceSpec()
         self.device = Device(self.spec)
         # The mode and strategy are the engine's state: settings give their start-up values
@@ -260,7 +245,7 @@ class Engine:
     @_locked
     def reconfigure(self, spec: DeviceSpec | None = None) -> None:
         cfg = _config.config
-        replay.forget(self)
+        self.traces.forget()
         if spec is not None and spec != self.spec:
             self.flush("config")
             self.synchronize()
@@ -291,7 +276,7 @@ class Engine:
     def set_adaptive(self, on: bool) -> None:
         if on != self.adaptive:
             self.flush("mode switch")
-            replay.forget(self)
+            self.traces.forget()
         self.adaptive = bool(on)
 
     @_locked
@@ -317,25 +302,35 @@ class Engine:
     def empty(self, size, stride, dtype) -> torch.Tensor:
         """A fresh allocation (`torch.empty` and friends): HBM reserved now."""
         dtype = dtype or torch.get_default_dtype()
-        self._check_dtype(dtype)
+        self.check_dtype(dtype)
         nbytes = extent_bytes(size, stride, 0, dtype.itemsize)
-        self._make_room(nbytes)
+        self.make_room(nbytes)
         h = Handle(nbytes, self.device.alloc(nbytes))
         if self.index:  # every tensor of a core starts from an allocation there
             _OTHER_CORES_USED[0] = True
         return self.wrap(h, size, stride, 0, dtype)
 
-    def _make_room(self, nbytes: int) -> None:
-        hbm = self.device.hbm
+    def make_room(self, nbytes: int) -> None:
+        """Room in HBM for `nbytes` more (besides what queued ops will make): what is queued
+        is launched if that frees enough, else the out-of-memory error, naming sizes."""
+        hbm, seg = self.device.hbm, self.seg
         hbm.check_host(nbytes)
-        if hbm.used + self.pending_bytes + nbytes > hbm.capacity and self.queue:
+        if hbm.used + seg.pending_bytes + nbytes > hbm.capacity and seg.nodes:
             self.flush("memory")
-        if hbm.used + self.pending_bytes + nbytes > hbm.capacity:
-            hbm.reserve(nbytes + self.pending_bytes)  # raises the OOM error, naming sizes
+        if hbm.used + seg.pending_bytes + nbytes > hbm.capacity:
+            hbm.reserve(nbytes + seg.pending_bytes)  # raises the OOM error, naming sizes
 
-    def _check_dtype(self, dtype) -> None:
-        if dtype == torch.float64 and "f64" not in self._warned:
-            self._warned.add("f64")
+    def count_op(self) -> None:
+        """Every op is counted once, with its host overhead on the simulated clock."""
+        self.metrics.ops += 1
+        self.device.advance_host(self.spec.host_op_overhead_us)
+
+    def check_dtype_f64(self) -> None:
+        self.check_dtype(torch.float64)
+
+    def check_dtype(self, dtype) -> None:
+        if dtype == torch.float64 and "f64" not in self.warned:
+            self.warned.add("f64")
             warnings.warn("float64 is not supported on Neuron: it is computed as float32 "
                           "(results may differ from CPU). Use float32 to silence this; where "
                           "PyTorch's own code makes float64 (GradScaler's unscale_), filter "
@@ -349,39 +344,39 @@ class Engine:
         try:
             lock.acquire()  # (`with`, unrolled: this runs per op)
             try:
-                if self.expect is not None:  # Note [Replay]: the steady state's path
+                if self.traces.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
                     if out is not MISS:
                         if out is not MISSED:
                             return out
-                        return self._dispatch(func, args, kwargs, counted=True)  # a plain op
+                        return self.dispatch_plain(func, args, kwargs, counted=True)
                 route = _ROUTES.get(func._op) or _route(func)
                 if route.special is not None:
                     return route.special(self, func, args, kwargs)
                 if route.composite is not None:  # Note [Composite ops in inference mode]
                     return _composite(func, route.composite, args, kwargs)
-                return self._dispatch(func, args, kwargs, route)
+                return self.dispatch_plain(func, args, kwargs, route)
             finally:
                 lock.release()
         except BaseException as e:
-            # Note [Device-thread errors] in errors.py: inside a backward node (autograd's
+            # Note [Device-thread errors] in hooks.py: inside a backward node (autograd's
             # device thread, or the caller's own thread once backward runs single-threaded,
             # Note [Cores]) an exception must not unwind through PyTorch's device guard.
-            if errors.in_backward():
+            if in_backward():
                 return _hand_off(e)
-            if getattr(e, "_ae_user_error", False):  # CPU's own error: no frames of ours
+            if errors.is_user_error(e):  # CPU's own error: no frames of ours
                 raise e.with_traceback(None) from None
             raise
 
-    def _dispatch(self, func, args, kwargs, route=None, counted=False):
-        """Every op the engine does not handle specially (`_SPECIAL`). `route`: Engine.dispatch's
-        plain route; `counted`: the op was counted on the way (`replay.follow`)."""
+    def dispatch_plain(self, func, args, kwargs, route=None, counted=False):
+        """An op as the engine runs every op it does not handle specially (`_SPECIAL`): the
+        handlers end here. `route`: Engine.dispatch's plain route; `counted`: the op was
+        counted on the way (`replay.follow`)."""
         if not counted:
-            self.metrics.ops += 1
-            self.device.advance_host(self.spec.host_op_overhead_us)
+            self.count_op()
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
-        elif route.cls is not VIEW and self.expect is None and not self.tnodes:
+        elif route.cls is not VIEW and self.traces.expect is None and not self.traces.nodes:
             out = replay.step(self, func, args, kwargs)  # the op may begin a trace
             if out is not MISS and out is not MISSED:
                 return out
@@ -416,32 +411,28 @@ class Engine:
         if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
             self.metrics.ops -= 1
             results.resize_outs(self, func, args, kwargs, meta.resize)
-            return self._dispatch(func, args, kwargs)
+            return self.dispatch_plain(func, args, kwargs)
         new = () if meta.op is None else record(self, meta, handles, inputs, vbytes)
         return results.results(self, func, args, kwargs, handles, meta, new)
 
     # -- flush and sync --------------------------------------------------------------
     @_locked
     def flush(self, reason: str) -> None:
-        if not self.queue:
+        if not self.seg.nodes:
             return
-        nodes, self.queue = self.queue, []
-        refs, self.refs, self.seg = self.refs, [], object()
-        self.replayed = False  # the online group is reset below
+        nodes, refs = self.seg.take()
         lazy = self.is_lazy()
         self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
-        self.online.reset()
-        self.pending_bytes = 0
         try:
-            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.queue_ftz):
+            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.seg.ftz):
                 report = self.runner.run(nodes, refs, reason, self.strategy if lazy
                                          else self.eager_strategy)
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
-            replay.forget(self)
+            self.traces.forget()
             raise
         self.last_report = report
-        replay.remember(self, reason, lazy)
+        self.traces.remember(reason, lazy, self.strategy.key)
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes
@@ -501,7 +492,7 @@ def _materialized(op):
     """Conjugate and negative views carry a bit our wrapper tensors cannot honour: computed
     as a new tensor instead (`z.conj()` equals CPU's values; `is_conj()` is False)."""
     def run(eng, func, args, kwargs):
-        return eng._dispatch(op, args, kwargs)
+        return eng.dispatch_plain(op, args, kwargs)
     return run
 
 
@@ -523,7 +514,7 @@ def _bumps_versions(eng, func, args, kwargs):
     written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
         raise RuntimeError(_INFERENCE_WRITE)  # CPU's words (its per-tensor fallback checks)
-    out = eng._dispatch(func, args, kwargs)
+    out = eng.dispatch_plain(func, args, kwargs)
     torch.autograd.graph.increment_version(written)
     return out
 
@@ -538,7 +529,7 @@ def _lift_fresh(eng, func, args, kwargs):
     through `.to`, making a real device tensor its constant). So the graph holds a CPU
     constant and an H2D copy, never a fake tensor."""
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
-        return eng._dispatch(func, args, kwargs)
+        return eng.dispatch_plain(func, args, kwargs)
     from torch.utils._python_dispatch import _disable_current_modes
     t = args[0]
     with _disable_current_modes():  # the real value, read with no mode watching
@@ -559,7 +550,7 @@ def _host_indices(eng, func, args, kwargs):
         kwargs = {**kwargs, "indices": [to_device(t) for t in kwargs["indices"]]}
     else:
         args = (args[0], [to_device(t) for t in args[1]]) + tuple(args[2:])
-    return eng._dispatch(func, args, kwargs)
+    return eng.dispatch_plain(func, args, kwargs)
 
 
 def _is_pinned(eng, func, args, kwargs):
@@ -636,10 +627,6 @@ _CURRENT = [0]  # the current core's index (cores.set_current checks it first)
 _OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
 
 
-class FlushInterrupted(Exception):
-    """The flush that computes a value stopped before it did (KeyboardInterrupt, ...)."""
-
-
 def _interrupted(eng, nodes, refs, e: BaseException) -> None:
     """A flush raised (Ctrl-C lands in the Python that runs the device's work): the values
     it had not computed yet stay unreadable with an error saying so, instead of handles
@@ -648,9 +635,9 @@ def _interrupted(eng, nodes, refs, e: BaseException) -> None:
     update that returned was applied, and here some were not, or only partly; reading them
     raises instead of giving the old value. Values computed before the interrupt stay."""
     why = f"{type(e).__name__} interrupted the flush that"
-    new = FlushInterrupted(f"{why} computes this value, so it was never computed: compute it "
+    new = errors.FlushInterrupted(f"{why} computes this value, so it was never computed: compute it "
                            f"again")
-    updated = FlushInterrupted(f"{why} updates this tensor in place, so the update was not "
+    updated = errors.FlushInterrupted(f"{why} updates this tensor in place, so the update was not "
                                f"applied, or only partly: restore its value (from a "
                                f"checkpoint) or compute it again")
     done = eng.runner.done if eng.runner is not None else 0
@@ -682,7 +669,7 @@ def _after_fork_in_child() -> None:
     for eng in ENGINES:
         eng.lock = _LOCK
         eng.device.hbm.after_fork()
-    errors.after_fork()
+    hooks.after_fork()
     COUNTERS.reset()
 
 

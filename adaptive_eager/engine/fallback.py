@@ -9,14 +9,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
-from fusion.ir import Handle, written_arguments
+from fusion.ir import Handle, extent_bytes, written_arguments
 from fusion.ops import RANDOM, device_kernel, op_class
 from fusion.program import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor
-from ..errors import NeuronFallbackError, _raise_launch_error, _sparse_error
-from fusion.ir import extent_bytes
+from ..errors import NeuronFallbackError, _raise_launch_error, _sparse_error, user_error
 from .results import resize_out
 from .source import _source, _user_stacklevel
 from .templates import _two_devices
@@ -57,8 +56,8 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             raise NeuronFallbackError(
                 f"Operator '{name}' has no Neuron implementation and CPU fallback is off "
                 f"(NEURON_FALLBACK_ENABLED=0); unset it to run the op on CPU.")
-        if name not in eng._warned:
-            eng._warned.add(name)
+        if name not in eng.warned:
+            eng.warned.add(name)
             warnings.warn(f"Operator '{name}' fell back to CPU", UserWarning,
                           stacklevel=_user_stacklevel())
         eng.metrics.cpu_fallbacks[name] += 1
@@ -111,8 +110,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
                 e = result.get("error")
                 if e is None:
                     raise
-                e._ae_user_error = True
-                raise e from None
+                raise user_error(e) from None
         out = result["out"]
     outs = _resized_outs(eng, func, kwargs, c_kwargs)
     # Outputs: tensors sharing an argument's storage stay views of its buffer.
@@ -146,7 +144,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             continue
         # CPU's layout is kept (nonzero's (1, N) strides decide view-vs-copy later).
         n = extent_bytes(leaf.shape, leaf.stride(), 0, leaf.element_size())
-        eng._make_room(n)
+        eng.make_room(n)
         with torch._C._DisableTorchDispatch():
             st = leaf.untyped_storage()
             if leaf.storage_offset() or st.nbytes() != n:

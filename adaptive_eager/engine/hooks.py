@@ -5,7 +5,7 @@ error still pending through the node's device guard, which for a Python backend 
 Python: the process aborts ("terminate called without an active exception"; CUDA's guard is
 C++). So hooks on neuron tensors (tensor hooks, post-accumulate-grad hooks, nn.Module's full
 backward hooks, which BackwardHook puts on autograd nodes) hand their error over (Note
-[Device-thread errors] in errors.py) and return what autograd refuses with a C++ error (a
+[Device-thread errors] below) and return what autograd refuses with a C++ error (a
 gradient of another device; a tuple of the wrong length), which unwinds safely; the backward
 wrapper in _registration re-raises the hook's own exception. Outside a backward a hook's error
 is raised as it is. A hook that returns the wrong type is the same case: PyTorch's check
@@ -18,11 +18,53 @@ patched): hooks registered directly on a node, `y.grad_fn.register_hook(...)`.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
-from ..errors import _hand_off, in_backward
 from .source import DEVICE_TYPE
+
+
+_HANDOFF: list = []  # errors raised on autograd's device thread, for the caller (_surface)
+
+_HANDOFF_LOCK = threading.Lock()
+
+
+
+def _hand_off(e: BaseException) -> str:
+    """Note [Device-thread errors]: autograd runs a neuron backward on its own device thread,
+    where a Python exception unwinding through PyTorch's Python device guard aborts the
+    process (the guard calls into Python while the error is pending). There the error is
+    handed over instead: the op returns a value the dispatcher refuses with a C++ error,
+    which autograd carries to the caller safely, and the backward wrapper in
+    integration/registration.py re-raises the original exception."""
+    with _HANDOFF_LOCK:
+        _HANDOFF.append(e)
+    return f"<{type(e).__name__} on autograd's device thread: {e}>"
+
+
+
+def in_backward() -> bool:
+    """Inside a backward node (autograd's device thread, or the caller's own thread once
+    backward runs single-threaded): where an error must be handed over, not raised."""
+    return (torch._C._current_autograd_node() is not None
+            or type(threading.current_thread()) is threading._DummyThread)
+
+
+def after_fork() -> None:
+    """A forked child's own hand-off lock (Note [Threads] across os.fork in engine.py)."""
+    global _HANDOFF_LOCK
+    _HANDOFF_LOCK = threading.Lock()
+
+
+def take_handoff() -> BaseException | None:
+    """The first error handed over from autograd's device thread, if any (clears them)."""
+    with _HANDOFF_LOCK:
+        if not _HANDOFF:
+            return None
+        first = _HANDOFF[0]
+        _HANDOFF.clear()
+        return first
 
 
 def guarded(hook):

@@ -16,6 +16,7 @@ from fusion.ir import OpSig, extent_bytes
 from fusion.ops import CONTRACTION, RANDOM, VIEW, device_kernel, op_class
 from fusion.program import cpu_kernels
 
+from ..errors import user_error
 from .source import DEVICE_TYPE, _user_stacklevel
 
 _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
@@ -74,8 +75,7 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     try:
         func(*args, **kwargs)
     except Exception as e:
-        e._ae_user_error = True
-        raise e.with_traceback(None) from None
+        raise user_error(e).with_traceback(None) from None
     # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
 
 
@@ -268,7 +268,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
         probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
-            probe._ae_user_error = True
+            user_error(probe)
             try:
                 raise probe
             finally:
@@ -418,6 +418,5 @@ def check_conversions(checks, inputs) -> None:
         if bad:
             e = RuntimeError(f"value cannot be converted to type {_CTYPES[dtype]} without "
                              f"overflow")
-            e._ae_user_error = True
-            raise e
+            raise user_error(e)
 

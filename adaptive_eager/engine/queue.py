@@ -1,89 +1,138 @@
-"""The lazy queue's policy: each recorded op becomes a Node; in adaptive mode the online
-grouper says where a fused group would end, and the queue is flushed (with the reason, passed
-as an argument) when the device runs idle at such a cut, the buffer is full, pending memory
-is too large, or, in eager mode, at once."""
+"""The lazy queue: a core's `Segment` (what is queued since its last flush) and `record`, the
+slow path that queues one op. The replay path (replay.follow) queues through the same Segment
+methods, in the same order, with the trace's answers.
+
+Note [Segments]: a segment holds the queued nodes, their buffers by index (Node.uids: a
+handle, or a weakref to a pending one), the bytes of the values they will make, the online
+group (where a fused group would end, for the adaptive policy) and the flush-to-zero mode of
+its ops (Note [CPU settings]). A flush takes the nodes and buffers whole (`take`) and the
+segment starts again under a new token: a Handle's `seg` is the token of the segment that
+numbered it, so a handle is numbered once per segment. The queue is flushed (with the
+reason, as an argument) when the device runs idle at a cut, the buffer is full, pending
+memory is too large, or, in eager mode, at once.
+"""
 from __future__ import annotations
 
 import weakref
 
-import torch
-
 from device import HOST_CHECK_BYTES
 from fusion.ir import Handle, Node
+from fusion.partition import OnlineGroup
 
 from .. import config as _config
 from . import cpu_settings
-from .replay import MAX_TRACE, catch_up, overflow, resumes
 from .source import _source
+
+
+class Segment:
+    """What one core has queued since its last flush (Note [Segments])."""
+
+    __slots__ = ("nodes", "refs", "token", "pending_bytes", "online", "ftz")
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+        self.refs: list = []
+        self.token = object()
+        self.pending_bytes = 0
+        self.online = OnlineGroup()
+        self.ftz = False
+
+    def take(self) -> tuple[list, list]:
+        """The queued nodes and their buffers, for a flush; the segment starts again, empty."""
+        nodes, refs = self.nodes, self.refs
+        self.nodes, self.refs, self.token = [], [], object()
+        self.pending_bytes = 0
+        self.online.reset()
+        return nodes, refs
+
+    def ftz_differs(self) -> bool:
+        """Does this thread's flush-to-zero differ from the queued ops' (Note [CPU settings])?"""
+        return cpu_settings.FTZ_USED[0] and cpu_settings.thread_ftz() != self.ftz
+
+    def admit(self, eng, nbytes: int) -> bool:
+        """Memory admission of an op making `nbytes` of new values: room is made (a flush,
+        or the out-of-memory error) when HBM would not hold them, and a large value is
+        checked against the host. True if that flushed."""
+        hbm = eng.device.hbm
+        if nbytes >= HOST_CHECK_BYTES or hbm.used + self.pending_bytes + nbytes > hbm.capacity:
+            queued = len(self.nodes)
+            eng.make_room(nbytes)
+            return len(self.nodes) != queued
+        return False
+
+    def idle_at(self, device, cut) -> bool:
+        """Should what is queued be launched before an op that opens a new fused group
+        (`cut`), because the device has run idle (at most queue_low_threshold launches in
+        flight; 0: never)?"""
+        low = _config.config.queue_low_threshold
+        return cut is not None and low > 0 and bool(self.nodes) and device.in_flight() <= low
+
+    def number(self, handles, new) -> list[int]:
+        """Number an op's buffers in this segment (its Node.uids): its arguments' buffers
+        first met here take the next indices (held weakly while pending, their values
+        being queued), then its new buffers (weakly if freed intermediates are skipped, else
+        held until the flush: every value is written back)."""
+        token, refs, uids = self.token, self.refs, []
+        for h in handles:
+            if h.seg is not token:
+                h.seg, h.ci = token, len(refs)
+                refs.append(weakref.ref(h) if h.pending else h)
+            uids.append(h.ci)
+        weak = _config.config.skip_intermediate
+        for h in new:
+            h.seg, h.ci = token, len(refs)
+            refs.append(weakref.ref(h) if weak else h)
+            uids.append(h.ci)
+        return uids
+
+    def append(self, node: Node, nbytes: int) -> None:
+        self.nodes.append(node)
+        self.pending_bytes += nbytes
+
+    def due(self, lazy: bool) -> str | None:
+        """The flush the queue calls for after an op: every op in eager mode, a full buffer,
+        too many pending bytes; None."""
+        if not lazy:
+            return "eager"
+        cfg = _config.config
+        if len(self.nodes) >= cfg.buffer_size_limit:
+            return "buffer full"
+        if self.pending_bytes > cfg.max_pending_mb * 2**20:
+            return "pending memory"
+        return None
 
 
 def record(eng, meta, handles, inputs, vbytes):
     """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
-    if cpu_settings.FTZ_USED[0]:  # Note [CPU settings]: one flush-to-zero per queue
-        ftz = cpu_settings.thread_ftz()
-        if ftz != eng.queue_ftz:
-            if eng.queue:
-                eng.flush("settings")
-            eng.queue_ftz = ftz
+    seg, traces = eng.seg, eng.traces
+    if seg.ftz_differs():  # Note [CPU settings]: one flush-to-zero per segment
+        eng.flush("settings")
+        seg.ftz = cpu_settings.thread_ftz()
     op = meta.op
-    new_bytes = op.new_total
-    hbm = eng.device.hbm
-    if (new_bytes >= HOST_CHECK_BYTES  # a large value is checked against the host too
-            or hbm.used + eng.pending_bytes + new_bytes > hbm.capacity):
-        eng._make_room(new_bytes)
-    new = [Handle(b, pending=True) for b in op.new_bytes]
+    seg.admit(eng, op.new_total)
+    new = [Handle(b, None, True) for b in op.new_bytes]
     if meta.f64:
-        eng._check_dtype(torch.float64)
-    trace, tfrom, pos = eng.expect, eng.tfrom, len(eng.tnodes)
-    if trace is not None or eng.replayed:  # Note [Replay]: the slow path takes over
-        catch_up(eng)
-    # Frames known to be ours: this, Engine._dispatch (our code's only entry here), its
+        eng.check_dtype_f64()
+    before = traces.slow_path(seg)  # Note [Replay]: the trace's answers stop here
+    # Frames known to be ours: this, Engine.dispatch_plain (our code's only entry here), its
     # caller (Engine.dispatch or one of the engine's op handlers) and that one's caller (a
     # __torch_dispatch__, Engine.dispatch, or a kernel of ours that copies).
     node = Node(op, None, inputs, tuple(vbytes) + op.new_bytes, _source(4))
-    cfg = _config.config
     lazy = eng.is_lazy()
     cut = None
     if lazy:  # eager flushes every op: no open group to track
         ids = [h.uid for h in handles] + [h.uid for h in new]
-        cut = eng.online.cut(eng.strategy, node, ids) if eng.queue else "start"
-        low = cfg.queue_low_threshold  # 0: purely lazy, never flush for idling
-        if cut is not None and eng.queue and low > 0 and eng.device.in_flight() <= low:
+        cut = seg.online.cut(eng.strategy, node, ids) if seg.nodes else "start"
+        if seg.idle_at(eng.device, cut):
             eng.flush("device idle")
-        eng.online.add(node, cut, ids)
+        seg.online.add(node, cut, ids)
     # Only now (a flush above may have started a new segment and written pending inputs
-    # back): number the buffers in the queued segment, which holds values in HBM strongly,
-    # pending ones weakly (Handle's docstring).
-    seg, refs, uids = eng.seg, eng.refs, []
-    for h in handles:
-        if h.seg is not seg:
-            h.seg, h.ci = seg, len(refs)
-            refs.append(weakref.ref(h) if h.pending else h)
-        uids.append(h.ci)
-    weak = cfg.skip_intermediate  # else every value is written back: held until the flush
-    for h in new:
-        h.seg, h.ci = seg, len(refs)
-        refs.append(weakref.ref(h) if weak else h)
-        uids.append(h.ci)
-    node.uids = tuple(uids)
-    eng.queue.append(node)
-    eng.tnodes.append(node)  # Note [Replay]: the trace being recorded
-    eng.tsteps.append((meta, cut))
-    if trace is not None and resumes(trace, pos, node, cut):
-        eng.expect, eng.tfrom = trace, tfrom
-    elif pos == 0:  # a trace may begin with this node (replay.step picks the others')
-        for t in eng.traces.get(op.func._op, ()):
-            if resumes(t, 0, node, cut):
-                eng.expect = eng.tfrom = t
-                break
-    elif len(eng.tnodes) >= MAX_TRACE:
-        overflow(eng)
-    eng.pending_bytes += new_bytes
-    if not lazy:
-        eng.flush("eager")
-    elif len(eng.queue) >= cfg.buffer_size_limit:
-        eng.flush("buffer full")
-    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
-        eng.flush("pending memory")
+    # back): number the buffers in the queued segment.
+    node.uids = tuple(seg.number(handles, new))
+    seg.append(node, op.new_total)
+    traces.recorded(seg, node, meta, cut, before)
+    reason = seg.due(lazy)
+    if reason is not None:
+        eng.flush(reason)
     return new

@@ -15,10 +15,10 @@ whose answer the trace already holds:
 - online grouping: with every node since the trace began equal (op, buffer numbering,
   bytes, segment boundaries), the open group is the trace's, and so is the cut.
 
-Everything that depends on this call is done as `queue.record` does it, in its order:
-runtime scalars and their conversion checks, memory admission, the flush policy (a flush on
-the way checks the op again, against the new segment), new buffers, the source line,
-results. An op that does not match, or takes another path (host tensors, tensor lists, the
+Everything that depends on this call is done through the Segment's own methods
+(queue.py), in `queue.record`'s order: runtime scalars and their conversion checks, memory
+admission, the flush policy (a flush on the way checks the op again, against the new
+segment), new buffers and their numbering, the source line, results. An op that does not match, or takes another path (host tensors, tensor lists, the
 engine's own handlers), goes the slow way: first the online group is rebuilt from the
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
@@ -30,7 +30,6 @@ import weakref
 
 import torch
 
-from device import HOST_CHECK_BYTES
 from fusion.ir import Handle, encode_static
 
 from .. import config as _config
@@ -102,37 +101,151 @@ class Trace:
         self.n = len(nodes)
 
 
+class Traces:
+    """One core's replay state (Note [Replay]): the trace being recorded (`nodes`; per node,
+    `steps`: its meta result and cut), the one expected next, the one this recording has
+    followed so far, whether a node of the queued segment was replayed (its online group is
+    behind), and recent traces by their first op."""
+
+    __slots__ = ("nodes", "steps", "expect", "followed", "replayed", "by_op")
+
+    def __init__(self):
+        self.nodes: list = []
+        self.steps: list = []
+        self.expect = self.followed = None
+        self.replayed = False
+        self.by_op: dict = {}
+
+    def slow_path(self, seg) -> tuple:
+        """The slow path is about to queue a node: the replay stops (`catch_up`). Returns
+        what `recorded` needs to tell whether it may go on after the node."""
+        before = (self.expect, self.followed, len(self.nodes))
+        if self.expect is not None or self.replayed:
+            self.catch_up(seg)
+        return before
+
+    def recorded(self, seg, node, meta, cut, before) -> None:
+        """The slow path queued `node`: it joins the trace being recorded, and the replay
+        goes on when the node is the expected trace's (`resumes`), or a trace beginning
+        with it is picked."""
+        trace, followed, pos = before
+        self.nodes.append(node)
+        self.steps.append((meta, cut))
+        if trace is not None and resumes(trace, pos, node, cut):
+            self.expect, self.followed = trace, followed
+        elif pos == 0:  # a trace may begin with this node (`step` picks the others')
+            for t in self.by_op.get(node.op.func._op, ()):
+                if resumes(t, 0, node, cut):
+                    self.expect = self.followed = t
+                    break
+        elif len(self.nodes) >= MAX_TRACE:
+            self.overflow(seg)
+
+    def replayed_node(self, seg, node, tstep, pos: int, ids) -> None:
+        """The replay queued `node` (the trace's `tstep` at `pos`); with `ids` (check_replay),
+        the online group is kept as the slow path keeps it, else it falls behind."""
+        self.nodes.append(node)
+        self.steps.append(tstep)
+        if pos + 1 >= MAX_TRACE:  # (len(self.nodes))
+            self.overflow(seg)
+        if ids is not None:
+            seg.online.add(node, tstep[1], ids)
+        else:
+            self.replayed = True
+
+    def overflow(self, seg) -> None:
+        """The trace being recorded reached MAX_TRACE nodes: the online group is brought up
+        to date (from the steps about to go) and recording stops until the next trace."""
+        self.catch_up(seg)
+        self.nodes = self.steps = NOT_RECORDING
+
+    def catch_up(self, seg) -> None:
+        """The replay ends for the rest of the trace, and if nodes were replayed into the
+        segment, its online group becomes what it would be had every queued node been added
+        to it (the nodes since the last cut, with their buffers' identities)."""
+        self.expect = self.followed = None
+        if not self.replayed:
+            return
+        self.replayed = False
+        queue, online, refs = seg.nodes, seg.online, seg.refs
+        steps = self.steps[len(self.steps) - len(queue):]  # the segment's (a trace's tail)
+        start = len(queue) - 1
+        while start > 0 and steps[start][1] is None:
+            start -= 1
+        online.reset()
+        for n, (_, cut) in zip(queue[start:], steps[start:]):
+            ids = []
+            for ci in n.uids:
+                r = refs[ci]
+                h = r() if type(r) is weakref.ref else r
+                ids.append(h.uid if h is not None else -1 - ci)  # a freed buffer: a unique id
+            online.add(n, cut, ids)
+
+    def remember(self, reason: str, lazy: bool, key) -> None:
+        """After a flush: unless it was a device-idle flush (the trace goes on across
+        those), the trace ends and is filed under its first op, newest first; none is
+        expected until the next op picks one (`step`). A trace replayed start to end is the
+        one it followed: that one moves to the front instead. The flush took the segment's
+        online group with it (`replayed` is cleared)."""
+        self.replayed = False
+        if reason == "device idle":
+            return
+        nodes, self.nodes = self.nodes, []
+        steps, self.steps = self.steps, []
+        done, self.followed, self.expect = self.followed, None, None
+        if not nodes or nodes is NOT_RECORDING or not _config.config.replay:
+            return
+        if done is not None and done.n == len(nodes) and done.lazy == lazy:
+            trace = done
+        else:
+            trace = Trace(nodes, steps, lazy, key)
+        by_op = self.by_op
+        if len(by_op) >= _MAX_TRACES:
+            by_op.clear()
+        k = nodes[0].op.func._op
+        by_op[k] = [trace] + [t for t in by_op.get(k, ()) if t is not trace][:_PER_OP - 1]
+
+    def forget(self) -> None:
+        """Settings changed, or a flush failed: no trace is expected or kept, and the one
+        being recorded is dropped."""
+        self.expect = self.followed = None
+        self.replayed = False
+        self.by_op.clear()
+        self.nodes, self.steps = [], []
+
+
 def step(eng, func, args, kwargs):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
-    with this op are tried, newest first (`follow`). Engine._dispatch has counted the op."""
-    for trace in eng.traces.get(func._op, ()):
-        eng.expect = eng.tfrom = trace
+    with this op are tried, newest first (`follow`). Engine.dispatch_plain has counted it."""
+    tr = eng.traces
+    for trace in tr.by_op.get(func._op, ()):
+        tr.expect = tr.followed = trace
         out = follow(eng, func, args, kwargs, True)
         if out is not MISS:
             return out
-        if eng.tnodes:  # (a flush on the way cannot queue a node: never taken)
+        if tr.nodes:  # (a flush on the way cannot queue a node: never taken)
             break
-    eng.expect = eng.tfrom = None
+    tr.expect = tr.followed = None
     return MISS
 
 
 def follow(eng, func, args, kwargs, counted=False):
-    """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace `eng.expect`
-    at its position and return its result. MISS if it does not match (nothing is changed,
-    but a flush on the way may have happened, as the slow path would have done it); MISSED
-    if it stopped matching after this call counted the op (as Engine._dispatch counts every
+    """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace at its
+    position and return its result. MISS if it does not match (nothing is changed, but a
+    flush on the way may have happened, as the slow path would have done it); MISSED if it
+    stopped matching after this call counted the op (as Engine.dispatch_plain counts every
     op, once: `counted` says it already did)."""
     ok = ours = False  # ours: this call counted the op
+    seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
-        trace = eng.expect
-        if trace is None or cpu_settings.FTZ_USED[0] and (
-                cpu_settings.thread_ftz() != eng.queue_ftz):
+        trace = tr.expect
+        if trace is None or seg.ftz_differs():
             break  # (Note [CPU settings]: the slow path flushes for it)
         lazy = eng.is_lazy()
         key = eng.strategy.key
         if lazy != trace.lazy or trace.key is not key and trace.key != key:  # another policy's
             break
-        pos = len(eng.tnodes)
+        pos = len(tr.nodes)
         if pos >= trace.n:
             break
         tstep = trace.steps[pos]
@@ -180,36 +293,27 @@ def follow(eng, func, args, kwargs, counted=False):
         if not ok:
             break
         ok = False
-        # The op is the trace's. What follows is Engine._dispatch's and queue.record's, in
-        # their order.
+        # The op is the trace's: queued as queue.record queues it, through the same steps.
         if not counted:
             counted = ours = True
-            eng.metrics.ops += 1
-            eng.device.advance_host(eng.spec.host_op_overhead_us)
+            eng.count_op()
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
-        new_bytes = op.new_total
-        hbm = eng.device.hbm
-        queued = len(eng.queue)
-        if new_bytes >= HOST_CHECK_BYTES or hbm.used + eng.pending_bytes + new_bytes > hbm.capacity:
-            eng._make_room(new_bytes)
-            if len(eng.queue) != queued:
-                continue  # it flushed
-        cfg = _config.config
-        check = cfg.check_replay
+        queued = len(seg.nodes)
+        if seg.admit(eng, op.new_total):
+            continue  # it flushed
+        check = _config.config.check_replay
         if check and lazy:  # the cut the slow path's online group gives
-            real = eng.online.cut(eng.strategy, tn, [h.uid for h in handles]) if queued \
+            real = seg.online.cut(eng.strategy, tn, [h.uid for h in handles]) if queued \
                 else "start"
-        if lazy and cut is not None and queued:
-            low = cfg.queue_low_threshold
-            if low > 0 and eng.device.in_flight() <= low:
-                eng.flush("device idle")
-                continue
+        if lazy and queued and seg.idle_at(eng.device, cut):
+            eng.flush("device idle")
+            continue
         # the buffers' indices in this segment must be the trace's
-        uids, seg = tn.uids, eng.seg
-        nxt = base = len(eng.refs)
+        uids, token = tn.uids, seg.token
+        nxt = len(seg.refs)
         for li, h in enumerate(handles):
-            if h.seg is seg:
+            if h.seg is token:
                 if h.ci != uids[li]:
                     break
             elif uids[li] == nxt:
@@ -226,43 +330,22 @@ def follow(eng, func, args, kwargs, counted=False):
         _check(eng, func, args, kwargs, meta, handles, inputs)
         assert not lazy or (real is None) == (cut is None), (func, real, cut)
         assert lazy == eng.is_lazy()
-    # Queue it (queue.record's work, with the trace's answers)
     if meta.f64:
-        eng._check_dtype(torch.float64)
+        eng.check_dtype_f64()
     # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
-    # (a __torch_dispatch__ or _unsafe_view, or Engine._dispatch)
+    # (a __torch_dispatch__ or _unsafe_view, or Engine.dispatch_plain)
     node = tn.again(inputs, _source(3))
-    refs, ci = eng.refs, base  # (len(refs))
-    for h in handles:  # numbered as checked: their indices are the trace node's
-        if h.seg is not seg:
-            h.seg, h.ci = seg, ci
-            ci += 1
-            refs.append(weakref.ref(h) if h.pending else h)
-    weak = cfg.skip_intermediate
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
-        h = Handle(b, None, True)
-        h.seg, h.ci = seg, ci
-        ci += 1
-        refs.append(weakref.ref(h) if weak else h)
-        new.append(h)
-    eng.queue.append(node)
-    eng.tnodes.append(node)
-    eng.tsteps.append(tstep)
-    if pos + 1 >= MAX_TRACE:  # (len(eng.tnodes))
-        overflow(eng)
-    if check and lazy:  # the online group kept as the slow path keeps it
-        eng.online.add(node, cut, [h.uid for h in handles] + [h.uid for h in new])
-    else:
-        eng.replayed = True
+        new.append(Handle(b, None, True))
+    seg.number(handles, new)  # the trace node's indices, as checked
+    seg.append(node, op.new_total)
+    tr.replayed_node(seg, node, tstep, pos, [h.uid for h in handles] + [h.uid for h in new]
+                     if check and lazy else None)
     eng.metrics.replayed_ops += 1
-    eng.pending_bytes += new_bytes
-    if not lazy:
-        eng.flush("eager")
-    elif queued + 1 >= cfg.buffer_size_limit:  # (len(eng.queue))
-        eng.flush("buffer full")
-    elif eng.pending_bytes > cfg.max_pending_mb * 2**20:
-        eng.flush("pending memory")
+    reason = seg.due(lazy)
+    if reason is not None:
+        eng.flush(reason)
     if meta.single:
         leaf = meta.leaves[0]
         if leaf[0] == "new":
@@ -298,37 +381,6 @@ class _NotRecording(list):
 NOT_RECORDING = _NotRecording()
 
 
-def overflow(eng) -> None:
-    """The trace being recorded reached MAX_TRACE nodes: the online group is brought up to
-    date (from the steps about to go) and recording stops until the next trace begins."""
-    catch_up(eng)
-    eng.tnodes = eng.tsteps = NOT_RECORDING
-
-
-def catch_up(eng) -> None:
-    """The slow path is about to queue a node: the replay ends for the rest of the trace,
-    and if nodes were replayed into this segment, the online group becomes what it would be
-    had every queued node been added to it (the nodes since the last cut, with their
-    buffers' identities)."""
-    eng.expect = eng.tfrom = None
-    if not eng.replayed:
-        return
-    eng.replayed = False
-    queue, online, refs = eng.queue, eng.online, eng.refs
-    steps = eng.tsteps[len(eng.tsteps) - len(queue):]  # the segment's (a trace's tail)
-    start = len(queue) - 1
-    while start > 0 and steps[start][1] is None:
-        start -= 1
-    online.reset()
-    for n, (_, cut) in zip(queue[start:], steps[start:]):
-        ids = []
-        for ci in n.uids:
-            r = refs[ci]
-            h = r() if type(r) is weakref.ref else r
-            ids.append(h.uid if h is not None else -1 - ci)  # a freed buffer: a unique id
-        online.add(n, cut, ids)
-
-
 def resumes(trace, pos: int, node, cut) -> bool:
     """Whether the replay goes on after a node queued the slow way at `pos` (an op with
     kwargs, an in-place foreach op...): when it is the trace's node there, on the same
@@ -338,34 +390,3 @@ def resumes(trace, pos: int, node, cut) -> bool:
     tn = trace.nodes[pos]
     return (tn.op is node.op and tn.uids == node.uids and tn.vbytes == node.vbytes
             and (trace.steps[pos][1] is None) == (cut is None))
-
-
-def remember(eng, reason: str, lazy: bool) -> None:
-    """After a flush: unless it was a device-idle flush (the trace goes on across those),
-    the trace ends and is filed under its first op, newest first; none is expected until
-    the next op picks one (`step`). A trace replayed start to end is the one it followed:
-    that one moves to the front instead."""
-    if reason == "device idle":
-        return
-    nodes, eng.tnodes = eng.tnodes, []
-    steps, eng.tsteps = eng.tsteps, []
-    done, eng.tfrom, eng.expect = eng.tfrom, None, None
-    if not nodes or nodes is NOT_RECORDING or not _config.config.replay:
-        return
-    if done is not None and done.n == len(nodes) and done.lazy == lazy:
-        trace = done
-    else:
-        trace = Trace(nodes, steps, lazy, eng.strategy.key)
-    traces = eng.traces
-    if len(traces) >= _MAX_TRACES:
-        traces.clear()
-    key = nodes[0].op.func._op
-    traces[key] = [trace] + [t for t in traces.get(key, ()) if t is not trace][:_PER_OP - 1]
-
-
-def forget(eng) -> None:
-    """Settings changed, or a flush failed: no trace is expected or kept, and the one being
-    recorded is dropped."""
-    eng.expect = eng.tfrom = None
-    eng.traces.clear()
-    eng.tnodes, eng.tsteps = [], []

@@ -9,10 +9,10 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from device import Launch
+from fusion.ir import extent_bytes
 
 from .tensor import NeuronTensor, fresh
-from ..errors import _out_of_bounds
-from fusion.ir import extent_bytes
+from ..errors import _out_of_bounds, user_error
 from .meta import _meta_buffers, _to_meta
 from .source import _user_stacklevel
 from .templates import template
@@ -102,8 +102,7 @@ def _cpu_refusal(func, t, args, kwargs) -> None:
     try:
         func(host, *args[1:], **kwargs)
     except Exception as e:
-        e._ae_user_error = True
-        raise e.with_traceback(None) from None
+        raise user_error(e).with_traceback(None) from None
 
 
 def fill_uninitialized(t, start: int = 0) -> None:
@@ -140,7 +139,7 @@ def grow(eng, t, need: int) -> None:
     as CPU's resize_ reallocates the storage its views share."""
     h = t._handle
     eng.flush("resize")
-    eng._make_room(need)
+    eng.make_room(need)
     buf = eng.device.alloc(need)
     if h.buffer is not None and h.nbytes:
         src, dst, n = h.buffer.storage, buf.storage, h.nbytes

@@ -85,7 +85,7 @@ def _host_copy(t) -> torch.UntypedStorage:
         ref, buf, writers = entry
         host = ref()
         if host is not None and buf is h.buffer and writers == _writers(dev) and not (
-                h.seg is eng.seg and eng.queue):  # no queued op uses the buffer
+                h.seg is eng.seg.token and eng.seg.nodes):  # no queued op uses the buffer
             return host
     eng.sync("pickle")  # queued work launches first (it may write this buffer)...
     whole = eng.wrap(h, (h.nbytes,), (1,), 0, torch.uint8)

@@ -102,7 +102,7 @@ class NeuronStorage:
                 return self
             eng.flush("resize")  # queued readers and writers of the old bytes run first
             old = h.buffer
-            eng._make_room(nbytes)
+            eng.make_room(nbytes)
             new = eng.device.alloc(nbytes)  # size 0: an empty buffer, no HBM
             if nbytes:
                 keep = min(nbytes, h.nbytes)

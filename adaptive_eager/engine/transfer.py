@@ -16,7 +16,7 @@ aten = torch.ops.aten
 
 def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
     """Device-to-host: the current value of neuron tensor `t` as a CPU tensor."""
-    if eng.queue:  # a host read that cuts queued work: where (run's advice)
+    if eng.seg.nodes:  # a host read that cuts queued work: where (run's advice)
         src = file_line(_source())
         eng.metrics.sync_sites[f"{reason}@{src[0]}:{src[1]}" if src else reason] += 1
     eng.sync(reason)
@@ -38,11 +38,11 @@ def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
 def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
     """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
     h = dst._handle
-    if h.seg is eng.seg and eng.queue:  # a queued op uses dst's buffer
+    if h.seg is eng.seg.token and eng.seg.nodes:  # a queued op uses dst's buffer
         eng.flush("h2d")  # the copy must land after queued readers/writers of dst
     src = src.detach()
     if src.dtype == torch.float64:
-        eng._check_dtype(torch.float64)
+        eng.check_dtype(torch.float64)
         src = src.to(torch.float32)  # Note [float64 policy] in fusion/program.py
     n = src.numel() * src.element_size()
     eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
@@ -92,13 +92,13 @@ def copy_(eng, func, args, kwargs):
             eng.metrics.ops += 1
             core_to_core(src, dst)
             return dst
-        return eng._dispatch(func, args, kwargs)
+        return eng.dispatch_plain(func, args, kwargs)
     eng.metrics.ops += 1
     if isinstance(dst, NeuronTensor):  # host -> device
         if isinstance(src, UninitializedTensorMixin):
             raise _uninitialized(src)
         if src.dim() == 0:
-            return eng._dispatch(func, args, kwargs)
+            return eng.dispatch_plain(func, args, kwargs)
         eng.write(dst, src)
         return dst
     with torch._C._DisableTorchDispatch():  # device -> host
@@ -113,7 +113,7 @@ def copy(eng, func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, NeuronTensor) and isinstance(src, NeuronTensor) \
             and dst._engine is src._engine:
-        return eng._dispatch(func, args, kwargs)
+        return eng.dispatch_plain(func, args, kwargs)
     like = torch.empty_like(torch.empty_strided(dst.shape, dst.stride(), dtype=dst.dtype,
                                                 device="meta"))  # clone's layout
     if isinstance(dst, NeuronTensor):
@@ -151,7 +151,7 @@ def to_copy(eng, func, args, kwargs):
             return aten._to_copy.default(cpu, **kw)
     if dev is not None and torch.device(dev).type != DEVICE_TYPE:  # .to("meta"): no data
         return _on_stand_ins(func, args, kwargs)
-    return eng._dispatch(func, args, kwargs)
+    return eng.dispatch_plain(func, args, kwargs)
 
 
 # Factories shaped like a tensor argument, which read no data of it. Given a `device=` other
@@ -166,7 +166,7 @@ def like(eng, func, args, kwargs):
     dev = kwargs.get("device")
     if dev is None or eng.peer(torch.device(dev).index) is eng \
             and torch.device(dev).type == DEVICE_TYPE:
-        return eng._dispatch(func, args, kwargs)
+        return eng.dispatch_plain(func, args, kwargs)
     return _on_stand_ins(func, args, kwargs)
 
 

@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..config import config
+from ..errors import NeuronInductorError
 from ..engine.source import DEVICE_TYPE
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
@@ -76,7 +77,7 @@ def one_segment(n_ops: int = 0):
         saved = (eng.adaptive, config.queue_low_threshold, config.buffer_size_limit)
         eng.adaptive = True
         config.queue_low_threshold = 0  # never cut the graph for an idle device
-        config.buffer_size_limit = max(config.buffer_size_limit, len(eng.queue) + n_ops + 1)
+        config.buffer_size_limit = max(config.buffer_size_limit, len(eng.seg.nodes) + n_ops + 1)
         try:
             yield
         finally:
@@ -146,10 +147,6 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         fw_compiler=_graph_compiler("forward"),
         bw_compiler=_graph_compiler("backward"),
         inference_compiler=_graph_compiler("inference"))
-
-
-class NeuronInductorError(RuntimeError):
-    """TorchInductor (torch.compile's default backend) was asked to compile neuron code."""
 
 
 _INDUCTOR_MESSAGE = (

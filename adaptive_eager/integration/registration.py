@@ -70,7 +70,7 @@ def _check_grad_devices(outputs, grads) -> None:
 
 def _wrap_backward() -> None:
     """Errors raised by neuron ops on autograd's device thread are handed over (Note
-    [Device-thread errors] in errors.py) and re-raised here, on the caller's thread, as the
+    [Device-thread errors] in hooks.py) and re-raised here, on the caller's thread, as the
     original exception. Wraps the one private function both backward() and grad() call."""
     import torch.autograd
     import torch.autograd.graph as graph
@@ -91,11 +91,11 @@ def _wrap_backward() -> None:
             with threads:
                 result = run(outputs, grads, *args, **kwargs)
         except (RuntimeError, TypeError):  # the C++ refusal of a handed-over error
-            err = errors.take_handoff()
+            err = hooks.take_handoff()
             if err is None:
                 raise
             raise err.with_traceback(None) from None
-        err = errors.take_handoff()  # an op returning nothing swallows the refusal
+        err = hooks.take_handoff()  # an op returning nothing swallows the refusal
         if err is not None:
             raise err.with_traceback(None)
         return result

@@ -18,7 +18,7 @@ FALLBACK_OP = "aten::_linalg_det"  # no device implementation: runs on CPU
 
 
 def _forget_warnings():
-    _engine.ENGINE._warned.clear()
+    _engine.ENGINE.warned.clear()
 
 
 def test_fallback_warns_once_per_op_and_is_counted(mode):

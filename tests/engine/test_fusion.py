@@ -170,7 +170,7 @@ def test_data_dependent_op_is_a_barrier():
 
 def test_cpu_fallback_is_a_barrier():
     x = rand(3, 3)
-    ae.engine.engine.ENGINE._warned.discard("aten::_linalg_det")
+    ae.engine.engine.ENGINE.warned.discard("aten::_linalg_det")
     with ae.override(queue_low_threshold=0), ae.adaptive(), pytest.warns(UserWarning,
                                                                           match="fell back"):
         ae.reset_metrics()

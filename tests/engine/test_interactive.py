@@ -160,9 +160,9 @@ def test_deterministic_algorithms_disable_adaptive():
 def test_mode_switch_flushes():
     ae.set_adaptive(True)
     x = torch.ones(3, device="neuron") * 2
-    assert _engine.ENGINE.queue
+    assert _engine.ENGINE.seg.nodes
     ae.set_adaptive(False)
-    assert not _engine.ENGINE.queue and ae.metrics().flushes["mode switch"] == 1
+    assert not _engine.ENGINE.seg.nodes and ae.metrics().flushes["mode switch"] == 1
     assert x.tolist() == [2.0, 2.0, 2.0]
 
 
@@ -183,7 +183,7 @@ def _loop(n, limit):
     tracemalloc.start()
     for i in range(n):
         x = x * w + 1
-        worst = max(worst, len(_engine.ENGINE.queue))
+        worst = max(worst, len(_engine.ENGINE.seg.nodes))
         if i == n // 5:
             early = tracemalloc.get_traced_memory()[0]
     late = tracemalloc.get_traced_memory()[0]

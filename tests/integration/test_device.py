@@ -289,10 +289,10 @@ def test_gradscalers_float64_warning_says_how_to_silence_it():
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-    _engine.ENGINE._warned.discard("f64")
+    _engine.ENGINE.warned.discard("f64")
     with pytest.warns(UserWarning, match="filterwarnings.'ignore', 'float64 is not supported'"):
         step()
-    _engine.ENGINE._warned.discard("f64")
+    _engine.ENGINE.warned.discard("f64")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warnings.filterwarnings("ignore", "float64 is not supported")

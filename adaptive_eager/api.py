@@ -1,0 +1,237 @@
+"""The public API (re-exported by the package): modes, metrics, explain, traces. Importing
+it registers the `neuron` device."""
+from __future__ import annotations
+
+import atexit
+import json
+
+import torch
+
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
+
+from .integration import registration as _registration
+from .errors import FlushInterrupted, NeuronFallbackError, NeuronInductorError, NeuronRuntimeError
+from .engine import engine as _engine
+from .integration import neuron as _neuron
+from .engine.tensor import NeuronTensor, engine_of
+from .config import config
+from .engine.engine import override
+from .explain import Explanation
+# report as _report: importing the `adaptive_eager.tools.report` submodule (the CLI) rebinds the
+# package attribute `report` to that module.
+from .metrics import Snapshot, report as _report, snapshot
+from device import COUNTERS
+from device import DeviceSpec, NeuronOutOfMemoryError
+
+__all__ = [
+    "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
+    "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
+    "core_metrics", "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
+    "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
+    "wait_for_compiles",
+]
+
+_registration.register()
+from .tools import metrics_file as _metrics_file  # noqa: E402
+_metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
+
+
+def metrics() -> Snapshot:
+    """Counters since the last reset_metrics(), totals over every core (see Snapshot for the
+    fields; memory in use is summed over the cores, the peak is the largest core's;
+    `core_metrics(k)` has each core's)."""
+    return snapshot([eng.device.hbm for eng in _engine.ENGINES])
+
+
+def core_metrics(device=None) -> dict:
+    """One core's share of the device figures since the last reset_metrics(): launches, DMAs
+    and simulated device time (they add up to metrics()'s), and its HBM now and at peak."""
+    dev = _engine.core(_neuron._check(device)).device
+    return {"launches": dev.stats["launches"], "dmas": dev.stats["dmas"],
+            "device_time_us": dev.stats["device_time_us"], "memory_bytes": dev.hbm.used,
+            "peak_memory_bytes": dev.hbm.peak}
+
+
+def reset_metrics() -> None:
+    """Zero every counter (in place: the counters object is never replaced). Queued ops are
+    launched first, so that every later launch is counted with its ops: the counters after a
+    reset describe only what was issued after it."""
+    with _engine._LOCK:
+        _engine.flush_all("metrics reset")
+        COUNTERS.reset()
+        for eng in _engine.ENGINES:
+            eng.device.stats.clear()
+
+
+def metrics_report() -> str:
+    """A readable table of metrics()."""
+    return _report(metrics())
+
+
+def _check_on(on) -> None:
+    if not isinstance(on, bool):
+        raise TypeError(f"adaptive takes True or False, got {on!r}"
+                        + (" (a strategy is named with strategy=...)" if isinstance(on, str)
+                           else ""))
+
+
+def set_adaptive(on: bool) -> None:
+    """Turn adaptive eager on or off for the process, on every core (flushes)."""
+    _check_on(on)
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.set_adaptive(on)
+
+
+def is_adaptive() -> bool:
+    return _engine.ENGINE.is_lazy()
+
+
+def set_strategy(name: str) -> None:
+    """Fusion strategy for adaptive mode: 'graph' (default), 'matmul' or 'none'."""
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.set_strategy(name)
+
+
+def strategy() -> str:
+    return _engine.ENGINE.strategy_name
+
+
+def set_device_spec(spec: DeviceSpec) -> None:
+    """Replace the simulated device's figures, on every core (flushes and synchronizes
+    first). Checked before anything changes: a wrong type, or HBM smaller than what a core
+    holds now, is refused and leaves the device as it was."""
+    if not isinstance(spec, DeviceSpec):
+        raise TypeError(f"set_device_spec() takes an ae.DeviceSpec, got "
+                        f"{type(spec).__name__} ({spec!r}); e.g. "
+                        f"dataclasses.replace(ae.DeviceSpec(), hbm_bytes=...)")
+    with _engine._LOCK:
+        for eng in _engine.ENGINES:
+            eng.flush("device spec")
+            eng.synchronize()
+            used = eng.device.hbm.used
+            if spec.hbm_bytes < used:
+                raise ValueError(
+                    f"DeviceSpec(hbm_bytes={spec.hbm_bytes}) is smaller than the "
+                    f"{used} bytes neuron:{eng.index} holds now: free tensors first "
+                    f"(del, then torch.neuron.empty_cache())")
+        for eng in _engine.ENGINES:
+            eng.reconfigure(spec)
+
+
+def synchronize() -> None:
+    """Wait for every core; raise the earliest deferred error (core by core)."""
+    for eng in list(_engine.ENGINES):
+        eng.sync("synchronize")
+
+
+def _set_mode(values: dict) -> None:
+    if "strategy" in values and values["strategy"] != strategy():
+        set_strategy(values["strategy"])  # validates first: a bad name changes nothing
+    if "adaptive" in values:
+        set_adaptive(values["adaptive"])
+
+
+_MODE_SCOPES = _engine.Scopes(
+    lambda k: _engine.ENGINE.adaptive if k == "adaptive" else _engine.ENGINE.strategy_name,
+    _set_mode)
+
+
+class adaptive(TorchDispatchMode):
+    """`with ae.adaptive():` adaptive eager inside the block (or `adaptive(False)`: eager).
+
+    A TorchDispatchMode that passes every op through, so it nests and composes with other
+    modes (FlopCounterMode, ...); entering and leaving switch the mode and flush."""
+
+    def __init__(self, on: bool = True, strategy: str | None = None):
+        super().__init__()
+        _check_on(on)
+        self.on = on
+        self.strategy = strategy
+        self._tokens = []
+
+    def __enter__(self):
+        values = {"adaptive": self.on}
+        if self.strategy is not None:
+            values["strategy"] = self.strategy
+        self._tokens.append(_MODE_SCOPES.enter(values))  # Note [Scopes across threads]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _MODE_SCOPES.leave(self._tokens.pop())
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles under this mode (it only passes ops through): Dynamo turns
+        the mode off while it captures and on again while the compiled graphs run."""
+        return True
+
+    # Higher-order operators (torch.cond, map, while_loop, scan, and what compiled graphs
+    # hold) come here with this mode already off the stack; its settings still hold
+    # (they are scopes, not the stack), so they run as outside it.
+    supports_higher_order_operators = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
+        if not _dispatch_mode_stack() and types == (NeuronTensor,):
+            # The only mode: go straight to the engine (what func() would reach anyway).
+            # Under other modes, redispatch so that they see the op too.
+            return engine_of(args, kwargs).dispatch(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if _engine.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
+            # Under any dispatch mode, CPU's in-place foreach kernels bump no version of what
+            # they write (outside one, each per-tensor op does): autograd would miss the
+            # write (a silently wrong gradient). Neuron's handler bumps its own.
+            torch.autograd.graph.increment_version(list(args[0]))
+        return out
+
+
+def wait_for_compiles() -> None:
+    """Block until the background TorchInductor compiles queued so far are done (executor
+    `auto`; a no-op for the others). Benchmarks and tests use it to reach the steady state."""
+    ex = _engine.ENGINE.runner.executor
+    if ex is not None:
+        ex.wait()
+
+
+def explain(device=None) -> Explanation:
+    """What the last flush on a core (the current one by default) did: groups, boundary
+    reasons, launches and bytes saved."""
+    r = _engine.core(_neuron._check(device)).last_report
+    if r is None:
+        raise RuntimeError("nothing has been flushed yet: run some ops on a neuron tensor")
+    return Explanation(r)
+
+
+def save_trace(path: str) -> None:
+    """Write the device timeline as a Chrome / Perfetto trace (JSON)."""
+    events = []
+    for eng in list(_engine.ENGINES):
+        eng.sync("trace")
+    for eng in _engine.ENGINES:  # one process row per core (pid = core index)
+        events += eng.device.chrome_trace(pid=eng.index)["traceEvents"]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+@atexit.register
+def _flush_at_exit():  # nothing queued is lost at process exit
+    # Note [Threads] at exit: the engine lock is taken for good, so a daemon thread's next op
+    # waits on it in Python; the daemon threads that use the engine are let on to that point
+    # (`park_daemon_threads`). A thread stuck holding the lock is not waited for long.
+    _engine._LOCK.acquire(timeout=10)
+    _engine.park_daemon_threads(timeout=0.5)
+    try:
+        for eng in list(_engine.ENGINES):
+            eng.sync("exit")
+    except Exception as e:  # report, never crash the interpreter's shutdown
+        import sys
+        print(f"adaptive_eager: error at exit: {e}", file=sys.stderr)
