@@ -12,14 +12,14 @@ import json
 
 
 def load(path: str) -> dict:
-    """{test (pytest-benchmark's group): {mode: extra_info + fastest round's wall time (us)}}, in the
-    run's order."""
+    """{test (pytest-benchmark's group): {mode: extra_info + the fastest round's wall time
+    (us)}}, in the run's order."""
     with open(path) as f:
         data = json.load(f)
     out: dict = collections.defaultdict(dict)
     for b in data["benchmarks"]:
         e = dict(b["extra_info"])
-        if "host_us_per_op" not in e:  # not neuron_benchmark's (the tiny chain: host_table)
+        if "host_us_per_op" not in e:  # not neuron_benchmark's (tiny chain: host_table)
             continue
         e["wall_us"] = b["stats"]["min"] * 1e6  # as timeit: noise only ever adds time
         # a run saved before the fixture named the workload in extra_info
@@ -98,7 +98,8 @@ def host_table(path: str) -> str:
     if "cpu" not in med or "floor" not in med:
         return ""
     cpu, floor = med["cpu"][0], med["floor"][0]
-    rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |", "|---|---|---|---|---|"]
+    rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |",
+            "|---|---|---|---|---|"]
     for mode in ("cpu", "floor", "graph", "eager"):
         if mode in med:
             t, n = med[mode]
