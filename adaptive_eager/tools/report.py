@@ -33,7 +33,9 @@ def modes(res: dict) -> list:
 
 
 def _ratio(a, b) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else ""
+    if a is None or not b:
+        return ""
+    return f"{a / b:.2f}x" if a / b >= 0.1 else f"{a / b:.2g}x"
 
 
 def _num(v, fmt: str) -> str:
