@@ -234,3 +234,19 @@ def test_the_plugin_and_its_implementation_know_the_same_modes():
     import pytest_adaptive_eager
     from adaptive_eager.tools.pytest_plugin import MODES
     assert set(pytest_adaptive_eager.MODES) == set(MODES)
+
+
+def test_the_scope_sets_realtime_and_a_metrics_window_and_restores_both():
+    from adaptive_eager.tools.pytest_plugin import NeuronBenchmark
+    x = torch.randn(4).to("neuron")
+    (x + 1).cpu()  # launches before the scope are not the test's
+    nb = NeuronBenchmark(_fixture(disabled=True), "graph", realtime=True)
+    with nb.scope():
+        assert ae.config.realtime and ae.is_adaptive()
+        (x * 2 + 1).cpu()
+        assert nb.metrics().launches == 1 and nb.metrics().flushes == {"cpu": 1}
+    assert not ae.config.realtime and not ae.is_adaptive()
+    with pytest.raises(RuntimeError, match="inside the test"):
+        nb.metrics()
+    nb = NeuronBenchmark(_fixture(disabled=True), "cpu", realtime=True)
+    assert not nb.realtime  # the CPU has no launches to wait for
