@@ -5,7 +5,7 @@ import sys
 COMMANDS = {
     "demo": ("tools.demo", "train a small GPT in eager and adaptive eager, compare launches and time"),
     "run": ("tools.run", "run an unchanged script once per mode and compare what each mode does"),
-    "report": ("tools.report", "turn a saved benchmark JSON into benchmarks/results.md and a chart"),
+    "report": ("tools.report", "compare the modes of a saved neuron_benchmark run"),
     "config": ("config", "list every setting: its environment variable, value and effect"),
 }
 

@@ -8,7 +8,7 @@ same process (`extra_info`); the README records a measured run:
 import pytest
 import torch
 
-from modes import mode_scope
+from adaptive_eager.tools.pytest_plugin import mode_scope
 
 CHAIN = 800  # ops per step: `x * 1.0001 + 0.001`, 400 times, on 16 floats
 

@@ -1,25 +1,36 @@
-"""Launch overhead per mode and workload, in one run (pytest-benchmark).
+"""Launch overhead per mode and workload, in one run (pytest-benchmark, through the package's
+`neuron_benchmark` fixture: the modes are --neuron-modes, every mode by default here).
 
-Smoke run (CI): `python -m pytest benchmarks` (benchmarks disabled: each step runs once).
-Full run: see the README ("Benchmarks")."""
+Smoke run (CI): `python -m pytest benchmarks` (benchmarks disabled: each step runs once after
+the warm-up rounds). Full run: see the README ("Benchmarks")."""
 import pytest
 
-from measure import inductor_kernels, step_figures, sync
-from modes import COMPILED, MODES, mode_scope
 from workloads import WORKLOADS
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+def inductor_kernels(make) -> int:
+    """Kernels TorchInductor generates for the same step on CPU (torch.compile).
+
+    Counted with torch._inductor.metrics.generated_kernel_count: Inductor's own generated
+    (C++) kernels for every graph of the step (forward, backward, optimizer), not counting
+    extern calls such as mm, which Inductor hands to a library."""
+    import torch
+    import torch._dynamo
+    from torch._inductor import metrics
+    torch._dynamo.reset()
+    metrics.reset()
+    step = torch.compile(make("cpu"))
+    step()
+    return metrics.generated_kernel_count
+
+
 @pytest.mark.parametrize("workload", list(WORKLOADS))
-def test_step(benchmark, request, workload, mode):
-    benchmark.group = workload
-    realtime = request.config.getoption("--realtime") and mode != "cpu"
-    extra = {"realtime": True} if realtime else {}
-    with mode_scope(mode, **extra) as device:
-        step = WORKLOADS[workload](device, compiled=mode in COMPILED)
-        benchmark.extra_info.update(step_figures(step, device))
-        benchmark.extra_info["mode"] = mode
-        benchmark.extra_info["workload"] = workload
-        if mode == "cpu" and request.config.getoption("--inductor"):
-            benchmark.extra_info["inductor_kernels"] = inductor_kernels(WORKLOADS[workload])
-        benchmark.pedantic(lambda: (step(), sync(device)), rounds=20, warmup_rounds=2)
+def test_step(neuron_benchmark, request, workload):
+    nb = neuron_benchmark
+    nb.group = workload
+    nb.extra_info["workload"] = workload
+    # the workloads compile what they should themselves (the model, not AdamW's step)
+    step = WORKLOADS[workload](nb.device, compile=nb.compile)
+    if nb.mode == "cpu" and request.config.getoption("--inductor"):
+        nb.extra_info["inductor_kernels"] = inductor_kernels(WORKLOADS[workload])
+    nb.pedantic(step, rounds=20)

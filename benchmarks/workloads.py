@@ -1,8 +1,9 @@
 """Workloads of the launch-overhead suite. Each maker builds, on `device`, the inputs and
 model of one step and returns a callable running that step (no host sync inside).
 
-`compiled=True` (the `compile` mode): the step goes through torch.compile(backend="neuron");
-for training steps the model does (forward and backward graphs), and the optimizer runs in the
+`compile` is `neuron_benchmark.compile` (torch.compile(backend="neuron") in the compile mode,
+nothing in the others): it wraps the whole step of the inference workloads; for training
+steps it wraps the model (forward and backward graphs), and the optimizer runs in the
 surrounding mode, since Dynamo's capture of a foreach AdamW step costs seconds per compile."""
 import torch
 import torch.nn as nn
@@ -11,18 +12,18 @@ import torch.nn.functional as F
 from adaptive_eager.tools.models import CNN, GPT, batches
 
 
-def _maybe_compile(fn, compiled):
-    return torch.compile(fn, backend="neuron") if compiled else fn
+def _same(fn):
+    return fn
 
 
-def pointwise_chain(device, compiled=False):
+def pointwise_chain(device, compile=_same):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=g).to(device)
     b = torch.randn(256, generator=g).to(device)
-    return _maybe_compile(lambda: F.gelu(x + b) * 0.5 + x, compiled)  # bias, GELU, scale, res
+    return compile(lambda: F.gelu(x + b) * 0.5 + x)  # bias, GELU, scale, res
 
 
-def mlp_block(device, compiled=False):
+def mlp_block(device, compile=_same):
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128)).to(device)
     x = torch.randn(32, 128).to(device)
@@ -30,17 +31,17 @@ def mlp_block(device, compiled=False):
     @torch.no_grad()
     def step():
         return mlp(x) + x
-    return _maybe_compile(step, compiled)
+    return compile(step)
 
 
-def layernorm_softmax(device, compiled=False):
+def layernorm_softmax(device, compile=_same):
     torch.manual_seed(0)
     x = torch.randn(32, 128).to(device)
     w, b = torch.ones(128).to(device), torch.zeros(128).to(device)
-    return _maybe_compile(lambda: F.layer_norm(x, (128,), w, b).softmax(-1), compiled)
+    return compile(lambda: F.layer_norm(x, (128,), w, b).softmax(-1))
 
 
-def encoder_block(device, compiled=False):
+def encoder_block(device, compile=_same):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, dropout=0.0,
                                        batch_first=True).to(device)
@@ -49,11 +50,11 @@ def encoder_block(device, compiled=False):
     @torch.no_grad()
     def step():
         return layer(x)
-    return _maybe_compile(step, compiled)
+    return compile(step)
 
 
-def _train_step(model, opt, x, y, compiled=False):
-    forward = _maybe_compile(model, compiled)
+def _train_step(model, opt, x, y, compile=_same):
+    forward = compile(model)
 
     def step():
         out = forward(x)
@@ -65,20 +66,20 @@ def _train_step(model, opt, x, y, compiled=False):
     return step
 
 
-def gpt_train(device, compiled=False):
+def gpt_train(device, compile=_same):
     torch.manual_seed(0)
     model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("gpt", 1)[0]
-    return _train_step(model, opt, x.to(device), y.to(device), compiled)
+    return _train_step(model, opt, x.to(device), y.to(device), compile)
 
 
-def cnn_train(device, compiled=False):
+def cnn_train(device, compile=_same):
     torch.manual_seed(0)
     model = CNN().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("cnn", 1)[0]
-    return _train_step(model, opt, x.to(device), y.to(device), compiled)
+    return _train_step(model, opt, x.to(device), y.to(device), compile)
 
 
 WORKLOADS = {f.__name__: f for f in (pointwise_chain, mlp_block, layernorm_softmax,

@@ -1,54 +1,92 @@
-"""`python -m adaptive_eager report BENCH.json`: a saved pytest-benchmark run of
-benchmarks/ -> a Markdown table of ratios between modes, and a PNG chart."""
+"""`python -m adaptive_eager report BENCH.json [--md FILE] [--png FILE]`: a pytest-benchmark
+run saved with --benchmark-json, of tests using the `neuron_benchmark` fixture (a user's, or
+benchmarks/ of this project) -> one table comparing the modes of each test: launches and
+simulated device time per step, compiles, host time per op and wall time, each with its ratio
+to the run's first mode that has the figure (eager in the default run); and a chart of
+launches and device time per mode (--png, needs matplotlib)."""
 from __future__ import annotations
 
 import argparse
 import collections
 import json
 
-MODES = ["cpu", "eager", "graph", "matmul", "whole-graph", "compile"]
-
 
 def load(path: str) -> dict:
-    """{workload: {mode: extra_info + wall-clock mean (us)}}"""
+    """{test (pytest-benchmark's group): {mode: extra_info + the fastest round's wall time
+    (us)}}, in the run's order."""
     with open(path) as f:
         data = json.load(f)
     out: dict = collections.defaultdict(dict)
     for b in data["benchmarks"]:
         e = dict(b["extra_info"])
-        if "workload" not in e:  # the tiny chain (host_table)
+        if "host_us_per_op" not in e:  # not neuron_benchmark's (tiny chain: host_table)
             continue
-        e["wall_us"] = b["stats"]["mean"] * 1e6
-        out[e["workload"]][e["mode"]] = e
-    return out
+        e["wall_us"] = b["stats"]["min"] * 1e6  # as timeit: noise only ever adds time
+        # a run saved before the fixture named the workload in extra_info
+        out[e.get("workload") or b.get("group") or b["name"]][e["mode"]] = e
+    return dict(out)
+
+
+def modes(res: dict) -> list:
+    """The run's modes in the order they ran."""
+    return list(dict.fromkeys(m for per_mode in res.values() for m in per_mode))
+
+
+def _ratio(a, b) -> str:
+    if a is None or not b:
+        return ""
+    return f"{a / b:.2f}x" if a / b >= 0.1 else f"{a / b:.2g}x"
+
+
+def _num(v, fmt: str) -> str:
+    return "" if v is None else format(v, fmt)
+
+
+def _kib(v) -> str:
+    return "" if v is None else f"{v / 1024:.1f}"
 
 
 def markdown(res: dict) -> str:
-    head = ("workload", "mode", "launches/step", "vs eager", "mean group", "device us/step",
-            "vs eager", "host us/op", "vs CPU", "HBM KiB/step", "saved KiB/step",
-            "wall us/step", "first step ms (compile ms modeled)")
+    order = modes(res)
+    neuron = [m for m in order if m != "cpu"]
+    ref = neuron[0] if neuron else None  # launches and device time are the neuron modes'
+    wref = order[0] if order else None
+    head = ["test", "mode", "launches/step", f"vs {ref}", "mean group", "device us/step",
+            f"vs {ref}", "compiles warm-up (ms modeled) / step", "host us/op"]
+    cpu = "cpu" in order
+    if cpu:
+        head.append("vs cpu")
+    head += ["HBM KiB/step", "saved KiB/step", "wall us/step (min)", f"vs {wref}", "first step ms"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for wl, modes in res.items():
-        eager, cpu = modes.get("eager", {}), modes.get("cpu", {})
-        for mode in MODES:
-            e = modes.get(mode)
+    for test, per_mode in res.items():
+        r, w = per_mode.get(ref, {}), per_mode.get(wref, {})
+        c = per_mode.get("cpu", {})
+        for mode in order:
+            e = per_mode.get(mode)
             if e is None:
                 continue
-            if mode == "cpu":
-                k = e.get("inductor_kernels")
-                rows.append(f"| {wl} | cpu (inductor kernels: {k if k is not None else 'n/a'}) "
-                            f"| | | | | | {e['host_us_per_op']:.1f} | 1.00x | | | "
-                            f"{e['wall_us']:.0f} | |")
-                continue
-            rows.append(
-                f"| {wl} | {mode} | {e['launches_per_step']:.1f} | "
-                f"{e['launches_per_step'] / eager['launches_per_step']:.1%} | "
-                f"{e['mean_group_size']:.1f} | {e['device_us_per_step']:.1f} | "
-                f"{e['device_us_per_step'] / eager['device_us_per_step']:.1%} | "
-                f"{e['host_us_per_op']:.1f} | "
-                f"{e['host_us_per_op'] / cpu['host_us_per_op']:.1f}x | "
-                f"{e['hbm_bytes_per_step'] / 1024:.1f} | {e['bytes_saved_per_step'] / 1024:.1f}"
-                f" | {e['wall_us']:.0f} | {_first(e)} |")
+            g = e.get
+            label = mode
+            if mode == "cpu" and "inductor_kernels" in e:
+                label = f"cpu (inductor kernels: {e['inductor_kernels']})"
+            compiles = ""
+            if "warmup_compiles" in e:
+                compiles = (f"{e['warmup_compiles']} ({e['warmup_compile_ms_modeled']:.0f}) / "
+                            f"{e.get('compiles_per_step', 0):g}")
+            cells = [test, label,
+                     _num(g("launches_per_step"), ".1f"),
+                     _ratio(g("launches_per_step"), r.get("launches_per_step")),
+                     _num(g("mean_group_size"), ".1f"),
+                     _num(g("device_us_per_step"), ".1f"),
+                     _ratio(g("device_us_per_step"), r.get("device_us_per_step")),
+                     compiles if mode != "cpu" else "",
+                     _num(g("host_us_per_op"), ".1f")]
+            if cpu:
+                cells.append(_ratio(g("host_us_per_op"), c.get("host_us_per_op")))
+            cells += [_kib(g("hbm_bytes_per_step")), _kib(g("bytes_saved_per_step")),
+                      _num(e["wall_us"], ".0f"), _ratio(e["wall_us"], w.get("wall_us")),
+                      _num(g("first_step_ms"), ".0f")]
+            rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -62,7 +100,8 @@ def host_table(path: str) -> str:
     if "cpu" not in med or "floor" not in med:
         return ""
     cpu, floor = med["cpu"][0], med["floor"][0]
-    rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |", "|---|---|---|---|---|"]
+    rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |",
+            "|---|---|---|---|---|"]
     for mode in ("cpu", "floor", "graph", "eager"):
         if mode in med:
             t, n = med[mode]
@@ -71,27 +110,21 @@ def host_table(path: str) -> str:
     return "\n".join(rows)
 
 
-def _first(e: dict) -> str:
-    if "first_step_ms" not in e:  # a run saved before these figures existed
-        return ""
-    return f"{e['first_step_ms']:.0f} ({e['first_step_compile_ms_modeled']:.0f})"
-
-
 def chart(res: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    modes = [m for m in MODES if m != "cpu"]
-    wls = list(res)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(modes)
+    order = [m for m in modes(res) if m != "cpu"]
+    tests = list(res)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(tests) + 4), 4.5))
+    width = 0.8 / max(1, len(order))
     for ax, key, title in ((axes[0], "launches_per_step", "launches per step"),
                            (axes[1], "device_us_per_step", "simulated device time per step (us)")):
-        for i, m in enumerate(modes):
-            vals = [res[w].get(m, {}).get(key, 0) for w in wls]
-            ax.bar([x + i * width for x in range(len(wls))], vals, width, label=m)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(wls))])
-        ax.set_xticklabels(wls, rotation=20, ha="right", fontsize=8)
+        for i, m in enumerate(order):
+            vals = [res[t].get(m, {}).get(key, 0) for t in tests]
+            ax.bar([x + i * width for x in range(len(tests))], vals, width, label=m)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tests))])
+        ax.set_xticklabels(tests, rotation=20, ha="right", fontsize=8)
         ax.set_yscale("log")
         ax.set_title(title)
     axes[0].legend(fontsize=8)
@@ -100,28 +133,35 @@ def chart(res: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m adaptive_eager report", description=__doc__)
-    p.add_argument("json", help="pytest-benchmark JSON (--benchmark-json=...)")
-    p.add_argument("--md", default="benchmarks/results.md", help="Markdown table to write")
-    p.add_argument("--png", default="benchmarks/results.png", help="chart to write")
+    p = argparse.ArgumentParser(prog="python -m adaptive_eager report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="pytest-benchmark's JSON (pytest --benchmark-json=FILE)")
+    p.add_argument("--md", help="also write the table (Markdown) to this file")
+    p.add_argument("--png", help="also draw launches and device time per mode to this PNG")
     args = p.parse_args(argv)
     try:
         res = load(args.json)
+        host = host_table(args.json)
     except (KeyError, TypeError, ValueError) as e:  # (json's errors are ValueErrors)
-        p.error(f"{args.json} is not pytest-benchmark's JSON of this suite "
+        p.error(f"{args.json} is not pytest-benchmark's JSON of tests using neuron_benchmark "
                 f"({type(e).__name__}: {e}); make one with --benchmark-json=FILE")
-    table = markdown(res)
-    host = host_table(args.json)
+    if not res and not host:
+        p.error(f"{args.json} holds no benchmark of a test using neuron_benchmark (were "
+                f"benchmarks disabled? pytest-benchmark saves none with --benchmark-disable)")
+    table = markdown(res) if res else ""
     if host:
-        table += "\n\nHost time per op on an 800-op chain of tiny pointwise ops (floor: a " \
-                 "do-nothing `__torch_dispatch__` subclass):\n\n" + host
-    with open(args.md, "w") as f:
-        f.write(table + "\n")
+        table += ("\n\n" if table else "") + "Host time per op on an 800-op chain of tiny " \
+                 "pointwise ops (floor: a do-nothing `__torch_dispatch__` subclass):\n\n" + host
     print(table)
-    try:
-        chart(res, args.png)
-    except ImportError:
-        print(f"\n-> {args.md} (no chart: matplotlib is missing; pip install -e '.[test]')")
-        return 1
-    print(f"\n-> {args.md}, {args.png}")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+        print(f"\n-> {args.md}")
+    if args.png and res:
+        try:
+            chart(res, args.png)
+        except ImportError:
+            print("no chart: matplotlib is missing (pip install 'adaptive-eager[bench]')")
+            return 1
+        print(f"-> {args.png}")
     return 0
