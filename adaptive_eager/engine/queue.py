@@ -67,34 +67,35 @@ class Segment:
         low = _config.config.queue_low_threshold
         return cut is not None and low > 0 and bool(self.nodes) and device.in_flight() <= low
 
-    def number(self, handles, new) -> list[int]:
-        """Number an op's buffers in this segment (its Node.uids): its arguments' buffers
-        first met here take the next indices (held weakly while pending, their values
-        being queued), then its new buffers (weakly if freed intermediates are skipped, else
-        held until the flush: every value is written back)."""
-        token, refs, uids = self.token, self.refs, []
+    def enqueue(self, node: Node, handles, new, nbytes: int, lazy: bool) -> str | None:
+        """Queue `node`, an op making `nbytes` of new values. Its buffers are numbered in this
+        segment (its Node.uids): its arguments' buffers first met here take the next indices
+        (held weakly while pending, their values being queued), then its new buffers (weakly
+        if freed intermediates are skipped, else held until the flush: every value is
+        written back). A node of the slow path gets its uids here; a replayed node has the
+        trace's, which the replay checked are these. Returns the flush the queue then calls
+        for: every op in eager mode, a full buffer, too many pending bytes; or None."""
+        token, refs = self.token, self.refs
+        uids = [] if node.uids is None else None
         for h in handles:
             if h.seg is not token:
                 h.seg, h.ci = token, len(refs)
                 refs.append(weakref.ref(h) if h.pending else h)
-            uids.append(h.ci)
-        weak = _config.config.skip_intermediate
+            if uids is not None:
+                uids.append(h.ci)
+        cfg = _config.config
+        weak = cfg.skip_intermediate
         for h in new:
             h.seg, h.ci = token, len(refs)
             refs.append(weakref.ref(h) if weak else h)
-            uids.append(h.ci)
-        return uids
-
-    def append(self, node: Node, nbytes: int) -> None:
+            if uids is not None:
+                uids.append(h.ci)
+        if uids is not None:
+            node.uids = tuple(uids)
         self.nodes.append(node)
         self.pending_bytes += nbytes
-
-    def due(self, lazy: bool) -> str | None:
-        """The flush the queue calls for after an op: every op in eager mode, a full buffer,
-        too many pending bytes; None."""
         if not lazy:
             return "eager"
-        cfg = _config.config
         if len(self.nodes) >= cfg.buffer_size_limit:
             return "buffer full"
         if self.pending_bytes > cfg.max_pending_mb * 2**20:
@@ -106,7 +107,8 @@ def record(eng, meta, handles, inputs, vbytes):
     """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
     seg, traces = eng.seg, eng.traces
-    if seg.ftz_differs():  # Note [CPU settings]: one flush-to-zero per segment
+    if cpu_settings.FTZ_USED[0] and seg.ftz_differs():  # Note [CPU settings]: one
+        # flush-to-zero per segment (FTZ_USED first: the call is skipped in most programs)
         eng.flush("settings")
         seg.ftz = cpu_settings.thread_ftz()
     op = meta.op
@@ -128,11 +130,9 @@ def record(eng, meta, handles, inputs, vbytes):
             eng.flush("device idle")
         seg.online.add(node, cut, ids)
     # Only now (a flush above may have started a new segment and written pending inputs
-    # back): number the buffers in the queued segment.
-    node.uids = tuple(seg.number(handles, new))
-    seg.append(node, op.new_total)
+    # back): the node is numbered and queued in the segment.
+    reason = seg.enqueue(node, handles, new, op.new_total, lazy)
     traces.recorded(seg, node, meta, cut, before)
-    reason = seg.due(lazy)
     if reason is not None:
         eng.flush(reason)
     return new

@@ -239,7 +239,7 @@ def follow(eng, func, args, kwargs, counted=False):
     seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = tr.expect
-        if trace is None or seg.ftz_differs():
+        if trace is None or cpu_settings.FTZ_USED[0] and seg.ftz_differs():
             break  # (Note [CPU settings]: the slow path flushes for it)
         lazy = eng.is_lazy()
         key = eng.strategy.key
@@ -306,7 +306,7 @@ def follow(eng, func, args, kwargs, counted=False):
         if check and lazy:  # the cut the slow path's online group gives
             real = seg.online.cut(eng.strategy, tn, [h.uid for h in handles]) if queued \
                 else "start"
-        if lazy and queued and seg.idle_at(eng.device, cut):
+        if lazy and cut is not None and queued and seg.idle_at(eng.device, cut):
             eng.flush("device idle")
             continue
         # the buffers' indices in this segment must be the trace's
@@ -338,12 +338,10 @@ def follow(eng, func, args, kwargs, counted=False):
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
         new.append(Handle(b, None, True))
-    seg.number(handles, new)  # the trace node's indices, as checked
-    seg.append(node, op.new_total)
+    reason = seg.enqueue(node, handles, new, op.new_total, lazy)
     tr.replayed_node(seg, node, tstep, pos, [h.uid for h in handles] + [h.uid for h in new]
                      if check and lazy else None)
     eng.metrics.replayed_ops += 1
-    reason = seg.due(lazy)
     if reason is not None:
         eng.flush(reason)
     if meta.single:
