@@ -8,7 +8,7 @@ import torch
 
 from ..engine.tensor import NeuronTensor, _refuse_sharing
 from ..engine.source import DEVICE_TYPE
-from . import attention, autocast, compile, distributed, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
+from . import attention, autocast, compile, distributed, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
 
@@ -53,6 +53,7 @@ def register() -> None:
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
     distributed.register()
+    lightning.install()  # Trainer(accelerator="neuron") once Lightning is imported
     _done = True
 
 
