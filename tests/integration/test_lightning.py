@@ -11,9 +11,9 @@ import torch
 import adaptive_eager as ae
 
 L = pytest.importorskip("lightning.pytorch")
-from _lightning_module import data, module_class  # noqa: E402
+from tests.harness.lightning_module import data, module_class  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
              enable_model_summary=False)
 
@@ -82,9 +82,10 @@ def test_ddp_two_devices_matches_one_cpu_process(tmp_path):
     DDP wrapper under torch.cuda.stream(torch.cuda.Stream()). Rank r trains on neuron:r; the
     ranks' mean loss is one CPU process's loss on both ranks' batches."""
     out = tmp_path / "rank"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_lightning_ddp.py"),
-                           "neuron", "adaptive", str(out)], capture_output=True, text=True,
-                          timeout=400, env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
+    script = os.path.join(ROOT, "tests", "harness", "lightning_ddp.py")
+    proc = subprocess.run([sys.executable, script, "neuron", "adaptive", str(out)],
+                          capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(2)]
     # the reference: one CPU process on both ranks' batches of each step

@@ -1,5 +1,6 @@
-"""Lightning DDP on neuron, 2 devices (tests/test_lightning.py runs it; Lightning's launcher
-runs it again for rank 1). argv: accelerator, "eager" or "adaptive", the output file prefix."""
+"""Lightning DDP on neuron, 2 devices: tests/integration/test_lightning.py runs it as a script
+with the repository on PYTHONPATH, and Lightning's launcher runs it again for rank 1.
+argv: accelerator, "eager" or "adaptive", the output file prefix."""
 import json
 import sys
 
@@ -8,8 +9,7 @@ import lightning.pytorch as L
 
 import adaptive_eager as ae
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _lightning_module import data, module_class  # noqa: E402
+from tests.harness.lightning_module import data, module_class
 
 
 class DDPModule(module_class(L)):

@@ -1,5 +1,5 @@
-"""The LightningModule tests/test_lightning.py trains (a module, so that Lightning's DDP
-launcher can run tests/_lightning_ddp.py as a script)."""
+"""The LightningModule tests/integration/test_lightning.py trains (a module, so that Lightning's
+DDP launcher can run tests/harness/lightning_ddp.py as a script)."""
 import torch
 
 
