@@ -1,12 +1,13 @@
-"""Lightning on neuron: `Trainer(accelerator="neuron", devices=N)`, with `lightning.pytorch` or
-`pytorch_lightning`, registered when the user imports Lightning (never imported here).
+"""Lightning on neuron: `Trainer(accelerator="neuron", devices=N)` and `Fabric(accelerator=
+"neuron")`, with `lightning` or `pytorch_lightning` / `lightning_fabric`, registered when the user
+imports Lightning (never imported here).
 
-Note [Lightning]: Lightning has no discovery for third-party accelerators (its registry is
+Note [Lightning]: Lightning has no discovery for third-party accelerators (its registries are
 filled from its own modules; entry points exist only for callbacks), so a finder at the head
-of `sys.meta_path` waits for Lightning's accelerator connector module to be imported and,
-once it has run, registers `neuron` with Lightning's AcceleratorRegistry. Lightning then needs
-three changes that a custom Accelerator cannot make, all made only for neuron (every other
-accelerator takes Lightning's own code):
+of `sys.meta_path` waits for Lightning's accelerator connector modules (Trainer's, Fabric's) to
+be imported and, once one has run, registers `neuron` with that flavour's accelerator registry.
+Lightning then needs three changes that a custom Accelerator cannot make, all made only for
+neuron (every other accelerator takes Lightning's own code):
 - one device: Lightning builds `SingleDeviceStrategy(device="cpu")` for any accelerator it does
   not know, so the model trained on the CPU; neuron gets the strategy on its device.
 - `precision="16-mixed" / "bf16-mixed"`: Lightning builds CUDA's autocast for any accelerator
@@ -19,17 +20,40 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import sys
+import typing
 import warnings
 
 import torch
 
 DEVICE_TYPE = "neuron"
-# the module whose import means "Lightning is being imported" -> its package
+
+
+class _Flavour(typing.NamedTuple):
+    """Where one Lightning flavour keeps what is changed (Note [Lightning])."""
+    package: str
+    connector: str  # the connector class, in the hooked module
+    registry: str  # the accelerator registry, in `package`.accelerators
+    user_precision: str  # the connector's field for a precision plugin the user gave
+    setup_ddp: str  # the DDPStrategy method that wraps the module
+    ddp_ids: str  # the DDPStrategy method that gives its device ids
+
+
+_TRAINER = dict(connector="_AcceleratorConnector", registry="AcceleratorRegistry",
+                user_precision="_precision_plugin_flag", setup_ddp="_setup_model",
+                ddp_ids="determine_ddp_device_ids")
+_FABRIC = dict(connector="_Connector", registry="ACCELERATOR_REGISTRY",
+               user_precision="_precision_instance", setup_ddp="setup_module",
+               ddp_ids="_determine_ddp_device_ids")
+# the module whose import means "this Lightning is being imported" -> its flavour
 _CONNECTORS = {
-    "lightning.pytorch.trainer.connectors.accelerator_connector": "lightning.pytorch",
-    "pytorch_lightning.trainer.connectors.accelerator_connector": "pytorch_lightning",
+    "lightning.pytorch.trainer.connectors.accelerator_connector":
+        _Flavour("lightning.pytorch", **_TRAINER),
+    "pytorch_lightning.trainer.connectors.accelerator_connector":
+        _Flavour("pytorch_lightning", **_TRAINER),
+    "lightning.fabric.connector": _Flavour("lightning.fabric", **_FABRIC),
+    "lightning_fabric.connector": _Flavour("lightning_fabric", **_FABRIC),
 }
-_registered: set = set()  # packages done
+_registered: set = set()  # hooked module names done
 
 
 def install() -> None:
@@ -48,7 +72,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     registers neuron once that module has run (Note [Lightning])."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _CONNECTORS or _CONNECTORS[fullname] in _registered:
+        if fullname not in _CONNECTORS or fullname in _registered:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -75,31 +99,33 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def _register(connector_module) -> None:
-    package = _CONNECTORS[connector_module.__name__]
-    if package in _registered:
+    name = connector_module.__name__
+    if name in _registered:
         return
-    _registered.add(package)
+    _registered.add(name)
+    flavour = _CONNECTORS[name]
     try:
-        _patch(package, connector_module)
+        _patch(flavour, getattr(connector_module, flavour.connector))
     except Exception as e:  # another Lightning than the one this was written for
         warnings.warn(f"adaptive_eager could not register the 'neuron' accelerator with "
-                      f"{package} ({type(e).__name__}: {e}); Trainer(accelerator='neuron') "
-                      f"is not available", stacklevel=2)
+                      f"{flavour.package} ({type(e).__name__}: {e}); accelerator='neuron' is "
+                      f"not available there", stacklevel=2)
 
 
-def _patch(package: str, connector_module) -> None:
-    accelerators = importlib.import_module(package + ".accelerators")
-    strategies = importlib.import_module(package + ".strategies")
-    precision = importlib.import_module(package + ".plugins.precision")
-    errors = importlib.import_module(package + ".utilities.exceptions")
-    cls = _accelerator_class(accelerators.Accelerator, errors.MisconfigurationException)
-    if DEVICE_TYPE not in accelerators.AcceleratorRegistry:
-        cls.register_accelerators(accelerators.AcceleratorRegistry)
+def _patch(flavour: _Flavour, connector) -> None:
+    def part(name):
+        return importlib.import_module(f"{flavour.package}.{name}")
+    accelerators, strategies = part("accelerators"), part("strategies")
+    precision = part("plugins.precision")
+    cls = _accelerator_class(accelerators.Accelerator,
+                             part("utilities.exceptions").MisconfigurationException)
+    registry = getattr(accelerators, flavour.registry)
+    if DEVICE_TYPE not in registry:
+        cls.register_accelerators(registry)
 
     def on_neuron(flag) -> bool:
         return flag == DEVICE_TYPE or isinstance(flag, cls)
 
-    connector = connector_module._AcceleratorConnector
     choose_strategy = connector._choose_strategy
 
     def _choose_strategy(self):
@@ -115,7 +141,8 @@ def _patch(package: str, connector_module) -> None:
             warnings.filterwarnings("ignore", "torch.cuda.amp.GradScaler is enabled")
             plugin = init_precision(self)
         if (on_neuron(self._accelerator_flag) and type(plugin) is precision.MixedPrecision
-                and plugin is not self._precision_plugin_flag and plugin.device != DEVICE_TYPE):
+                and plugin is not getattr(self, flavour.user_precision)
+                and plugin.device != DEVICE_TYPE):
             return precision.MixedPrecision(plugin.precision, DEVICE_TYPE)
         return plugin
 
@@ -123,16 +150,16 @@ def _patch(package: str, connector_module) -> None:
     connector._check_and_init_precision = _check_and_init_precision
 
     ddp = strategies.DDPStrategy
-    setup_model = ddp._setup_model
+    setup_ddp = getattr(ddp, flavour.setup_ddp)
 
-    def _setup_model(self, model):
+    def setup_neuron_ddp(self, module):
         if self.root_device.type != DEVICE_TYPE:
-            return setup_model(self, model)
-        device_ids = self.determine_ddp_device_ids()
+            return setup_ddp(self, module)
+        device_ids = getattr(self, flavour.ddp_ids)()
         with torch.neuron.stream(torch.neuron.Stream(self.root_device)):
-            return torch.nn.parallel.DistributedDataParallel(module=model, device_ids=device_ids,
+            return torch.nn.parallel.DistributedDataParallel(module=module, device_ids=device_ids,
                                                              **self._ddp_kwargs)
-    ddp._setup_model = _setup_model
+    setattr(ddp, flavour.setup_ddp, setup_neuron_ddp)
 
 
 def _parse_devices(devices, error) -> list[int]:

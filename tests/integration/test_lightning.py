@@ -106,3 +106,32 @@ def test_ddp_two_devices_matches_one_cpu_process(tmp_path):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses))
         for p, q in zip(got["params"], module.parameters()):
             torch.testing.assert_close(torch.tensor(p), q.detach())
+
+
+def _fabric_losses(accelerator, precision):
+    from lightning.fabric import Fabric
+    fabric = Fabric(accelerator=accelerator, devices=1, precision=precision)
+    model = module_class(L)().net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    assert next(model.parameters()).device == fabric.device
+    losses = []
+    for x, y in data():
+        x, y = fabric.to_device((x, y))
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses, fabric.device
+
+
+def test_fabric_on_neuron_has_cpus_losses(mode):
+    """Fabric's connector has Trainer's three gaps (Note [Lightning]): bf16-mixed is neuron's
+    autocast (its losses are CPU's bf16-mixed ones, not fp32's), on neuron:0."""
+    with ae.adaptive(False):
+        cpu, _ = _fabric_losses("cpu", "bf16-mixed")
+        fp32, _ = _fabric_losses("cpu", "32-true")
+    losses, device = _fabric_losses("neuron", "bf16-mixed")
+    assert device == torch.device("neuron:0") and losses == cpu and losses != fp32
+    assert ae.metrics().cpu_fallbacks == {}
