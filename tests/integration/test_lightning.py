@@ -47,6 +47,19 @@ def test_lightning_is_imported_only_by_the_user():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_lightning_imported_before_the_backend():
+    """With autoload off and Lightning imported first, importing adaptive_eager registers."""
+    code = ("import lightning.pytorch as L, lightning.fabric as F\n"
+            "assert 'neuron' not in L.accelerators.AcceleratorRegistry\n"
+            "import adaptive_eager\n"
+            "assert 'neuron' in L.accelerators.AcceleratorRegistry\n"
+            "assert 'neuron' in F.accelerators.ACCELERATOR_REGISTRY\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT,
+                                            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_trainer_on_neuron_has_cpus_losses(mode, precision):
     """Lightning built SingleDeviceStrategy(device="cpu") for an accelerator it does not know
