@@ -120,8 +120,6 @@ def _patch(flavour: _Flavour, connector) -> None:
     cls = _accelerator_class(accelerators.Accelerator,
                              part("utilities.exceptions").MisconfigurationException)
     registry = getattr(accelerators, flavour.registry)
-    if DEVICE_TYPE not in registry:
-        cls.register_accelerators(registry)
 
     def on_neuron(flag) -> bool:
         return flag == DEVICE_TYPE or isinstance(flag, cls)
@@ -160,6 +158,8 @@ def _patch(flavour: _Flavour, connector) -> None:
             return torch.nn.parallel.DistributedDataParallel(module=module, device_ids=device_ids,
                                                              **self._ddp_kwargs)
     setattr(ddp, flavour.setup_ddp, setup_neuron_ddp)
+    if DEVICE_TYPE not in registry:  # last: a Lightning this cannot change has no neuron
+        cls.register_accelerators(registry)
 
 
 def _parse_devices(devices, error) -> list[int]:
