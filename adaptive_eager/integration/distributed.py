@@ -87,8 +87,8 @@ def register() -> None:
 
 
 # Note [The neuron backend]: `init_process_group("neuron")` (accelerate's multi-process neuron
-# path asks for it by name, as the reference registers it) makes a gloo group, for neuron
-# tensors and CPU tensors alike (CPU ones: accelerate's and Lightning's object collectives).
+# path asks c10d for it by name) makes a gloo group, for neuron tensors and CPU tensors alike
+# (CPU ones: accelerate's and Lightning's object collectives).
 # It is gloo made as `init_process_group("gloo")` makes it, registered as a c10d plugin
 # (`dist.get_backend()` says "neuron"): collectives on neuron tensors are device ops as with
 # gloo (Note [Collectives]). The default for neuron tensors in a group made with no backend
