@@ -246,7 +246,10 @@ def run(rank, world, port, results, port2=None):
             mine["boundary"] = adaptive_boundary(rank, world)
             dist.destroy_process_group()
             os.environ["MASTER_PORT"] = str(port2)
-            mine["neuron_backend"] = neuron_backend(rank, world)
+            try:
+                mine["neuron_backend"] = neuron_backend(rank, world)
+            except BaseException:  # its own tests report it; the others' results stand
+                mine["neuron_backend"] = {"error": traceback.format_exc()}
         except BaseException:
             mine["error"] = traceback.format_exc()
     mine["warnings"] = [str(w.message) for w in caught]

@@ -140,6 +140,7 @@ def test_neuron_backend_is_gloo_under_accelerate(ranks):
     """accelerate asked c10d for a backend named "neuron": "Unknown backend type neuron"."""
     for r in range(WORLD):
         got = ranks[r]["neuron_backend"]
+        assert "error" not in got, f"rank {r} failed:\n{got['error']}"
         assert got["backend"] == "neuron" and got["backend_class"] == "ProcessGroupGloo"
         assert got["accelerate"] == ("MULTI_NEURON", "neuron:0")
         assert got["object"] == "from 1"
@@ -151,7 +152,9 @@ def test_ddp_device_ids_matches_single_process_cpu(ranks, mode):
     """DDP(device_ids=[k]) with the model on neuron:k, CPU batches (record_stream)."""
     ref_losses, ref_params = W.cpu_losses()
     for r in range(WORLD):
-        losses, params = ranks[r]["neuron_backend"][("ddp", mode)]
+        got = ranks[r]["neuron_backend"]
+        assert "error" not in got, f"rank {r} failed:\n{got['error']}"
+        losses, params = got[("ddp", mode)]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         for p, q in zip(params, ref_params):
             torch.testing.assert_close(p, q)
