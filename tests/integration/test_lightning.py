@@ -146,3 +146,21 @@ def test_fabric_on_neuron_has_cpus_losses(mode):
     losses, device = _fabric_losses("neuron", "bf16-mixed")
     assert device == torch.device("neuron:0") and losses == cpu and losses != fp32
     assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_a_lightning_this_cannot_change_only_warns(monkeypatch):
+    """A Lightning without the connector methods changed here: a warning naming it, nothing
+    changed (the accelerator is registered last), `import lightning` itself unharmed."""
+    import types
+    from adaptive_eager.integration import lightning as glue
+    fake = types.ModuleType("fake_lightning.connector")
+    fake.Connector = type("Connector", (), {})  # no _choose_strategy
+    flavour = glue._Flavour("lightning.pytorch", "Connector", "AcceleratorRegistry",
+                            "_precision_plugin_flag", "_setup_model", "determine_ddp_device_ids")
+    monkeypatch.setitem(glue._CONNECTORS, fake.__name__, flavour)
+    ddp = L.strategies.DDPStrategy._setup_model
+    with pytest.warns(UserWarning, match="could not register the 'neuron' accelerator with "
+                                         "lightning.pytorch .AttributeError"):
+        glue._register(fake)
+    assert L.strategies.DDPStrategy._setup_model is ddp
+    glue._registered.discard(fake.__name__)
