@@ -74,6 +74,9 @@ def register() -> None:
     capability = backend.backend_capability[backend.GLOO]
     if DEVICE_TYPE not in capability:
         capability.append(DEVICE_TYPE)  # `backend="gloo"` covers neuron tensors too
+    if "neuron" not in backend.backend_list:  # Note [The neuron backend]
+        backend.register_backend("neuron", _neuron_backend, extended_api=True,
+                                 devices=[DEVICE_TYPE, "cpu"])
     for name in _COLLECTIVES:
         packet = getattr(torch.ops.c10d, name)
         for overload in packet.overloads():
@@ -81,6 +84,21 @@ def register() -> None:
     _register_functional()
     _route_work_results()
     _done = True
+
+
+# Note [The neuron backend]: `init_process_group("neuron")` (accelerate's multi-process neuron
+# path asks c10d for it by name) makes a gloo group, for neuron tensors and CPU tensors alike
+# (CPU ones: accelerate's and Lightning's object collectives).
+# It is gloo made as `init_process_group("gloo")` makes it, registered as a c10d plugin
+# (`dist.get_backend()` says "neuron"): collectives on neuron tensors are device ops as with
+# gloo (Note [Collectives]). The default for neuron tensors in a group made with no backend
+# stays gloo itself.
+def _neuron_backend(opts, backend_options):
+    pg = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timeout=opts.timeout)
+    pg.options.global_ranks_in_group = opts.global_ranks_in_group
+    pg.options.group_name = opts.group_id
+    pg._set_sequence_number_for_group()
+    return pg
 
 
 # Note [Work results]: gloo's Work holds the host views a collective ran over; its `result()`

@@ -157,23 +157,33 @@ def empty_cache() -> None:
 
 
 # -- streams and events (one hardware queue: order is always kept) ----------------------
+# Note [Streams]: a neuron stream is a `torch.Stream` (PyTorch's own stream type, as
+# `torch.cuda.Stream` is), so the ops and APIs that take a stream accept it: `x.record_stream(s)`
+# (DDP calls it when it copies inputs), `torch.accelerator.set_stream(s)`. Streams multiplex onto
+# the one hardware queue of their core (as the reference): every op runs in issue order,
+# whatever its stream, so a tensor used on one stream and freed on another is never reused
+# before that use ran; `record_stream` has nothing to record. A change of stream is a fusion
+# boundary. Each core has its current stream (its default one, id 0, until another is set).
 _ids = itertools.count(1)
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 
 
-class Stream:
-    """A neuron stream. Streams multiplex onto the one hardware queue (as the reference):
-    they keep order and event semantics; a change of stream is a fusion boundary."""
+class Stream(torch.Stream):
+    """A neuron stream: `torch.neuron.Stream(device=None, priority=0)` (Note [Streams])."""
+
+    def __new__(cls, device=None, priority: int = 0, _id: int | None = None):
+        return super().__new__(cls, stream_id=next(_ids) if _id is None else _id,
+                               device_index=_check(device), device_type=_PRIVATEUSE1)
 
     def __init__(self, device=None, priority: int = 0, _id: int | None = None):
-        self.device = torch.device("neuron", _check(device))
         self.priority = priority
-        self.stream_id = next(_ids) if _id is None else _id
+        self._contexts = []
 
     def wait_event(self, event: "Event") -> None:
-        _E().flush("event")
+        _E(self.device_index).flush("event")
 
-    def wait_stream(self, stream: "Stream") -> None:
-        _E().flush("event")
+    def wait_stream(self, stream: torch.Stream) -> None:
+        _E(self.device_index).flush("event")
 
     def record_event(self, event: "Event | None" = None) -> "Event":
         event = event or Event()
@@ -181,65 +191,88 @@ class Stream:
         return event
 
     def query(self) -> bool:
-        _E().flush("stream query")
-        dev = _E().device
-        return dev.free_at_us <= dev.host_us
+        eng = _E(self.device_index)
+        eng.flush("stream query")
+        return eng.device.free_at_us <= eng.device.host_us
 
     def synchronize(self) -> None:
-        _E().sync("stream sync")
+        _E(self.device_index).sync("stream sync")
 
-    def __eq__(self, other):
-        return isinstance(other, Stream) and other.stream_id == self.stream_id
+    def __enter__(self):
+        """`with s:` as `with torch.neuron.stream(s):` (torch.Stream's own asks the C++ device
+        guard, which a Python backend cannot provide)."""
+        ctx = stream(self)
+        ctx.__enter__()
+        self._contexts.append(ctx)
+        return self
 
-    def __hash__(self):
-        return hash(("neuron", self.stream_id))
+    def __exit__(self, *exc):
+        return self._contexts.pop().__exit__(*exc)
 
     def __repr__(self):
-        return f"<torch.neuron.Stream device={self.device} stream_id={self.stream_id}>"
+        return (f"<torch.neuron.Stream device={self.device} stream_id={self.stream_id} "
+                f"priority={self.priority}>")
 
 
-_default_stream = None  # made by _start_streams once `neuron` is a device type
-_current: list = []
-
-
-def _start_streams() -> None:
-    """The default stream, current until another is set (registration calls this)."""
-    global _default_stream
-    _default_stream = Stream(_id=0)
-    _current.append(_default_stream)
+_defaults: dict[int, Stream] = {}  # core -> its default stream
+_current: dict[int, torch.Stream] = {}  # core -> its current stream, once set
 
 
 def default_stream(device=None) -> Stream:
-    _check(device)
-    return _default_stream
+    k = _check(device)
+    s = _defaults.get(k)
+    if s is None:
+        s = _defaults[k] = Stream(k, _id=0)
+    return s
 
 
-def current_stream(device=None) -> Stream:
-    _check(device)
-    return _current[-1]
+def current_stream(device=None) -> torch.Stream:
+    k = _check(device)
+    s = _current.get(k)
+    return s if s is not None else default_stream(k)
+
+
+def _neuron_stream(s, what: str) -> torch.Stream:
+    if not isinstance(s, torch.Stream):
+        raise TypeError(f"{what}: expected a torch.Stream, got {type(s).__name__}")
+    if s.device_type != _PRIVATEUSE1:
+        raise RuntimeError(f"{what}: expected a neuron stream, got a stream on {s.device}")
+    return s
+
+
+def set_stream(s: torch.Stream) -> None:
+    """Make `s` the current stream of its core (a boundary if it changes)."""
+    if s is None:
+        return
+    _neuron_stream(s, "set_stream")
+    k = _check(s.device_index)
+    if s != current_stream(k):
+        _E(k).flush("stream switch")
+    _current[k] = s
 
 
 @contextlib.contextmanager
-def stream(s: Stream | None):
-    """Issue ops on `s` inside the block. Switching streams flushes (a boundary)."""
+def stream(s: torch.Stream | None):
+    """Issue ops on `s` inside the block, its core the current one (as torch.cuda.stream).
+    Switching streams flushes (a boundary)."""
     if s is None:
         yield
         return
-    if s != _current[-1]:
-        _E().flush("stream switch")
-    _current.append(s)
-    try:
-        yield
-    finally:
-        _current.pop()
-        if s != _current[-1]:
-            _E().flush("stream switch")
+    _neuron_stream(s, "stream")
+    with device(s.device_index):
+        previous = current_stream(s.device_index)
+        set_stream(s)
+        try:
+            yield
+        finally:
+            set_stream(previous)
 
 
-def set_stream(s: Stream) -> None:
-    if s != _current[-1]:
-        _E().flush("stream switch")
-    _current[-1] = s
+def record_stream(eng, func, args, kwargs) -> None:
+    """`aten::record_stream` on a neuron tensor: checked, nothing to record (Note [Streams])."""
+    s = args[1] if len(args) > 1 else kwargs["s"]
+    _neuron_stream(s, "record_stream")
+    return None
 
 
 class Event:
@@ -250,10 +283,11 @@ class Event:
         self.enable_timing = enable_timing
         self.time_us: float | None = None
 
-    def record(self, stream: Stream | None = None) -> None:
-        _E().flush("event")
-        self.time_us = _E().device.free_at_us
-        self.core = _E().index
+    def record(self, stream: torch.Stream | None = None) -> None:
+        eng = _E(None if stream is None else stream.device_index)
+        eng.flush("event")
+        self.time_us = eng.device.free_at_us
+        self.core = eng.index
 
     def wait(self, stream: Stream | None = None) -> None:
         _E().flush("event")

@@ -8,7 +8,7 @@ import torch
 
 from ..engine.tensor import NeuronTensor, _refuse_sharing
 from ..engine.source import DEVICE_TYPE
-from . import attention, autocast, compile, distributed, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
+from . import attention, autocast, compile, distributed, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
 
@@ -30,7 +30,7 @@ def register() -> None:
             f"backends from loading on `import torch`.")
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
-    neuron._start_streams()
+    _engine._SPECIAL[torch.ops.aten.record_stream.default] = neuron.record_stream
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("empty.memory_format", _empty, "PrivateUse1")
     _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
@@ -53,6 +53,7 @@ def register() -> None:
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
     distributed.register()
+    lightning.install()  # Trainer(accelerator="neuron") once Lightning is imported
     _done = True
 
 
@@ -140,6 +141,15 @@ def _route_accelerator_api():
     for name in ("current_device_index", "current_device_idx"):
         route(torch.accelerator, name, neuron.current_device, takes_device=False)
     route(torch.accelerator, "device_index", neuron.device)  # a context manager
+    route(torch.accelerator, "current_stream", neuron.current_stream)  # Note [Streams]
+    set_stream = torch.accelerator.set_stream
+
+    @functools.wraps(set_stream)
+    def set_neuron_stream(stream):
+        if isinstance(stream, torch.Stream) and stream.device.type == DEVICE_TYPE:
+            return neuron.set_stream(stream)
+        return set_stream(stream)
+    torch.accelerator.set_stream = set_neuron_stream
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import adaptive_eager as ae
 
 
 def test_device_registered_and_cuda_like_module():
@@ -467,3 +468,42 @@ def test_a_device_spec_the_cost_model_cannot_use_is_refused_naming_the_field(bad
     (name, _), = bad.items()
     with pytest.raises(ValueError, match=f"DeviceSpec.{name} must be a number"):
         DeviceSpec(**bad)
+
+
+def test_record_stream_with_every_neuron_stream(mode):
+    """Note [Streams] in neuron.py: `x.record_stream(s)` raised ("unknown parameter type" for a
+    torch.neuron.Stream; a CPU fallback that failed for the accelerator's current stream).
+    DDP calls it on every input it copies to the device (distributed.utils._recursive_to)."""
+    from torch.distributed.utils import _recursive_to
+    x = torch.arange(6.0).to("neuron") * 2  # queued in adaptive mode
+    streams = [torch.accelerator.current_stream(), torch.neuron.current_stream(),
+               torch.neuron.default_stream(), torch.neuron.Stream(),
+               torch.neuron.Stream(device=1, priority=-1), torch.Stream(0)]
+    before = ae.metrics()
+    for s in streams:
+        assert x.record_stream(s) is None
+    m = ae.metrics() - before
+    assert m.cpu_fallbacks == {} and m.flushes == {}  # nothing to record: no boundary
+    assert x.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    with pytest.raises(RuntimeError, match="expected a neuron stream"):
+        x.record_stream(torch.Stream(stream_id=0, device_index=0, device_type=0))
+    (y,), = _recursive_to((torch.ones(3),), torch.device("neuron:0"), True)  # DDP's copy
+    assert y.device == torch.device("neuron:0") and y.cpu().tolist() == [1.0] * 3
+    assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_a_neuron_stream_is_a_torch_stream():
+    """torch.accelerator's stream API reaches torch.neuron's (the C++ device guard of a Python
+    backend has one stream, of neuron:0)."""
+    s = torch.neuron.Stream(device=1)
+    assert isinstance(s, torch.Stream) and s.device == torch.device("neuron:1")
+    assert torch.accelerator.current_stream(1) == torch.neuron.default_stream(1)
+    with s:  # torch.Stream's own context: here torch.neuron.stream(s)
+        assert torch.accelerator.current_stream(1) is s and torch.neuron.current_device() == 1
+    assert torch.neuron.current_device() == 0 and torch.neuron.current_stream(1).stream_id == 0
+    torch.accelerator.set_stream(s)
+    try:
+        assert torch.neuron.current_stream(1) is s and torch.neuron.current_stream(0).stream_id == 0
+    finally:
+        torch.accelerator.set_stream(torch.neuron.default_stream(1))
+    assert torch.neuron.current_stream(1) == torch.neuron.default_stream(1)

@@ -33,7 +33,8 @@ def ranks():
     """Two spawned ranks' results: {rank: {scenario key: data}}."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(W.run, args=(WORLD, _free_port(), results), nprocs=WORLD, join=True)
+        mp.spawn(W.run, args=(WORLD, _free_port(), results, _free_port()), nprocs=WORLD,
+                 join=True)
         out = dict(results)
     for r in range(WORLD):
         assert "error" not in out[r], f"rank {r} failed:\n{out[r]['error']}"
@@ -132,6 +133,37 @@ def test_dtensor_on_a_neuron_mesh(ranks, mode):
 def test_no_cpu_fallback_in_any_parallel_style(ranks):
     for r in range(WORLD):
         assert ranks[r]["fallbacks"] == {}
+
+
+# -- the "neuron" backend (accelerate's path), DDP(device_ids=[k]) --------------------------
+def test_neuron_backend_is_gloo_under_accelerate(ranks):
+    """accelerate asked c10d for a backend named "neuron": "Unknown backend type neuron"."""
+    for r in range(WORLD):
+        got = ranks[r]["neuron_backend"]
+        assert "error" not in got, f"rank {r} failed:\n{got['error']}"
+        assert got["backend"] == "neuron" and got["backend_class"] == "ProcessGroupGloo"
+        assert got["accelerate"] == ("MULTI_NEURON", "neuron:0")
+        assert got["object"] == "from 1"
+        assert got["cpu_fallbacks"] == {}
+
+
+@pytest.mark.parametrize("mode", W.MODES)
+def test_ddp_device_ids_matches_single_process_cpu(ranks, mode):
+    """DDP(device_ids=[k]) with the model on neuron:k, CPU batches (record_stream)."""
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        got = ranks[r]["neuron_backend"]
+        assert "error" not in got, f"rank {r} failed:\n{got['error']}"
+        losses, params = got[("ddp", mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
+def test_neuron_backend_registered():
+    assert "neuron" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["neuron"] == ["neuron", "cpu"]
+    assert dist.Backend.default_device_backend_map["neuron"] == "gloo"  # no backend: gloo
 
 
 # -- one process, a world of one -----------------------------------------------------------

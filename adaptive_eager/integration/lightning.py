@@ -1,0 +1,230 @@
+"""Lightning on neuron: `Trainer(accelerator="neuron", devices=N)` and `Fabric(accelerator=
+"neuron")`, with `lightning` or `pytorch_lightning` / `lightning_fabric`, registered when the user
+imports Lightning (never imported here).
+
+Note [Lightning]: Lightning has no discovery for third-party accelerators (its registries are
+filled from its own modules; entry points exist only for callbacks), so a finder at the head
+of `sys.meta_path` waits for Lightning's accelerator connector modules (Trainer's, Fabric's) to
+be imported and, once one has run, registers `neuron` with that flavour's accelerator registry.
+Lightning then needs three changes that a custom Accelerator cannot make, all made only for
+neuron (every other accelerator takes Lightning's own code):
+- one device: Lightning builds `SingleDeviceStrategy(device="cpu")` for any accelerator it does
+  not know, so the model trained on the CPU; neuron gets the strategy on its device.
+- `precision="16-mixed" / "bf16-mixed"`: Lightning builds CUDA's autocast for any accelerator
+  it does not know, which leaves neuron ops alone (silently fp32); neuron gets its own.
+- DDP: Lightning builds the DDP wrapper under `torch.cuda.stream(torch.cuda.Stream())` when it
+  has device ids; for neuron, under a neuron stream.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+import typing
+import warnings
+
+import torch
+
+DEVICE_TYPE = "neuron"
+
+
+class _Flavour(typing.NamedTuple):
+    """Where one Lightning flavour keeps what is changed (Note [Lightning])."""
+    package: str
+    connector: str  # the connector class, in the hooked module
+    registry: str  # the accelerator registry, in `package`.accelerators
+    user_precision: str  # the connector's field for a precision plugin the user gave
+    setup_ddp: str  # the DDPStrategy method that wraps the module
+    ddp_ids: str  # the DDPStrategy method that gives its device ids
+
+
+_TRAINER = dict(connector="_AcceleratorConnector", registry="AcceleratorRegistry",
+                user_precision="_precision_plugin_flag", setup_ddp="_setup_model",
+                ddp_ids="determine_ddp_device_ids")
+_FABRIC = dict(connector="_Connector", registry="ACCELERATOR_REGISTRY",
+               user_precision="_precision_instance", setup_ddp="setup_module",
+               ddp_ids="_determine_ddp_device_ids")
+# the module whose import means "this Lightning is being imported" -> its flavour
+_CONNECTORS = {
+    "lightning.pytorch.trainer.connectors.accelerator_connector":
+        _Flavour("lightning.pytorch", **_TRAINER),
+    "pytorch_lightning.trainer.connectors.accelerator_connector":
+        _Flavour("pytorch_lightning", **_TRAINER),
+    "lightning.fabric.connector": _Flavour("lightning.fabric", **_FABRIC),
+    "lightning_fabric.connector": _Flavour("lightning_fabric", **_FABRIC),
+}
+_registered: set = set()  # hooked module names done
+
+
+def install() -> None:
+    """Register with a Lightning already imported; watch for the import of the others."""
+    for name in _CONNECTORS:
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is not None and not getattr(spec, "_initializing", False):
+            _register(module)
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for Lightning's connector module, it asks the finders after it and
+    registers neuron once that module has run (Note [Lightning])."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _CONNECTORS or fullname in _registered:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module):
+            try:
+                run(module)
+            finally:
+                del loader.exec_module  # the loader's own again
+            _register(module)
+        loader.exec_module = exec_module
+        return spec
+
+
+def _register(connector_module) -> None:
+    name = connector_module.__name__
+    if name in _registered:
+        return
+    _registered.add(name)
+    flavour = _CONNECTORS[name]
+    try:
+        _patch(flavour, getattr(connector_module, flavour.connector))
+    except Exception as e:  # another Lightning than the one this was written for
+        warnings.warn(f"adaptive_eager could not register the 'neuron' accelerator with "
+                      f"{flavour.package} ({type(e).__name__}: {e}); accelerator='neuron' is "
+                      f"not available there", stacklevel=2)
+
+
+def _patch(flavour: _Flavour, connector) -> None:
+    def part(name):
+        return importlib.import_module(f"{flavour.package}.{name}")
+    accelerators, strategies = part("accelerators"), part("strategies")
+    precision = part("plugins.precision")
+    cls = _accelerator_class(accelerators.Accelerator,
+                             part("utilities.exceptions").MisconfigurationException)
+    registry = getattr(accelerators, flavour.registry)
+
+    def on_neuron(flag) -> bool:
+        return flag == DEVICE_TYPE or isinstance(flag, cls)
+
+    choose_strategy = connector._choose_strategy
+
+    def _choose_strategy(self):
+        if (on_neuron(self._accelerator_flag) and self._num_nodes_flag == 1
+                and len(self._parallel_devices) == 1):
+            return strategies.SingleDeviceStrategy(device=self._parallel_devices[0])
+        return choose_strategy(self)
+
+    init_precision = connector._check_and_init_precision
+
+    def _check_and_init_precision(self):
+        with warnings.catch_warnings():  # CUDA's GradScaler, unavailable, replaced below
+            warnings.filterwarnings("ignore", "torch.cuda.amp.GradScaler is enabled")
+            plugin = init_precision(self)
+        if (on_neuron(self._accelerator_flag) and type(plugin) is precision.MixedPrecision
+                and plugin is not getattr(self, flavour.user_precision)
+                and plugin.device != DEVICE_TYPE):
+            return precision.MixedPrecision(plugin.precision, DEVICE_TYPE)
+        return plugin
+
+    connector._choose_strategy = _choose_strategy
+    connector._check_and_init_precision = _check_and_init_precision
+
+    ddp = strategies.DDPStrategy
+    setup_ddp = getattr(ddp, flavour.setup_ddp)
+
+    def setup_neuron_ddp(self, module):
+        if self.root_device.type != DEVICE_TYPE:
+            return setup_ddp(self, module)
+        device_ids = getattr(self, flavour.ddp_ids)()
+        with torch.neuron.stream(torch.neuron.Stream(self.root_device)):
+            return torch.nn.parallel.DistributedDataParallel(module=module, device_ids=device_ids,
+                                                             **self._ddp_kwargs)
+    setattr(ddp, flavour.setup_ddp, setup_neuron_ddp)
+    if DEVICE_TYPE not in registry:  # last: a Lightning this cannot change has no neuron
+        cls.register_accelerators(registry)
+
+
+def _parse_devices(devices, error) -> list[int]:
+    """Lightning's reading of `devices` for a GPU: N (the first N), -1 (all), "0,2" or a list
+    (those cores)."""
+    count = torch.neuron.device_count()
+    given = devices
+    if isinstance(devices, str):
+        devices = devices.strip()
+        if "," in devices:
+            devices = [int(d) for d in devices.split(",") if d.strip()]
+        else:
+            devices = int(devices)
+    if isinstance(devices, int):
+        if devices == -1:
+            return list(range(count))
+        if not 0 < devices <= count:
+            raise error(f"You requested {given} neuron devices but only {count} are visible "
+                        f"(torch.neuron.device_count()).")
+        return list(range(devices))
+    devices = [int(d) for d in devices]
+    bad = [d for d in devices if not 0 <= d < count]
+    if bad or len(set(devices)) != len(devices) or not devices:
+        raise error(f"Invalid neuron devices {given}: expected distinct indices in "
+                    f"[0, {count}) (torch.neuron.device_count() is {count}).")
+    return devices
+
+
+def _accelerator_class(base, error):
+    class NeuronAccelerator(base):
+        """Lightning's accelerator for the neuron device (adaptive_eager)."""
+
+        def setup_device(self, device: torch.device) -> None:
+            if device.type != DEVICE_TYPE:
+                raise error(f"Device should be neuron, got {device} instead")
+            torch.neuron.set_device(device)
+
+        def get_device_stats(self, device) -> dict:
+            return torch.neuron.memory_stats(device)
+
+        def teardown(self) -> None:
+            torch.neuron.empty_cache()
+
+        @staticmethod
+        def parse_devices(devices) -> list[int]:
+            return _parse_devices(devices, error)
+
+        @staticmethod
+        def get_parallel_devices(devices) -> list[torch.device]:
+            return [torch.device(DEVICE_TYPE, i) for i in devices]
+
+        @staticmethod
+        def auto_device_count() -> int:
+            return torch.neuron.device_count()
+
+        @staticmethod
+        def is_available() -> bool:
+            return torch.neuron.is_available()
+
+        @staticmethod
+        def name() -> str:
+            return DEVICE_TYPE
+
+        @classmethod
+        def register_accelerators(cls, accelerator_registry) -> None:
+            accelerator_registry.register(DEVICE_TYPE, cls, description=cls.__name__)
+
+    return NeuronAccelerator

@@ -1,0 +1,166 @@
+"""Lightning on neuron (issue 24): `Trainer(accelerator="neuron")` trains with CPU's losses, one
+device and DDP, fp32 and bf16-mixed; Lightning is imported only by the user (Note [Lightning])."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+
+L = pytest.importorskip("lightning.pytorch")
+from tests.harness.lightning_module import data, module_class  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+             enable_model_summary=False)
+
+
+def _fit(lightning, accelerator, precision="32-true", steps=5):
+    module = module_class(lightning)()
+    trainer = lightning.Trainer(accelerator=accelerator, devices=1, max_steps=steps,
+                                precision=precision, **QUIET)
+    trainer.fit(module, data())
+    return module, trainer
+
+
+_CPU = {}
+
+
+def _cpu_losses(precision):
+    if precision not in _CPU:
+        with ae.adaptive(False):
+            _CPU[precision] = _fit(L, "cpu", precision)[0].losses
+    return _CPU[precision]
+
+
+def test_lightning_is_imported_only_by_the_user():
+    """One process, both orders: a Lightning imported before adaptive_eager (lightning_fabric,
+    autoload off) is registered with at once; one imported after, when the user imports it;
+    adaptive_eager itself imports none."""
+    code = ("import sys\n"
+            "import lightning_fabric as F\n"
+            "assert 'neuron' not in F.accelerators.ACCELERATOR_REGISTRY\n"
+            "def lightnings():\n"
+            "    return {m for m in sys.modules if m.split('.')[0] in "
+            "('lightning', 'pytorch_lightning', 'lightning_fabric')}\n"
+            "before = lightnings()\n"
+            "import adaptive_eager\n"
+            "assert lightnings() == before, lightnings() - before\n"
+            "assert 'neuron' in F.accelerators.ACCELERATOR_REGISTRY\n"
+            "import lightning.pytorch as L\n"
+            "assert 'neuron' in L.accelerators.AcceleratorRegistry\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT,
+                                            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_trainer_on_neuron_has_cpus_losses(mode, precision):
+    """Lightning built SingleDeviceStrategy(device="cpu") for an accelerator it does not know
+    (the model trained on the CPU), and CUDA's autocast for bf16-mixed (fp32 on neuron)."""
+    module, trainer = _fit(L, "neuron", precision)
+    assert trainer.strategy.root_device == torch.device("neuron:0")
+    assert module.devices == {"neuron:0"}
+    want_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    assert module.dtypes == {want_dtype}  # autocast engaged, on neuron
+    assert ae.metrics().cpu_fallbacks == {}
+    torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(_cpu_losses(precision)),
+                               rtol=0, atol=0)
+
+
+def test_pytorch_lightning_package_too():
+    pl = pytest.importorskip("pytorch_lightning")
+    module, trainer = _fit(pl, "neuron")
+    assert trainer.strategy.root_device == torch.device("neuron:0")
+    assert module.losses == _cpu_losses("32-true")
+
+
+def test_devices_are_checked():
+    with pytest.raises(Exception, match="requested 5 neuron devices but only 4"):
+        L.Trainer(accelerator="neuron", devices=5, **QUIET)
+    with pytest.raises(Exception, match="Invalid neuron devices"):
+        L.Trainer(accelerator="neuron", devices=[0, 7], **QUIET)
+    trainer = L.Trainer(accelerator="neuron", devices=[2], **QUIET)
+    assert trainer.strategy.root_device == torch.device("neuron:2")
+
+
+def test_ddp_two_devices_matches_one_cpu_process(tmp_path):
+    """`Trainer(accelerator="neuron", devices=2, strategy="ddp")` (adaptive): Lightning built the
+    DDP wrapper under torch.cuda.stream(torch.cuda.Stream()). Rank r trains on neuron:r; the
+    ranks' mean loss is one CPU process's loss on both ranks' batches."""
+    out = tmp_path / "rank"
+    script = os.path.join(ROOT, "tests", "harness", "lightning_ddp.py")
+    proc = subprocess.run([sys.executable, script, "neuron", "adaptive", str(out)],
+                          capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHONPATH": ROOT}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(2)]
+    # the reference: one CPU process on both ranks' batches of each step
+    module = module_class(L)()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    ref_losses = []
+    for b0, b1 in zip(ranks[0]["batches"], ranks[1]["batches"]):
+        x, y = (torch.cat([torch.tensor(b0[i]), torch.tensor(b1[i])]) for i in range(2))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(module.net(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    assert len(ref_losses) == 3
+    for r, got in enumerate(ranks):
+        assert got["root_device"] == f"neuron:{r}" and got["devices"] == [f"neuron:{r}"]
+        assert got["cpu_fallbacks"] == {}
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses))
+        for p, q in zip(got["params"], module.parameters()):
+            torch.testing.assert_close(torch.tensor(p), q.detach())
+
+
+def _fabric_losses(accelerator, precision):
+    from lightning.fabric import Fabric
+    fabric = Fabric(accelerator=accelerator, devices=1, precision=precision)
+    model = module_class(L)().net
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    assert next(model.parameters()).device == fabric.device
+    losses = []
+    for x, y in data():
+        x, y = fabric.to_device((x, y))
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        fabric.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses, fabric.device
+
+
+def test_fabric_on_neuron_has_cpus_losses(mode):
+    """Fabric's connector has Trainer's three gaps (Note [Lightning]): bf16-mixed is neuron's
+    autocast (its losses are CPU's bf16-mixed ones, not fp32's), on neuron:0."""
+    with ae.adaptive(False):
+        cpu, _ = _fabric_losses("cpu", "bf16-mixed")
+        fp32, _ = _fabric_losses("cpu", "32-true")
+    losses, device = _fabric_losses("neuron", "bf16-mixed")
+    assert device == torch.device("neuron:0") and losses == cpu and losses != fp32
+    assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_a_lightning_this_cannot_change_only_warns(monkeypatch):
+    """A Lightning without the connector methods changed here: a warning naming it, nothing
+    changed (the accelerator is registered last), `import lightning` itself unharmed."""
+    import types
+    from adaptive_eager.integration import lightning as glue
+    fake = types.ModuleType("fake_lightning.connector")
+    fake.Connector = type("Connector", (), {})  # no _choose_strategy
+    flavour = glue._Flavour("lightning.pytorch", "Connector", "AcceleratorRegistry",
+                            "_precision_plugin_flag", "_setup_model", "determine_ddp_device_ids")
+    monkeypatch.setitem(glue._CONNECTORS, fake.__name__, flavour)
+    ddp = L.strategies.DDPStrategy._setup_model
+    with pytest.warns(UserWarning, match="could not register the 'neuron' accelerator with "
+                                         "lightning.pytorch .AttributeError"):
+        glue._register(fake)
+    assert L.strategies.DDPStrategy._setup_model is ddp
+    glue._registered.discard(fake.__name__)
