@@ -243,17 +243,51 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
     """Note [Module.to keeps Parameters]: a swap exchanges the two objects' `__dict__`s, so
     the Parameter `Module._apply` keeps would lose its Python attributes (`_no_weight_decay`,
     `_is_hf_initialized`, `sequence_parallel`: flags optimizers' param groups and loaders
-    read), which CUDA's `.data` path keeps. Swapping into a neuron tensor from there, they
-    are carried over first. Everyone else's swap is PyTorch's."""
-    if (type(t2) is NeuronTensor and type(t1) is not NeuronTensor
-            and sys._getframe(1).f_code is _APPLY):
+    read), which CUDA's `.data` path keeps. Swapping from there, they are carried over first
+    (ours, the buffer handle and layout, stay with the neuron tensor). Where `_apply` swaps
+    only because we asked it to (`_swap_on_conversion`), a conversion `.data =` can do
+    (neuron to neuron, CPU to CPU) takes `.data =`, as it would have without us. Everyone
+    else's swap is PyTorch's."""
+    if sys._getframe(1).f_code is _APPLY:
+        if (not _user_swaps() and not torch.__future__.get_overwrite_module_params_on_conversion()
+                and torch._has_compatible_shallow_copy_type(t1, t2)):
+            t1.data = t2
+            return
         for k, v in t1.__dict__.items():
-            t2.__dict__.setdefault(k, v)
+            if k not in _OURS:
+                t2.__dict__.setdefault(k, v)
     _swap(t1, t2)
 
 
+_OURS = ("_engine", "_handle", "_info", "_is_param")
 _APPLY = torch.nn.Module._apply.__code__
+_user_swaps = torch.__future__.get_swap_module_params_on_conversion
+
+
+def _swap_on_conversion():
+    """Note [Module.to keeps Parameters]: moving a neuron parameter back to the CPU
+    (`module.cpu()`, `.to("cpu")`: Trainer, Lightning's teardown) made a new CPU Parameter,
+    because `_apply` keeps the object by `.data =` only between tensor types PyTorch deems
+    compatible (CPU and CUDA are; a wrapper subclass and the CPU are not, nor would a C++
+    PrivateUse1 backend be) and swaps only into traceable subclasses: ties came undone
+    silently (GPT-2's lm_head and wte became two Parameters) and optimizers built before
+    kept training the old ones. Asked by `_apply` for a module holding a neuron parameter
+    or gradient, this answers PyTorch's own "swap on conversion" yes, so the CPU tensor is
+    swapped into the old object; where a swap cannot be made (an autograd graph or a weakref
+    still holds the parameter) `_apply` raises "Couldn't swap", never unties."""
+    if _user_swaps():
+        return True
+    f = sys._getframe(1)
+    if f.f_code is not _APPLY:
+        return False
+    module = f.f_locals.get("self")
+    params = getattr(module, "_parameters", None) or {}
+    return any(type(p) is NeuronTensor or type(p.grad) is NeuronTensor
+               for p in params.values() if p is not None)
+
+
 torch.utils.swap_tensors = _swap_keeping_attributes
+torch.__future__.get_swap_module_params_on_conversion = _swap_on_conversion
 
 
 def _dlpack_error(t) -> RuntimeError:

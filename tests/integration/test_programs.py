@@ -126,6 +126,82 @@ def test_back_to_cpu_keeps_ties_with_torch_swap_flag():
     assert type(w) is torch.nn.Parameter
 
 
+@pytest.mark.parametrize("back", ["cpu()", "to('cpu')", "to('neuron:1')"])
+def test_back_to_cpu_keeps_parameters_ties_grads_and_attributes(back):
+    """Issue 24: `.cpu()` made new CPU Parameters (a wrapper subclass and the CPU are not
+    `.data`-compatible types): ties came undone silently and optimizers kept the old ones."""
+    m = _tied().to("neuron")
+    w = m[0].weight
+    w._no_weight_decay = True
+    m(torch.tensor([1, 2]).to("neuron")).sum().backward()
+    g = w.grad
+    expected = w.grad.cpu()
+    eval(f"m.{back}")
+    device = "neuron:1" if "neuron" in back else "cpu"
+    assert m[0].weight is w and m[2].weight is w and w.device == torch.device(device)
+    assert w.grad is g and g.device == w.device and torch.equal(g.cpu(), expected)
+    assert w._no_weight_decay is True and isinstance(w, torch.nn.Parameter) and w.is_leaf
+    assert not hasattr(w, "_handle") or type(w) is not torch.nn.Parameter
+    if device == "cpu":
+        assert type(w) is torch.nn.Parameter and type(g) is torch.Tensor
+
+
+def test_back_to_cpu_while_a_graph_holds_the_parameter_raises_not_unties():
+    m = _tied().to("neuron")
+    w = m[0].weight
+    out = m(torch.tensor([1, 2]).to("neuron")).sum()  # the graph holds w
+    with pytest.raises(RuntimeError, match="Couldn't swap"):
+        m.cpu()
+    assert m[0].weight is w and m[2].weight is w
+    out.backward()  # nothing was half-moved: the device step still runs
+    assert w.grad.device.type == "neuron"
+
+
+def test_cpu_modules_and_half_on_neuron_keep_the_data_path():
+    """The swap is asked for only for modules holding neuron parameters, and there only
+    where `.data =` cannot do the conversion: `.half()` on the device works while an autograd
+    graph still holds the parameter, as on CUDA."""
+    lin = torch.nn.Linear(2, 2).to("neuron")
+    w = lin.weight
+    out = lin(torch.ones(1, 2).to("neuron")).sum()
+    lin.double()  # float64 runs as float32 on the device, with one warning
+    lin.half()
+    assert lin.weight is w and w.dtype == torch.float16
+    del out
+    cpu = torch.nn.Linear(2, 2)
+    keep = cpu(torch.ones(1, 2)).sum()  # noqa: F841  (a graph holds the CPU weight)
+    w = cpu.weight
+    cpu.half()
+    assert cpu.weight is w
+
+
+def test_optimizer_built_before_a_round_trip_keeps_training():
+    """Trained on neuron, evaluated on the CPU (`.cpu()`), back to neuron: the optimizer
+    built before any move still trains the model (its state stays where it was made, as
+    on CUDA: a step is taken on the device the state lives on)."""
+    def run(device, evaluate_on):
+        m = _tied()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        x = torch.tensor([1, 2, 5])
+        losses = []
+        for step in range(4):
+            m.to(device)
+            loss = m(x.to(device)).logsumexp(-1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            m.to(evaluate_on)
+            with torch.no_grad():
+                losses.append(m(x.to(evaluate_on)).logsumexp(-1).mean().item())
+        return losses, m
+    cpu, m_cpu = run("cpu", "cpu")
+    trip, m_trip = run("neuron", "cpu")
+    assert trip == cpu and cpu[0] != cpu[6]
+    assert m_trip[0].weight is m_trip[2].weight
+    assert torch.equal(m_trip[0].weight.cpu(), m_cpu[0].weight)
+
+
 def test_deepcopy_keeps_parameters():
     m = copy.deepcopy(_tied().to("neuron"))
     assert all(isinstance(p, torch.nn.Parameter) for p in m.parameters())
