@@ -153,6 +153,10 @@ class Config:
     metrics_enabled: bool = _setting(
         "TORCH_NEURONX_METRICS_ENABLED", False, _flag_exact_1,
         "'1': write this process's metrics as JSON at exit (one file per process)")
+    frameworks: bool = _setting(
+        "ADAPTIVE_EAGER_FRAMEWORKS", True, _flag_not_0,
+        "'0': Hugging Face Transformers, accelerate, TRL and PEFT do not find the neuron "
+        "device (the import name `torch_neuronx` is not answered) and train on the CPU")
     metrics_dir: str = _setting(
         "TORCH_NEURONX_METRICS_DIR", "", str,
         "folder of the metrics files (default: the working folder)")

@@ -8,7 +8,7 @@ import torch
 
 from ..engine.tensor import NeuronTensor, _refuse_sharing
 from ..engine.source import DEVICE_TYPE
-from . import attention, autocast, compile, distributed, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
+from . import attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
 
@@ -54,6 +54,7 @@ def register() -> None:
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
     distributed.register()
     lightning.install()  # Trainer(accelerator="neuron") once Lightning is imported
+    frameworks.install()  # Note [Frameworks find the device]: `torch_neuronx`, if absent
     _done = True
 
 
