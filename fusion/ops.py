@@ -58,6 +58,11 @@ _INDEXING = {
     # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
     "split_with_sizes_copy", "_chunk_cat",
 }
+# torch.optim's fused steps (`fused=True`; Trainer's default `adamw_torch_fused`): one op
+# updating every parameter, gradient and state list in place, elementwise, run with CPU's
+# kernel (its values bit for bit).
+_FUSED_OPTIMIZERS = {"_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"}
+FUSED_OPTIMIZER_PREFIXES = tuple(f"aten::{n}_" for n in sorted(_FUSED_OPTIMIZERS))
 # Ops the schema marks as views but that need to touch data on our device, or are not
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
 _VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
@@ -98,6 +103,8 @@ def op_class(func: torch._ops.OpOverload) -> str | None:
         return CONTRACTION
     if torch.Tag.reduction in tags or base in _REDUCTION:
         return REDUCTION
+    if base in _FUSED_OPTIMIZERS:  # elementwise over lists, as the foreach ops
+        return POINTWISE
     if torch.Tag.pointwise in tags or base.startswith("_foreach_") or base in {
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
             "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not"}:

@@ -519,6 +519,20 @@ def _bumps_versions(eng, func, args, kwargs):
     return out
 
 
+def _bumps_fused_versions(eng, func, args, kwargs):
+    """torch.optim's fused steps (`fused=True`) write parameters, gradients and state in
+    place, with no ADInplaceOrView kernel either: the versions of what they write are bumped,
+    as the foreach steps' are (`_bumps_versions`), so a backward through a graph that saved a
+    parameter before `step()` raises instead of using the new values. (CPU's fused kernels
+    bump none, a silently wrong gradient there; foreach=True, CPU's default, raises.)"""
+    written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+        raise RuntimeError(_INFERENCE_WRITE)
+    out = eng._dispatch(func, args, kwargs)
+    torch.autograd.graph.increment_version(written)
+    return out
+
+
 def _lift_fresh(eng, func, args, kwargs):
     """`torch.tensor(data, device="neuron")` makes a device tensor, then lifts it. While
     torch.compile traces (a FakeTensorMode is active) the modes decline a tensor subclass
@@ -591,6 +605,9 @@ for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:
             _op = getattr(_packet, _op)
             assert _op._schema.arguments[0].alias_info.is_write, _op
             _SPECIAL[_op] = _bumps_versions
+for _name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
+    for _op in getattr(aten, _name).overloads():
+        _SPECIAL[getattr(getattr(aten, _name), _op)] = _bumps_fused_versions
 # (by the C++ op: an OpOverload hashes in Python, and writes_foreach runs per op)
 _FOREACH_WRITES = frozenset(f._op for f, h in _SPECIAL.items() if h is _bumps_versions)
 
