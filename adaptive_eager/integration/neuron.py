@@ -64,6 +64,8 @@ class _DeviceProperties(typing.NamedTuple):
     total_memory: int  # HBM bytes of the core
     multi_processor_count: int  # the core's engines (the simulator models one queue)
     type: str = "neuron"
+    major: int = 3  # get_device_capability()
+    minor: int = 0
 
 
 def get_device_properties(device=None) -> _DeviceProperties:
@@ -320,3 +322,131 @@ def device(d):
         yield
     finally:
         cores.set_current(old)
+
+
+# -- what frameworks ask torch.cuda ------------------------------------------------------
+# Note [torch.neuron answers as torch.cuda]: Hugging Face Transformers, accelerate, PEFT, TRL
+# and Lightning call these on their device paths (`torch.<device>.*`, found by grepping
+# them: TORCH_NEURON_API.md has the table). Each answers from the simulated device; what
+# has no meaning here (CUDA graphs, NVML's temperature) is left out, so `hasattr` tells.
+from device import NeuronOutOfMemoryError as OutOfMemoryError  # noqa: E402
+
+
+def init() -> None:
+    """torch.cuda.init: the device is ready once registered; nothing to initialize."""
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """bfloat16 is the NeuronCore's native matmul type (autocast's default here)."""
+    return True
+
+
+def is_tf32_supported() -> bool:
+    """float32 matmuls run in float32 (CPU's kernels): no TF32 mode to turn on."""
+    return False
+
+
+_CAPABILITY = (3, 0)  # NeuronCore-v3, the generation of Trainium2 (Note [Device assumptions])
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    """(major, minor) of the core's generation: NeuronCore-v3 (Trainium2) is (3, 0). Not a
+    CUDA compute capability: code comparing it with CUDA's (8, 0) asks `device.type` first."""
+    _check(device)
+    return _CAPABILITY
+
+
+def can_device_access_peer(device, peer_device) -> bool:
+    """The cores of the one simulated chip reach each other (collectives copy between them)."""
+    _check(device)
+    _check(peer_device)
+    return True
+
+
+def is_current_stream_capturing() -> bool:
+    """No graph capture on the device (CUDA graphs have no counterpart): never capturing."""
+    return False
+
+
+def ipc_collect() -> None:
+    """Nothing to collect: a neuron buffer is never shared with another process (Note
+    [Sharing across processes] in _tensor.py)."""
+
+
+def reset_max_memory_allocated(device=None) -> None:
+    """The peak of allocated memory starts again from what is in use (reserved is the same
+    figure on the simulator: no caching allocator keeps freed blocks)."""
+    reset_peak_memory_stats(device)
+
+
+reset_max_memory_cached = reset_max_memory_allocated
+memory_cached = memory_reserved  # CUDA's deprecated names
+max_memory_cached = max_memory_reserved
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """Zero the allocation, free and out-of-memory counts of memory_stats()."""
+    hbm = _E(device).device.hbm
+    hbm.num_allocs = hbm.num_frees = hbm.num_ooms = 0
+
+
+def device_memory_used(device=None) -> int:
+    """Bytes in use on the core's HBM (this process is its only user)."""
+    return _E(device).device.hbm.used
+
+
+def memory_stats_as_nested_dict(device=None) -> dict:
+    """memory_stats() split at its dots, as CUDA's nested form."""
+    out: dict = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def memory_summary(device=None, abbreviated: bool = False) -> str:
+    """A readable table of the core's memory, as torch.cuda.memory_summary gives."""
+    eng = _E(device)
+    hbm = eng.device.hbm
+
+    def mib(n):
+        return f"{n:,} B"
+    rows = [("Allocated memory", mib(hbm.used), mib(hbm.peak)),
+            ("Reserved memory", mib(hbm.used), mib(hbm.peak)),
+            ("Capacity", mib(hbm.capacity), ""),
+            ("Allocations / frees", f"{hbm.num_allocs:>16}", f"{hbm.num_frees:>16}"),
+            ("Out-of-memory errors", f"{hbm.num_ooms:>16}", "")]
+    lines = [f"neuron:{eng.index} memory summary (simulated HBM)",
+             f"{'':24}{'current':>16}{'peak':>16}"]
+    lines += [f"{name:24}{cur:>16}{peak:>16}" for name, cur, peak in rows]
+    return "\n".join(lines)
+
+
+class StreamContext:
+    """`with torch.neuron.StreamContext(s):` as `torch.neuron.stream(s)` (None: no change)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._cm = None
+
+    def __enter__(self):
+        self._cm = _stream_scope(self.stream)
+        self._cm.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def device_of(obj):
+    """The current core is `obj`'s inside the block (a CPU tensor leaves it unchanged)."""
+    index = obj.get_device() if obj.device.type == "neuron" else None
+    with device(index):
+        yield
+
+
+_stream_scope = stream
