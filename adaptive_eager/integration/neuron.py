@@ -370,7 +370,7 @@ def is_current_stream_capturing() -> bool:
 
 def ipc_collect() -> None:
     """Nothing to collect: a neuron buffer is never shared with another process (Note
-    [Sharing across processes] in _tensor.py)."""
+    [Sharing across processes] in engine/tensor.py)."""
 
 
 def reset_max_memory_allocated(device=None) -> None:
