@@ -142,7 +142,8 @@ def test_a_real_torch_neuronx_is_found_first(tmp_path):
     (pkg / "__init__.py").write_text("REAL = True\n")
     code = "import torch, torch_neuronx; print(getattr(torch_neuronx, 'REAL', False))"
     assert _python(code, path=[str(tmp_path)]) == ["True"]
-    assert _python("import torch, torch_neuronx; print(torch_neuronx.SIMULATED)") == ["True"]
+    import torch_neuronx  # here, none on the path: ours
+    assert torch_neuronx.SIMULATED and torch_neuronx.Stream is torch.neuron.Stream
 
 
 # -- Trainer ----------------------------------------------------------------------------
@@ -166,6 +167,7 @@ def test_trainer_bf16_engages_autocast(tmp_path):
     assert set(dtypes) == {torch.bfloat16}  # autocast engaged, on CPU and on neuron
 
 
+@pytest.mark.timeout(300)
 def test_gradient_accumulation_and_checkpointing_match_cpu(tmp_path):
     _same_everywhere(lambda mode: _train(mode, tmp_path, gradient_accumulation_steps=2,
                                          gradient_checkpointing=True))
@@ -181,7 +183,7 @@ def _resume(mode, tmp_path, trainer_cls=None, dropout=0.0):
     return full, full[:3] + rest
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_checkpoint_and_resume_match_cpu(tmp_path):
     def run(mode):
         full, resumed = _resume(mode, tmp_path / mode)
@@ -205,7 +207,7 @@ class _NeuronRNGTrainer(transformers.Trainer):
             torch.neuron.set_rng_state_all(torch.load(path))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_resume_with_dropout_needs_the_rng_recipe(tmp_path):
     """With dropout, Trainer's own resume restores CPU's generator but not the device's:
     the resumed steps draw other masks (this test documents it, and fails once transformers
@@ -316,7 +318,7 @@ def _tokenizer():
         tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>", unk_token="<unk>")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_trl_sft_trainer_matches_cpu(tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
