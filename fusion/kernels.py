@@ -9,8 +9,8 @@ the device runs the user's Python body over the host memory of the device buffer
 CPU's kernels for ATen ops. Its simulated cost is what the user declares (`register_cost`),
 else a roofline over its inputs and outputs (`roofline`).
 
-The costs of the library kernels (adaptive_eager.kernels) are here too: they model how each
-kernel tiles its work through SBUF (`flash_attention_cost`, ...).
+The costs of the library kernels (`ae.kernels`: adaptive_eager/integration/kernels.py) are
+here too: they model how each kernel tiles its work through SBUF (`flash_attention_cost`...).
 """
 from __future__ import annotations
 
@@ -122,12 +122,13 @@ def body(func) -> Callable:
     return run
 
 
-# -- the library kernels' costs (adaptive_eager.kernels) --------------------------------
+# -- the library kernels' costs (ae.kernels) ------------------------------------------------
 # Note [Kernel tiling]: each library kernel keeps its working tiles in SBUF and reads and
 # writes HBM only for what crosses tiles, as NKI-lib's kernels do. The figures below count
 # those HBM bytes. FLOPs count multiply-adds as 2.
 
 FLASH_BLOCK = 128  # query / key rows per tile (a NeuronCore's partition count)
+FLASH_RESIDENT_BYTES = 16 * 2**20  # assumption: the SBUF share K and V may keep resident
 
 
 def flash_attention_cost(b: int, h: int, s_q: int, s_k: int, d: int, dv: int, itemsize: int,
@@ -139,9 +140,11 @@ def flash_attention_cost(b: int, h: int, s_q: int, s_k: int, d: int, dv: int, it
     bh = b * h
     q_blocks = math.ceil(s_q / FLASH_BLOCK)
     kv_bytes = s_k * (d + dv) * itemsize
-    tile = FLASH_BLOCK * (d + dv) * itemsize + FLASH_BLOCK * FLASH_BLOCK * 4 * 2
-    sbuf = kv_bytes + tile if kv_bytes + tile <= 16 * 2**20 else 2 * tile
-    kv_passes = 1 if sbuf > 2 * tile or q_blocks == 1 else q_blocks  # K/V resident, or streamed
+    # a query block, its output accumulator, and a block of scores and probabilities (fp32)
+    tile = FLASH_BLOCK * (d + dv) * (itemsize + 4) + FLASH_BLOCK * FLASH_BLOCK * 4 * 2
+    resident = kv_bytes + tile <= FLASH_RESIDENT_BYTES  # K and V stay in SBUF for every block
+    sbuf = kv_bytes + tile if resident else tile + 2 * FLASH_BLOCK * (d + dv) * itemsize
+    kv_passes = 1 if resident else q_blocks  # else streamed once per query block
     pairs = s_q * s_k / (2 if causal else 1)
     if not backward:
         flops = bh * pairs * 2 * (d + dv) + bh * pairs * 5  # QK^T, PV; scale, max, exp, sum

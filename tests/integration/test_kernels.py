@@ -264,3 +264,127 @@ def test_mutating_kernel_in_a_loop_matches_cpu(kmode):
         yn.mul_(0.9)
     torch.testing.assert_close(yn.cpu(), yc)
     assert ae.metrics().kernels == {"aetest::axpy_": 6}
+
+
+# -- the library kernels ----------------------------------------------------------------
+import torch.nn.functional as F  # noqa: E402
+
+from adaptive_eager import kernels as K  # noqa: E402
+
+
+def _attn_inputs(s=160, d=16, b=2, h=2):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(b, h, s, d, generator=g) for _ in range(3)]
+
+
+def _moe_inputs(t=24, d=16, f=20, e=4):
+    g = torch.Generator().manual_seed(2)
+    return [torch.randn(t, d, generator=g), torch.randn(t, e, generator=g),
+            torch.randn(e, f, d, generator=g) * 0.3, torch.randn(e, f, d, generator=g) * 0.3,
+            torch.randn(e, d, f, generator=g) * 0.3]
+
+
+def _grads_match(fn, ref, cpu_inputs, grad_of, run=None):
+    """fn on neuron (through `run`: eager/adaptive call, or a compiled wrapper) vs ref on
+    CPU: values and the gradients of the inputs `grad_of` (indices)."""
+    cin = [t.clone().requires_grad_(i in grad_of) for i, t in enumerate(cpu_inputs)]
+    nin = [t.to("neuron").requires_grad_(i in grad_of) for i, t in enumerate(cpu_inputs)]
+    want = ref(*cin)
+    got = (run or fn)(*nin)
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-4, atol=1e-5)
+    (want * want).sum().backward()
+    (got * got).sum().backward()
+    for i in grad_of:
+        torch.testing.assert_close(nin[i].grad.cpu(), cin[i].grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_matches_sdpa_with_grads(kmode, causal):
+    ae.reset_metrics()
+    _grads_match(lambda q, k, v: K.flash_attention(q, k, v, causal=causal, scale=0.3),
+                 lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                scale=0.3),
+                 _attn_inputs(), (0, 1, 2))
+    assert ae.metrics().kernels == {"aelib::flash_attention_fwd": 1,
+                                    "aelib::flash_attention_bwd": 1}
+
+
+def test_rms_norm_matches_aten_with_grads(kmode):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 7, 48, generator=g), torch.randn(48, generator=g)
+    ae.reset_metrics()
+    _grads_match(lambda x, w: K.rms_norm(x, w, 1e-5),
+                 lambda x, w: F.rms_norm(x, (48,), w, 1e-5), [x, w], (0, 1))
+    assert ae.metrics().kernels == {"aelib::rms_norm_fwd": 1, "aelib::rms_norm_bwd": 1}
+
+
+def test_moe_mlp_matches_aten_with_grads(kmode):
+    ae.reset_metrics()
+    _grads_match(lambda *a: K.moe_mlp(*a, top_k=2), lambda *a: K.moe_reference(*a, top_k=2),
+                 _moe_inputs(), (0, 1, 2, 3, 4))
+    assert ae.metrics().kernels == {"aelib::moe_mlp_fwd": 1, "aelib::moe_mlp_bwd": 1}
+    assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_library_kernels_under_compile():
+    import torch._dynamo
+    torch._dynamo.reset()
+
+    def block(x, w, q, k, v):
+        return K.flash_attention(K.rms_norm(q, w), k, v, causal=True).sum() + x.sum()
+
+    def ref(x, w, q, k, v):
+        return F.scaled_dot_product_attention(F.rms_norm(q, (16,), w, 1e-6), k, v,
+                                              is_causal=True).sum() + x.sum()
+
+    q, k, v = _attn_inputs()
+    ins = [torch.randn(3), torch.randn(16), q, k, v]
+    ae.reset_metrics()
+    _grads_match(block, ref, ins, (1, 2, 3, 4),
+                 run=torch.compile(block, backend="neuron", fullgraph=True))
+    assert set(ae.metrics().kernels) == {"aelib::flash_attention_fwd",
+                                         "aelib::flash_attention_bwd", "aelib::rms_norm_fwd",
+                                         "aelib::rms_norm_bwd"}
+    torch._dynamo.reset()
+
+
+def test_library_kernels_bad_shapes_raise_at_the_call():
+    q, k, v = (t.to("neuron") for t in _attn_inputs())
+    with pytest.raises(RuntimeError, match="do not fit"):
+        K.flash_attention(q, k[..., :8], v)
+    with pytest.raises(RuntimeError, match="does not fit input"):
+        K.rms_norm(q, torch.ones(5, device="neuron"))
+    with pytest.raises(RuntimeError, match="top_k=9 with 4 experts"):
+        K.moe_mlp(*(t.to("neuron") for t in _moe_inputs()), top_k=9)
+
+
+def test_library_kernels_opcheck():
+    q, k, v = _attn_inputs(s=20, d=8, b=1, h=2)
+    x, w = torch.randn(5, 8), torch.randn(8)
+    samples = [(K._flash_fwd, (q, k, v, True, 0.5)), (K._rms_fwd, (x, w, 1e-6)),
+               (K._moe_fwd, tuple(_moe_inputs(t=6, d=8, f=8, e=3)) + (2,))]
+    for op, args in samples:
+        dev = tuple(a.to("neuron").requires_grad_(a.is_floating_point())
+                    if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(op, dev, test_utils=_ON_DEVICE)
+        cpu = tuple(a.clone().requires_grad_(a.is_floating_point())
+                    if isinstance(a, torch.Tensor) else a for a in args)
+        torch.library.opcheck(op, cpu, test_utils=_ON_CPU)
+
+
+def test_flash_attention_hbm_bytes_are_o_seq_d_and_under_an_eighth_of_the_unfused_ops():
+    """Note [Kernel tiling]: modeled HBM bytes, the kernel against the ATen ops it replaces
+    (eager: each op reads and writes HBM), at sequence 1024, head dim 64, one head (4096:
+    benchmarks/test_kernel_targets.py)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 1024, 64, generator=g).to("neuron") for _ in range(3))
+    ae.reset_metrics()
+    K.attention_reference(q, k, v, causal=True)
+    ae.synchronize()
+    unfused = ae.metrics().hbm_bytes
+    ae.reset_metrics()
+    K.flash_attention(q, k, v, causal=True)
+    ae.synchronize()
+    flash = ae.metrics().hbm_bytes
+    assert flash * 8 <= unfused, (flash, unfused)
+    assert flash == 1024 * 64 * 4 * 4 + 1024 * 4  # q, k, v read, out and lse written
