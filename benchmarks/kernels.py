@@ -15,7 +15,7 @@ import sys
 import torch
 
 import adaptive_eager as ae
-import adaptive_eager.kernels as K
+from adaptive_eager import kernels as K
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("eager", "adaptive")

@@ -4,7 +4,7 @@ in eager mode (issue 27), and its device time is lower; RMSNorm and the MoE MLP 
 device time than their ATen ops in eager mode. `python benchmarks/kernels.py` has the table."""
 import pytest
 
-import adaptive_eager.kernels as K
+from adaptive_eager import kernels as K
 from kernels import measure, _inputs
 
 

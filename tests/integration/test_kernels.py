@@ -294,8 +294,10 @@ def _grads_match(fn, ref, cpu_inputs, grad_of, run=None):
     torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-4, atol=1e-5)
     (want * want).sum().backward()
     (got * got).sum().backward()
-    for i in grad_of:
-        torch.testing.assert_close(nin[i].grad.cpu(), cin[i].grad, rtol=1e-4, atol=1e-4)
+    for i in grad_of:  # (float32 sums of different orders: tolerance scaled to the grads)
+        scale = max(1.0, cin[i].grad.abs().max().item())
+        torch.testing.assert_close(nin[i].grad.cpu(), cin[i].grad, rtol=1e-4,
+                                   atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -338,7 +340,8 @@ def test_library_kernels_under_compile():
                                               is_causal=True).sum() + x.sum()
 
     q, k, v = _attn_inputs()
-    ins = [torch.randn(3), torch.randn(16), q, k, v]
+    g = torch.Generator().manual_seed(5)
+    ins = [torch.randn(3, generator=g), torch.randn(16, generator=g), q, k, v]
     ae.reset_metrics()
     _grads_match(block, ref, ins, (1, 2, 3, 4),
                  run=torch.compile(block, backend="neuron", fullgraph=True))
