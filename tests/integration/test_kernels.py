@@ -391,3 +391,16 @@ def test_flash_attention_hbm_bytes_are_o_seq_d_and_under_an_eighth_of_the_unfuse
     flash = ae.metrics().hbm_bytes
     assert flash * 8 <= unfused, (flash, unfused)
     assert flash == 1024 * 64 * 4 * 4 + 1024 * 4  # q, k, v read, out and lse written
+
+
+def test_demo_kernels(capsys):
+    """`python -m adaptive_eager demo --kernels`: the GPT with flash_attention beside the
+    plain one, in eager and adaptive mode; losses within tolerance, kernel launches counted."""
+    from adaptive_eager.tools import demo
+    assert demo.main(["--kernels", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive graph+kernels" in out and "eager+kernels" in out
+    assert "kernels within float32 tolerance" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("eager+kernels")
+               and "HBM" not in line and line.count("|") == 3)
+    assert row.split("|")[2].strip() == "4"  # 2 layers x (forward, backward) per step
