@@ -75,13 +75,18 @@ LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"))
 
 
-@functools.lru_cache(maxsize=None)
 def op_class(func: torch._ops.OpOverload) -> str | None:
     """The class of an ATen op on our device, or None when the device lacks it (CPU fallback).
     Ops of other namespaces (custom ops, prims) are not the device's, whatever their tags,
-    unless they have a kernel for the device (Note [Custom kernels] in fusion/kernels.py)."""
+    unless they have a kernel for the device (Note [Custom kernels] in fusion/kernels.py):
+    asked each time, not cached, since a neuron kernel may be registered after a first call."""
     if func.namespace != "aten":
         return KERNEL if is_kernel(func) else None
+    return _aten_class(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_class(func: torch._ops.OpOverload) -> str | None:
     name = func.overloadpacket.__name__
     base = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
     tags = func.tags

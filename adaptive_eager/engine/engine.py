@@ -627,8 +627,9 @@ _ROUTES: dict = {}
 
 
 def _route(func) -> _Route:
-    r = _ROUTES[func._op] = _Route(_SPECIAL.get(func), composite_key(func), op_class(func),
-                                   scalar_positions(func))
+    r = _Route(_SPECIAL.get(func), composite_key(func), op_class(func), scalar_positions(func))
+    if r.cls is not None or func.namespace == "aten":  # (a custom op's neuron kernel may be
+        _ROUTES[func._op] = r  # registered after its first call: Note [Custom kernels])
     return r
 
 

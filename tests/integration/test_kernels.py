@@ -404,3 +404,20 @@ def test_demo_kernels(capsys):
     row = next(line for line in out.splitlines() if line.strip().startswith("eager+kernels")
                and "HBM" not in line and line.count("|") == 3)
     assert row.split("|")[2].strip() == "4"  # 2 layers x (forward, backward) per step
+
+
+def test_neuron_kernel_registered_after_a_first_call():
+    """A custom op called on neuron before its neuron kernel exists falls back to the CPU
+    (warned); once registered, the kernel runs on the device."""
+    @torch.library.custom_op("aetest::late", mutates_args=())
+    def late(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    late.register_fake(lambda x: torch.empty_like(x))
+    xn = torch.zeros(3, device="neuron")
+    with pytest.warns(UserWarning, match="aetest::late' fell back to CPU"):
+        torch.testing.assert_close(late(xn).cpu(), torch.ones(3))
+    late.register_kernel("neuron")(lambda x: x + 2)
+    ae.reset_metrics()
+    torch.testing.assert_close(late(xn).cpu(), torch.full((3,), 2.0))
+    assert ae.metrics().kernels == {"aetest::late": 1} and ae.metrics().cpu_fallbacks == {}
