@@ -176,9 +176,12 @@ def test_autograd_matches_cpu(kmode):
     xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
     (scale_add(xc, yc, 3.0).sin().sum()).backward()
     xn, yn = x.to("neuron").requires_grad_(), y.to("neuron").requires_grad_()
+    ae.reset_metrics()
     (scale_add(xn, yn, 3.0).sin().sum()).backward()
     torch.testing.assert_close(xn.grad.cpu(), xc.grad)
     torch.testing.assert_close(yn.grad.cpu(), yc.grad)
+    m = ae.metrics()  # the forward on the device (the backward is ATen ops: g * a, g)
+    assert m.kernels == {"aetest::scale_add": 1} and m.cpu_fallbacks == {}
 
 
 def test_compile_sees_the_custom_op():
