@@ -246,6 +246,7 @@ _registered = False
 # __init__ cannot be listed alone (skipping it skips its directory), nor can a wing holding
 # a traced module (tools, integration): their modules are listed one by one.
 _TRACEABLE = {"tools.models", "tools.run", "integration.kernels"}
+_WINGS = ("integration", "tools")  # (holding traced modules: listed module by module)
 
 
 def _never_traced() -> list[str]:
@@ -253,9 +254,8 @@ def _never_traced() -> list[str]:
 
     import adaptive_eager
     root = adaptive_eager.__path__[0]
-    wings = {"tools", "integration"}  # (holding traced modules: listed module by module)
-    names = [m.name for m in pkgutil.iter_modules([root]) if m.name not in wings]
-    for wing in sorted(wings):
+    names = [m.name for m in pkgutil.iter_modules([root]) if m.name not in _WINGS]
+    for wing in sorted(_WINGS):
         names += [f"{wing}.{m.name}" for m in pkgutil.iter_modules([f"{root}/{wing}"])]
     return [f"adaptive_eager.{n}" for n in names if n not in _TRACEABLE] + ["fusion", "device"]
 
