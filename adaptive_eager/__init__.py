@@ -11,3 +11,13 @@ from .api import (  # noqa: F401
     save_trace, set_adaptive, set_device_spec, set_strategy, strategy, synchronize,
     wait_for_compiles)
 from .api import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    """`ae.kernels` (and `from adaptive_eager import kernels`): the kernel library
+    (integration/kernels.py), imported on first use, so its custom ops are registered only
+    for those who use them."""
+    if name == "kernels":
+        import importlib
+        return importlib.import_module("adaptive_eager.integration.kernels")
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")

@@ -227,7 +227,8 @@ def test_profiler_and_trace_name_kernels():
         scale_add(xn, yn, 2.0).cpu()
     names = {e.name for e in prof.events()}
     assert "neuron::kernel:aetest::scale_add" in names
-    trace = ae._engine.ENGINE.device.chrome_trace()
+    from adaptive_eager.engine import engine
+    trace = engine.ENGINE.device.chrome_trace()
     assert any(e.get("cat") == "kernel" and e["name"] == "aetest::scale_add"
                for e in trace["traceEvents"])
 
