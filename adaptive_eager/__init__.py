@@ -5,8 +5,19 @@ The package re-exports its public API (api.py); importing it registers the devic
 engine/ (one core's dispatch, queue, replay), integration/ (what teaches torch and libraries
 about the device), tools/ (demo, run, report); see README.md beside this file."""
 from .api import (  # noqa: F401
-    DeviceSpec, Explanation, FlushInterrupted, NeuronFallbackError, NeuronInductorError,
+    Cost, DeviceSpec, Explanation, FlushInterrupted, NeuronFallbackError, NeuronInductorError,
     NeuronOutOfMemoryError, NeuronRuntimeError, Snapshot, adaptive, config, core_metrics,
-    explain, is_adaptive, metrics, metrics_report, override, reset_metrics, save_trace,
-    set_adaptive, set_device_spec, set_strategy, strategy, synchronize, wait_for_compiles)
+    explain, is_adaptive, metrics, metrics_report, override, register_cost, reset_metrics,
+    save_trace, set_adaptive, set_device_spec, set_strategy, strategy, synchronize,
+    wait_for_compiles)
 from .api import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    """`ae.kernels` (and `from adaptive_eager import kernels`): the kernel library
+    (integration/kernels.py), imported on first use, so its custom ops are registered only
+    for those who use them."""
+    if name == "kernels":
+        import importlib
+        return importlib.import_module("adaptive_eager.integration.kernels")
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")

@@ -24,9 +24,10 @@ from .explain import Explanation
 from .metrics import Snapshot, report as _report, snapshot
 from device import COUNTERS
 from device import DeviceSpec, NeuronOutOfMemoryError
+from fusion.kernels import Cost, register_cost
 
 __all__ = [
-    "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
+    "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
     "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
     "core_metrics", "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",

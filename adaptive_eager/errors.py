@@ -39,7 +39,9 @@ def _raise_launch_error(launch):
         if note not in getattr(err, "__notes__", ()):
             err.add_note(note)
         raise err
-    raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}",
+    at = getattr(err, "_ae_kernel_at", None)  # Note [Custom kernels]: the body's line
+    where = f" (raised in kernel {op} at {at})" if at else ""
+    raise NeuronRuntimeError(op, f"{type(err).__name__}: {err}{where}",
                              node.source if node is not None else None) from err
 
 

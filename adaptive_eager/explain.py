@@ -44,6 +44,7 @@ class Explanation:
                 lines.append(f"  -- boundary: {r.boundaries[i - 1]}")
             name = g["name"] if len(g["name"]) <= 70 else g["name"][:67] + "..."
             ran = "  [compiled]" if g.get("compiled") else ""  # TorchInductor's code ran
+            ran += "  [custom kernel]" if g.get("kernel") else ""
             lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}{ran}")
             if g.get("bad"):
                 lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")

@@ -46,6 +46,12 @@ class Snapshot:
     collectives: int = 0
     collective_bytes: int = 0
     replayed_ops: int = 0  # ops queued from a trace (Note [Replay]): no template, no lookup
+    # Custom kernels (Note [Custom kernels]): their launches, device time and HBM bytes (also
+    # counted in launches, device_time_us and hbm_bytes), and launches by kernel
+    kernel_launches: int = 0
+    kernel_time_us: float = 0.0
+    kernel_hbm_bytes: int = 0
+    kernels: dict = dataclasses.field(default_factory=dict)
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -87,7 +93,9 @@ def snapshot(hbms) -> Snapshot:
         inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
         compile_failures=dict(c.compile_failures),
         collectives=c.collectives, collective_bytes=c.collective_bytes,
-        replayed_ops=c.replayed_ops)
+        replayed_ops=c.replayed_ops, kernel_launches=c.kernel_launches,
+        kernel_time_us=c.kernel_time_us, kernel_hbm_bytes=c.kernel_hbm_bytes,
+        kernels=dict(c.kernels))
 
 
 def report(s: Snapshot) -> str:
@@ -110,6 +118,10 @@ def report(s: Snapshot) -> str:
         ("groups not compiled", ", ".join(f"{k}={v}" for k, v in
                                           sorted(s.compile_failures.items())) or "-"),
         ("device time (simulated)", f"{s.device_time_us / 1e3:.3f} ms"),
+        ("custom kernel launches (time, HBM)",
+         f"{s.kernel_launches} ({s.kernel_time_us / 1e3:.3f} ms, {s.kernel_hbm_bytes} B)"
+         + (": " + ", ".join(f"{k}={v}" for k, v in sorted(s.kernels.items()))
+            if s.kernels else "")),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
         ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),

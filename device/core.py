@@ -32,7 +32,7 @@ class Launch:
     nbytes: int  # HBM bytes read + written
     flops: float
     low_precision: bool = False
-    kind: str = "launch"  # "launch" or "dma"
+    kind: str = "launch"  # "launch", "kernel" (a custom kernel's launch) or "dma"
     dma_bytes: int = 0
     start_us: float = 0.0
     end_us: float = 0.0
@@ -40,6 +40,7 @@ class Launch:
     internal: bool = False  # the error is a bug of ours, not the op's (LaunchError)
     context: Any = None  # what the engine wants back with an error (op name, source line)
     cost_us: float = 0.0  # kind "collective": its time, from device/interconnect.py
+    overhead_us: float = 0.0  # fixed time the executable adds (a kernel's declared overhead)
 
 
 class LaunchError(Exception):
@@ -62,7 +63,7 @@ class DeviceError(RuntimeError):
 
 
 # Timeline tracks by event kind: launches, DMAs, and the host's compiles and syncs.
-TRACKS = {"launch": 0, "dma": 1, "compile": 2, "sync": 3, "collective": 4}
+TRACKS = {"launch": 0, "kernel": 0, "dma": 1, "compile": 2, "sync": 3, "collective": 4}
 TRACK_NAMES = ("NeuronCore launches", "DMA", "host: compiles", "host: syncs", "collectives")
 
 
@@ -116,10 +117,16 @@ class Device:
         elif launch.kind == "collective":  # costed by its caller (device/interconnect.py)
             cost = launch.cost_us
         else:
-            cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision)
+            cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision) \
+                + launch.overhead_us
             COUNTERS.launches += 1
             COUNTERS.hbm_bytes += launch.nbytes
             self.stats["launches"] += 1
+            if launch.kind == "kernel":  # custom kernels, counted apart too
+                COUNTERS.kernel_launches += 1
+                COUNTERS.kernel_time_us += cost
+                COUNTERS.kernel_hbm_bytes += launch.nbytes
+                COUNTERS.kernels[launch.name] += 1
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
         if self.in_flight() >= spec.max_in_flight:
             self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])

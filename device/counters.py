@@ -19,6 +19,12 @@ class Counters:
     dmas: int = 0  # host<->device copies
     device_time_us: float = 0.0  # simulated device time of every launch and copy
     hbm_bytes: int = 0  # HBM bytes read and written by launches
+    # Custom kernels' launches (included in the figures above too), their device time and
+    # HBM bytes, and launches by kernel name
+    kernel_launches: int = 0
+    kernel_time_us: float = 0.0
+    kernel_hbm_bytes: int = 0
+    kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     d2d_bytes: int = 0  # core to core

@@ -39,6 +39,8 @@ class GroupPlan:
     flops: float
     low_precision: bool  # BF16/FP16 values: the device's faster peak applies
     level: str  # where its executable came from when the plan was built
+    kernel: bool = False  # a custom kernel's launch (Note [Custom kernels] in kernels.py)
+    overhead_us: float = 0.0  # its declared fixed cost
 
 
 @dataclasses.dataclass
@@ -70,6 +72,7 @@ class FlushReport:
     @property
     def groups(self) -> list[dict]:
         return [{"name": g.exe.name, "ops": g.end - g.start, "bytes": g.nbytes,
+                 "kernel": g.kernel,
                  "flops": g.flops, "level": "plan" if self.plan_hit else g.level,
                  "bad": getattr(g.exe, "reason", None),
                  "compiled": bool(self.compiled and self.compiled[i])}
@@ -166,9 +169,12 @@ class Runner:
             out_bytes = sum(n.vbytes[li] for n in members for li in n.writes
                             if n.uids[li] in keep or n.uids[li] not in created)
             low = any(o is not None and o[4] in _LOW_PRECISION for n in members for o in n.outs)
+            cost = members[0].op.cost  # a custom kernel, alone in its group: its own cost
             plans.append(GroupPlan(g[0], g[-1] + 1, exe, slots, list(program.outputs),
-                                   sum(ext_bytes.values()) + out_bytes,
-                                   sum(n.flops for n in members), low, level))
+                                   sum(ext_bytes.values()) + out_bytes if cost is None
+                                   else cost.hbm_bytes,
+                                   sum(n.flops for n in members), low, level,
+                                   cost is not None, cost.overhead_us if cost else 0.0))
         return Plan(plans, reasons, graph, skipped)
 
     def _executable(self, program: Program) -> tuple[Executable, str]:
@@ -228,7 +234,9 @@ class Runner:
                 if compiled is not None:
                     compiled.append(ran)
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
-                                           gp.low_precision, context=members))
+                                           gp.low_precision, context=members,
+                                           kind="kernel" if gp.kernel else "launch",
+                                           overhead_us=gp.overhead_us))
                 if launch.error is not None:
                     origin = launch
             for s in gp.outputs:  # (only these leave the group: later groups read them)

@@ -108,7 +108,9 @@ def from_json(t: Any) -> Any:
 @functools.lru_cache(maxsize=None)
 def op_name(func) -> str:
     """Short name in fused names (`mul.Tensor|add.Tensor|gelu`, as the reference)."""
-    name = func._schema.name.split("::")[-1]
+    ns, _, name = func._schema.name.partition("::")
+    if ns != "aten":  # a custom kernel: named in full (Note [Custom kernels])
+        name = func._schema.name
     return name if func._overloadname == "default" else f"{name}.{func._overloadname}"
 
 
@@ -116,9 +118,10 @@ class OpSig:
     """What every call of one op signature shares (computed once, cached by the engine)."""
 
     __slots__ = ("func", "name", "cls", "sig", "outs", "reads", "writes", "arg_writes", "new",
-                 "inplace", "flops", "new_bytes", "new_total")
+                 "inplace", "flops", "new_bytes", "new_total", "cost")
 
-    def __init__(self, func, cls, args, kwargs, outs, n_args, writes, flops, new_bytes):
+    def __init__(self, func, cls, args, kwargs, outs, n_args, writes, flops, new_bytes,
+                 cost=None):
         self.func = func
         self.name = op_name(func)
         self.cls = cls
@@ -135,6 +138,10 @@ class OpSig:
         self.flops = flops
         self.new_bytes = new_bytes  # bytes of each new output, in order
         self.new_total = sum(new_bytes)
+        # A custom kernel's declared (or roofline) cost: fusion.kernels.Cost; None for ATen ops
+        self.cost = cost
+        if cost is not None:
+            self.flops = cost.flops
 
 
 class Node:
@@ -153,6 +160,8 @@ class Node:
         # (vbytes of the new buffers are the signature's new_bytes)
         self.out_bytes = op.new_total + sum([vbytes[li] for li in op.arg_writes]) \
             if op.arg_writes else op.new_total
+        if op.cost is not None:  # a custom kernel: its declared HBM traffic
+            self.in_bytes, self.out_bytes = op.cost.bytes_read, op.cost.bytes_written
         self.source = source  # the user's call (adaptive_eager.engine.source._source)
 
     def again(self, inputs, source) -> "Node":

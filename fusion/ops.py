@@ -10,10 +10,13 @@ import functools
 
 import torch
 
+from .kernels import body, is_kernel
+
 aten = torch.ops.aten
 
 VIEW, POINTWISE, REDUCTION, CONTRACTION, INDEXING, RANDOM, BARRIER = (
     "view", "pointwise", "reduction", "contraction", "indexing", "random", "barrier")
+KERNEL = "kernel"  # a user's custom op with a neuron kernel (Note [Custom kernels])
 INPLACE_VIEW = "inplace_view"  # squeeze_, t_, as_strided_, resize_...: metadata only
 
 _CONTRACTION = {
@@ -77,12 +80,18 @@ LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"))
 
 
-@functools.lru_cache(maxsize=None)
 def op_class(func: torch._ops.OpOverload) -> str | None:
     """The class of an ATen op on our device, or None when the device lacks it (CPU fallback).
-    Ops of other namespaces (custom ops, prims) are not the device's, whatever their tags."""
+    Ops of other namespaces (custom ops, prims) are not the device's, whatever their tags,
+    unless they have a kernel for the device (Note [Custom kernels] in fusion/kernels.py):
+    asked each time, not cached, since a neuron kernel may be registered after a first call."""
     if func.namespace != "aten":
-        return None
+        return KERNEL if is_kernel(func) else None
+    return _aten_class(func)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_class(func: torch._ops.OpOverload) -> str | None:
     name = func.overloadpacket.__name__
     base = name.rstrip("_") if not name.startswith("_") else "_" + name[1:].rstrip("_")
     tags = func.tags
@@ -175,5 +184,8 @@ _KERNELS = {aten.histc.default: _histc, **{f: _div_mode(f) for f in _DIV_MODES},
 
 
 def device_kernel(func):
-    """What the device runs for `func`: CPU's kernel, or CUDA's semantics (`_KERNELS`)."""
+    """What the device runs for `func`: CPU's kernel, or CUDA's semantics (`_KERNELS`), or
+    a custom kernel's neuron body (Note [Custom kernels])."""
+    if func.namespace != "aten" and op_class(func) == KERNEL:
+        return body(func)
     return _KERNELS.get(func, func)

@@ -16,7 +16,7 @@ import networkx as nx
 from device import DeviceSpec
 
 from .ir import Node
-from .ops import CONTRACTION
+from .ops import CONTRACTION, KERNEL
 
 
 def dependency_graph(nodes: list[Node]) -> nx.DiGraph:
@@ -55,9 +55,12 @@ class GroupState:
     nbytes: int = 0  # bytes read + written by its ops, counted per op
     produced: int = 0  # bytes of the values its ops produce: the on-chip working set bound
     flops: float = 0.0
+    kernel: str | None = None  # the custom kernel it holds (then alone: `kernel_cut`)
 
     def add(self, n: Node) -> None:
         self.size += 1
+        if n.cls == KERNEL:
+            self.kernel = n.name
         self.contractions += n.cls == CONTRACTION
         self.inplace = self.inplace or n.op.inplace
         self.nbytes += n.in_bytes + n.out_bytes
@@ -141,6 +144,16 @@ class NoneStrategy(Strategy):
 STRATEGIES = {s.name: s for s in (GraphStrategy, MatmulStrategy, NoneStrategy)}
 
 
+def kernel_cut(g: GroupState, n: Node) -> str | None:
+    """Note [Custom kernels] in kernels.py: a custom kernel is a launch of its own, whatever
+    the strategy: a boundary before it and after it."""
+    if n.cls == KERNEL:
+        return f"custom kernel {n.name} (a launch of its own)"
+    if g.kernel is not None:
+        return f"after custom kernel {g.kernel}"
+    return None
+
+
 def partition(nodes: list[Node], graph: nx.DiGraph, strategy: Strategy
               ) -> tuple[list[list[int]], list[str]]:
     """Groups (node indices) and, for each group after the first, why it was cut."""
@@ -151,8 +164,8 @@ def partition(nodes: list[Node], graph: nx.DiGraph, strategy: Strategy
     state = GroupState()
     for i, n in enumerate(nodes):
         if cur:
-            dependent = any(p in members for p in graph.predecessors(i))
-            why = strategy.cut(state, n, dependent)
+            why = kernel_cut(state, n) if state.kernel is not None or n.cls == KERNEL \
+                else strategy.cut(state, n, any(p in members for p in graph.predecessors(i)))
             if why is not None:
                 groups.append(cur)
                 reasons.append(why)
@@ -183,6 +196,8 @@ class OnlineGroup:
         by local index), or None. Plain loops: this and `add` run per op."""
         if not self.state.size:
             return None
+        if n.cls == KERNEL or self.state.kernel is not None:
+            return kernel_cut(self.state, n)
         # New buffers are fresh: only argument buffers can meet the group's (reads are all
         # arguments; in-place writes are among them).
         op = n.op

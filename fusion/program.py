@@ -15,7 +15,7 @@ from device import LaunchError
 
 from .codegen import generate, tensor_templates
 from .ir import Node, from_json, to_json, _DECODE_ENUM
-from .ops import BARRIER, LAYOUT_ONLY, RANDOM, device_kernel, op_class
+from .ops import BARRIER, KERNEL, LAYOUT_ONLY, RANDOM, device_kernel, op_class
 
 # Note [CPU kernels inside dispatch]: inside `__torch_dispatch__` PyTorch excludes the keys
 # above Python, the Conjugate and Negative fallbacks among them. A CPU kernel run there that
@@ -101,8 +101,14 @@ class BadProgram(CompileError, ValueError):
 
 def _resolve(schema_name: str, overload: str):
     ns, _, packet = schema_name.partition("::")
-    if ns != "aten":
-        raise BadProgram(f"op {schema_name} is not an aten op")
+    if ns != "aten":  # a custom kernel (Note [Custom kernels] in kernels.py), if registered
+        try:
+            op = getattr(getattr(getattr(torch.ops, ns), packet), overload)
+        except (AttributeError, RuntimeError):
+            op = None
+        if op is None or op_class(op) != KERNEL:
+            raise BadProgram(f"op {schema_name} is not an aten op or a registered kernel")
+        return op
     try:
         op = getattr(getattr(torch.ops.aten, packet), overload)
     except AttributeError:
@@ -153,7 +159,7 @@ def _value(t, st, inputs, views):
 
 class Instr:
     __slots__ = ("op", "kernel", "args", "kwargs", "outs", "any_out", "random", "f64",
-                 "mutated", "in_slots", "out_slots")
+                 "mutated", "in_slots", "out_slots", "user")
     # (outs holds (templates, slot map) until bind_outputs)
 
     def __init__(self, schema_name, overload, args, kwargs, outs, smap, vids):
@@ -164,6 +170,7 @@ class Instr:
         self.kwargs = {k: _bind(v, smap, vids) for k, v in kwargs}
         self.outs = outs, smap  # bound by bind_outputs, once every instr's inputs are known
         self.random = op_class(self.op) == RANDOM
+        self.user = op_class(self.op) == KERNEL  # a user's kernel: its results are checked
         # Note [float64 policy]: the device computes float64 as float32, like the reference.
         self.f64 = "'float64'" in repr((args, kwargs))
         self.mutated = [i for i, a in enumerate(self.op._schema.arguments)
@@ -284,6 +291,8 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         else:
             out = ins.kernel(*args, **kwargs)
     except Exception as e:  # the kernel refused its inputs: the op's own error
+        if ins.user:
+            e._ae_kernel_at = _kernel_line(e)
         raise LaunchError(e) from None
     if ins.f64:
         for orig, low in writeback:
@@ -294,6 +303,9 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         if o is None:
             continue
         s, size, stride, dtype, vid = o
+        if ins.user and (not isinstance(r, torch.Tensor) or r.shape != size
+                         or r.dtype is not dtype):
+            raise LaunchError(_bad_result(ins, r, size, dtype))
         if dtype is torch.float64:  # Note [float64 policy]: values carry float32 precision
             r = r.to(torch.float32)
         if (r.dtype is not dtype or r.storage_offset() != 0 or r.stride() != stride
@@ -359,3 +371,28 @@ def _as_f32(ins, args, kwargs):
     names = [a.name for a in ins.op._schema.arguments]
     kwargs = {k: low(v, names.index(k) in ins.mutated) for k, v in kwargs.items()}
     return args, kwargs, writeback
+
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+
+
+def _kernel_line(e: BaseException) -> str | None:
+    """Note [Custom kernels]: where in the user's kernel body `e` was raised ("file:line"):
+    the innermost frame outside PyTorch and this package."""
+    here = __file__.rsplit("/", 1)[0] + "/"  # fusion/ (what runs the body)
+    at, tb = None, e.__traceback__
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if not f.startswith(_TORCH_DIR) and not f.startswith(here) and not f.startswith("<"):
+            at = f"{f}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return at
+
+
+def _bad_result(ins, r, size, dtype) -> RuntimeError:
+    """A kernel's result unlike what its fake impl said: the user's error, named."""
+    got = (f"shape {list(r.shape)} and dtype {r.dtype}" if isinstance(r, torch.Tensor)
+           else type(r).__name__)
+    return RuntimeError(f"kernel {ins.op._schema.name} returned a result of {got}, but its "
+                        f"fake impl said shape {list(size)} and dtype {dtype}: the neuron "
+                        f"kernel and the fake impl must agree")

@@ -23,7 +23,7 @@ from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, scalar_positions, written_arguments
-from fusion.ops import BARRIER, INPLACE_VIEW, VIEW, composite_key, op_class
+from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
 from fusion.program import cpu_kernels
@@ -406,6 +406,8 @@ class Engine:
             # index, repeat_interleave without output_size, a meta kernel that refuses what
             # CPU accepts): the op runs now on the device and the host waits for its shapes.
             return run_now(self, func, args, kwargs, fallback=False)
+        if cls == KERNEL and meta.op is not None:  # Note [Custom kernels]
+            _check_sbuf(self, func, meta.op.cost)
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
         if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
@@ -474,6 +476,16 @@ class Engine:
     @_locked
     def run_now(self, func, args, kwargs, fallback: bool):
         return run_now(self, func, args, kwargs, fallback)
+
+
+def _check_sbuf(eng, func, cost) -> None:
+    """A kernel whose declared working set is larger than the core's SBUF cannot be built
+    (as NKI's compiler refuses it): refused at the call, naming both figures."""
+    if cost.sbuf_bytes > eng.spec.sbuf_bytes:
+        raise errors.user_error(RuntimeError(
+            f"kernel {func._schema.name} declares {cost.sbuf_bytes} bytes of SBUF for these "
+            f"inputs, but a NeuronCore has {eng.spec.sbuf_bytes} (DeviceSpec.sbuf_bytes): "
+            f"tile its work in smaller blocks"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -632,8 +644,9 @@ _ROUTES: dict = {}
 
 
 def _route(func) -> _Route:
-    r = _ROUTES[func._op] = _Route(_SPECIAL.get(func), composite_key(func), op_class(func),
-                                   scalar_positions(func))
+    r = _Route(_SPECIAL.get(func), composite_key(func), op_class(func), scalar_positions(func))
+    if r.cls is not None or func.namespace == "aten":  # (a custom op's neuron kernel may be
+        _ROUTES[func._op] = r  # registered after its first call: Note [Custom kernels])
     return r
 
 

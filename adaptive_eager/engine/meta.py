@@ -13,7 +13,8 @@ from torch.utils._pytree import tree_map, tree_flatten
 
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
-from fusion.ops import CONTRACTION, RANDOM, VIEW, device_kernel, op_class
+from fusion.kernels import cost_of
+from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
 from fusion.program import cpu_kernels
 
 from ..errors import user_error
@@ -257,15 +258,18 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         # (flags, not the exceptions: a local holding one whose traceback holds this frame
         # is a cycle keeping the caller's frames, and their tensors' device memory, alive
         # until the garbage collector runs)
+        cls = op_class(func)
         try:
             out = func(*m_args, **m_kwargs)
-        except Exception:  # no meta kernel, data-dependent shapes, or a user error
+        except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
+            if cls == KERNEL:  # Note [Custom kernels]: its fake impl is the contract: its
+                raise user_error(e)  # error (or its absence) is the user's, at the call
             meta_failed = True
         else:
             meta_failed = False
-    cls = op_class(func)
     probe = None
-    if meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t, out):
+    if cls != KERNEL and (meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t,
+                                                        out)):
         probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             user_error(probe)
@@ -347,12 +351,13 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             for x in (t[1:] if t[0] == "L" else (t,)):
                 if type(x) is tuple and x[0] == "T" and x[1] not in writes:
                     writes.append(x[1])
-    flops = _flops(func, m_args, m_kwargs, out)
+    flops = _flops(func, m_args, m_kwargs, out) if cls != KERNEL else 0.0
+    cost = cost_of(func, m_args, m_kwargs, out) if cls == KERNEL else None
     outs = tuple(outs) if new_bytes else None
     op = None
     if outs is not None or writes:
         op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
-                   tuple(new_bytes))
+                   tuple(new_bytes), cost)
     if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
         for w in meta_warnings:
             warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())

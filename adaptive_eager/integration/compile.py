@@ -240,10 +240,13 @@ _registered = False
 # Every module of the package is skipped, listed from the package itself so that a new one
 # is never missed (the hand-written list missed the stages split out of the engine, and a
 # data-dependent op inside a compiled function failed in fallback.py), except `models`
-# (user models, traced as any) and `run` (its compile mode compiles a lambda of its own and
-# patches Module.__call__, which Dynamo must inline). The package's __init__ cannot be listed
-# alone (skipping it skips its directory).
-_TRACEABLE = {"tools.models", "tools.run"}
+# (user models, traced as any), `integration.kernels` (the kernel library's wrappers over
+# its custom ops, inlined so Dynamo sees the ops) and `run` (its compile mode compiles a
+# lambda of its own and patches Module.__call__, which Dynamo must inline). The package's
+# __init__ cannot be listed alone (skipping it skips its directory), nor can a wing holding
+# a traced module (tools, integration): their modules are listed one by one.
+_TRACEABLE = {"tools.models", "tools.run", "integration.kernels"}
+_WINGS = ("integration", "tools")  # (holding traced modules: listed module by module)
 
 
 def _never_traced() -> list[str]:
@@ -251,8 +254,9 @@ def _never_traced() -> list[str]:
 
     import adaptive_eager
     root = adaptive_eager.__path__[0]
-    names = [m.name for m in pkgutil.iter_modules([root]) if m.name != "tools"]
-    names += [f"tools.{m.name}" for m in pkgutil.iter_modules([f"{root}/tools"])]
+    names = [m.name for m in pkgutil.iter_modules([root]) if m.name not in _WINGS]
+    for wing in sorted(_WINGS):
+        names += [f"{wing}.{m.name}" for m in pkgutil.iter_modules([f"{root}/{wing}"])]
     return [f"adaptive_eager.{n}" for n in names if n not in _TRACEABLE] + ["fusion", "device"]
 
 

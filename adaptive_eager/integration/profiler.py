@@ -28,7 +28,7 @@ _installed = False
 
 def event_name(name: str, kind: str) -> str:
     """The profiler's name for one timeline event."""
-    if kind in ("compile", "sync"):
+    if kind in ("compile", "sync", "kernel"):  # (a custom kernel: neuron::kernel:ns::name)
         return f"{PREFIX}{kind}:{name}"
     return PREFIX + name
 

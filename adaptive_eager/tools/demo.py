@@ -14,15 +14,17 @@ from adaptive_eager.tools.models import GPT, batches
 
 
 def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
-             compiled: bool = False) -> dict:
+             compiled: bool = False, kernels: bool = False, seq: int | None = None) -> dict:
     """Train a fresh GPT for `steps` steps in one mode; per-step figures after warm-up.
     `compiled`: the model runs through torch.compile(backend="neuron") (the optimizer in
-    adaptive `strategy` mode, set process-wide: Dynamo skips frames under dispatch modes)."""
+    adaptive `strategy` mode, set process-wide: Dynamo skips frames under dispatch modes).
+    `kernels`: attention through the kernel library's flash_attention. `seq`: tokens per
+    sequence (None: 16, in a model made for 32)."""
     torch.manual_seed(seed)
-    model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron")
+    model = GPT(vocab=64, d=64, heads=4, layers=2, seq=seq or 32, kernels=kernels).to("neuron")
     forward = torch.compile(model, backend="neuron") if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
-    data = [(x.to("neuron"), y.to("neuron")) for x, y in batches("gpt", steps, seed)]
+    data = [(x.to("neuron"), y.to("neuron")) for x, y in batches("gpt", steps, seed, seq=seq or 16)]
     losses, per_step = [], []
     scope = ae.adaptive(strategy=strategy) if strategy else ae.adaptive(False)
     if compiled:
@@ -51,6 +53,8 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
         "hits": sum(m.cache_memory_hits + m.cache_disk_hits for m, _ in per_step),
         "fallbacks": sum(sum(m.cpu_fallbacks.values()) for m, _ in per_step),
         "group": (sum(m.mean_group_size for m, _ in warm) / len(warm)),
+        "hbm_mb": sum(m.hbm_bytes for m, _ in warm) / len(warm) / 1e6,
+        "kernel_launches": sum(m.kernel_launches for m, _ in warm) / len(warm),
         "total": total,
     }
 
@@ -84,6 +88,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def kernel_table(rows: list[dict]) -> str:
+    """HBM bytes and kernel launches per step (the kernel library's rows beside the others)."""
+    lines = [("mode", "HBM MB/step", "kernel launches/step", "device ms/step")]
+    lines += [(r["mode"], f"{r['hbm_mb']:.2f}", f"{r['kernel_launches']:.0f}",
+               f"{r['device_ms']:.3f}") for r in rows]
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    out = [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines]
+    out.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m adaptive_eager demo", description=__doc__)
     p.add_argument("--steps", type=int, default=6, help="training steps per mode (default 6)")
@@ -92,6 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--trace", metavar="PATH", help="write the device timeline (Perfetto JSON)")
     p.add_argument("--graph", metavar="PATH",
                    help="write the last flush's fused graph (.dot, or .svg/.png with Graphviz)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also run the model with its attention through the kernel library's "
+                        "flash_attention (ae.kernels), in eager and adaptive mode")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default 16; try 512 with --kernels)")
     p.add_argument("--compile", action="store_true",
                    help="also run torch.compile(model, backend=\"neuron\") (its first step "
                         "pays Dynamo's capture)")
@@ -99,23 +119,37 @@ def main(argv=None) -> int:
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     strategies = ["graph", "matmul"] if args.strategy == "all" else [args.strategy]
-    print(f"Training a 2-layer GPT (d=64, seq=32, batch=4) for {args.steps} steps per mode on "
-          f"the simulated NeuronCore.\n")
-    rows = [run_mode("eager", args.steps, None)]
+    if args.seq is not None and args.seq < 1:
+        p.error(f"--seq must be at least 1, got {args.seq}")
+    print(f"Training a 2-layer GPT (d=64, seq={args.seq or 32}, batch=4) for {args.steps} "
+          f"steps per mode on the simulated NeuronCore.\n")
+    rows = [run_mode("eager", args.steps, None, seq=args.seq)]
     for s in strategies:
-        rows.append(run_mode(f"adaptive {s}", args.steps, s))
+        rows.append(run_mode(f"adaptive {s}", args.steps, s, seq=args.seq))
+    if args.kernels:
+        rows.append(run_mode("eager+kernels", args.steps, None, kernels=True, seq=args.seq))
+        for s in strategies:
+            rows.append(run_mode(f"adaptive {s}+kernels", args.steps, s, kernels=True,
+                                 seq=args.seq))
     if args.compile:
-        rows.append(run_mode("compile", args.steps, "graph", compiled=True))
+        rows.append(run_mode("compile", args.steps, "graph", compiled=True, seq=args.seq))
     print()
     print(table(rows))
-    same = all(r["losses"] == rows[0]["losses"] for r in rows if r["mode"] != "compile")
+    if args.kernels:
+        print()
+        print(kernel_table(rows))
+    same = all(r["losses"] == rows[0]["losses"] for r in rows
+               if r["mode"] != "compile" and "kernels" not in r["mode"])
     close = all(torch.allclose(torch.tensor(r["losses"]), torch.tensor(rows[0]["losses"]),
                                rtol=1e-4, atol=1e-5) for r in rows)
     same = same and close
     verdict = "DIFFER between modes"
     if same:
-        verdict = ("identical in every eager and adaptive mode; compile within float32 "
-                   "tolerance" if args.compile else "identical in every mode")
+        verdict = ("identical in every eager and adaptive mode" if args.compile or args.kernels
+                   else "identical in every mode")
+        inexact = [w for w, on in (("compile", args.compile), ("kernels", args.kernels)) if on]
+        if inexact:
+            verdict += f"; {' and '.join(inexact)} within float32 tolerance"
     print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} ({verdict})")
     print("launches, device time: simulated NeuronCore (see device/spec.py for the figures); "
           "host us/op: this machine's wall clock.")

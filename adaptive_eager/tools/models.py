@@ -41,13 +41,14 @@ class Encoder(nn.Module):
 
 
 class GPT(nn.Module):
-    """A small GPT-style decoder: embeddings, pre-LN blocks with causal attention, LM head."""
+    """A small GPT-style decoder: embeddings, pre-LN blocks with causal attention, LM head.
+    `kernels`: attention through the kernel library's flash_attention (no dropout)."""
 
-    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=16, dropout=0.0):
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=16, dropout=0.0, kernels=False):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout, kernels) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
@@ -61,9 +62,12 @@ class GPT(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, dropout):
+    def __init__(self, d, heads, dropout, kernels=False):
         super().__init__()
         self.heads = heads
+        if kernels and dropout:
+            raise ValueError("GPT(kernels=True): flash_attention takes no dropout")
+        self.kernels = kernels
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -76,13 +80,17 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5 + mask
-        y = self.drop(att.softmax(-1)) @ v
+        if self.kernels:  # the same causal mask (the model's is -inf above the diagonal)
+            from adaptive_eager.integration.kernels import flash_attention
+            y = flash_attention(q, k, v, causal=True, scale=(d // self.heads) ** -0.5)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5 + mask
+            y = self.drop(att.softmax(-1)) @ v
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
-def batches(kind, n, seed=0):
+def batches(kind, n, seed=0, seq=16):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -95,7 +103,7 @@ def batches(kind, n, seed=0):
             out.append((torch.randn(4, 8, 32, generator=g),
                         torch.randint(0, 10, (4,), generator=g)))
         elif kind == "gpt":
-            x = torch.randint(0, 64, (4, 16), generator=g)
+            x = torch.randint(0, 64, (4, seq), generator=g)
             out.append((x, torch.roll(x, -1, 1)))
     return out
 

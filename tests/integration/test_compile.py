@@ -192,9 +192,11 @@ def _every_engine_module_is_skipped_by_dynamo():
     for pkg in (ae, fusion, device):
         for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             path = importlib.util.find_spec(m.name).origin
-            # user code; and tools/__init__ (empty: skipping it would skip its folder)
-            traced = m.name in ("adaptive_eager.tools", "adaptive_eager.tools.models",
-                                "adaptive_eager.tools.run")
+            # user code and the kernel library; the wings' __init__ (empty: skipping one would
+            # skip its folder)
+            traced = m.name in ("adaptive_eager.tools", "adaptive_eager.integration",
+                                "adaptive_eager.tools.models", "adaptive_eager.tools.run",
+                                "adaptive_eager.integration.kernels")
             assert trace_rules.check_file(path).skipped != traced, m.name
 
 
