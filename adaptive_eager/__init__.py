@@ -10,14 +10,5 @@ from .api import (  # noqa: F401
     explain, is_adaptive, metrics, metrics_report, override, register_cost, reset_metrics,
     save_trace, set_adaptive, set_device_spec, set_strategy, strategy, synchronize,
     wait_for_compiles)
-from .api import __all__  # noqa: F401
+from .api import __all__, __getattr__  # noqa: F401  (ae.kernels, on first use)
 
-
-def __getattr__(name):
-    """`ae.kernels` (and `from adaptive_eager import kernels`): the kernel library
-    (integration/kernels.py), imported on first use, so its custom ops are registered only
-    for those who use them."""
-    if name == "kernels":
-        import importlib
-        return importlib.import_module("adaptive_eager.integration.kernels")
-    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")

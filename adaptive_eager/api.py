@@ -236,3 +236,13 @@ def _flush_at_exit():  # nothing queued is lost at process exit
     except Exception as e:  # report, never crash the interpreter's shutdown
         import sys
         print(f"adaptive_eager: error at exit: {e}", file=sys.stderr)
+
+
+def __getattr__(name):
+    """`ae.kernels` (and `from adaptive_eager import kernels`): the kernel library
+    (integration/kernels.py), imported on first use, so its custom ops are registered only
+    for those who use them."""
+    if name == "kernels":
+        import importlib
+        return importlib.import_module("adaptive_eager.integration.kernels")
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
