@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import _dist_worker as W
+from tests.harness import dist_worker as W
 
 WORLD = 2
 
