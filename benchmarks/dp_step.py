@@ -31,38 +31,45 @@ MODES = ["eager", "graph", "matmul"]
 PROJECTED_RANKS = (2, 8, 64, 512)
 
 
-def ddp_gpt_step(rank):
+def ddp_gpt_step(rank, bucket_mb):
     """The suite's GPT training step (workloads.gpt_train), under DDP, on this rank's batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from adaptive_eager.tools.models import GPT, batches
     from workloads import _train_step
     torch.manual_seed(0)
-    model = DDP(GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron"))
+    # buckets of bucket_mb MB: several per step (DDP's default, 25 MB, holds this whole model)
+    model = DDP(GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron"),
+                bucket_cap_mb=bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("gpt", 1, seed=rank)[0]
     return _train_step(model, opt, x.to("neuron"), y.to("neuron"))
 
 
-def _rank(rank, world, port, steps, results):
+def _rank(rank, world, port, steps, bucket_mb, host_us, results):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import adaptive_eager as ae
     from adaptive_eager.engine import engine as _engine
     dist.init_process_group(rank=rank, world_size=world)
+    if host_us is not None:  # the host's time per op (0: only compute can hide a collective)
+        import dataclasses
+        ae.set_device_spec(dataclasses.replace(ae.DeviceSpec(), host_op_overhead_us=host_us))
     out = {}
     for mode in MODES:
         with (ae.adaptive(False) if mode == "eager" else ae.adaptive(strategy=mode)):
-            step = ddp_gpt_step(rank)
+            step = ddp_gpt_step(rank, bucket_mb)
             for _ in range(2):  # warm-up: compiles; DDP rebuilds its buckets at step 2
                 step().item()
             ae.synchronize()
             trace = _engine.ENGINE.device.trace
             mark = len(trace)
             before = ae.metrics()
+            t0 = _engine.ENGINE.device.host_us
             for _ in range(steps):
                 step().item()
             ae.synchronize()
             m = ae.metrics() - before
+            span = (_engine.ENGINE.device.host_us - t0) / steps
             coll = [(name, dur, nbytes) for name, kind, _, dur, nbytes, _ in list(trace)[mark:]
                     if kind == "collective"]
             out[mode] = {
@@ -70,6 +77,9 @@ def _rank(rank, world, port, steps, results):
                 "collective_bytes": m.collective_bytes / steps,
                 "device_us": m.device_time_us / steps,
                 "collective_us": sum(d for _, d, _ in coll) / steps,
+                "exposed_us": m.exposed_collective_us / steps,
+                "hidden_us": m.hidden_collective_us / steps,
+                "span_us": span,  # simulated step time: host clock, sync to sync
                 # the last step's collectives (every measured step issues the same ones):
                 # DDP's gradient all-reduces and its broadcast of module buffers
                 "last_step": [(n, b) for n, _, b in coll][-round(m.collectives / steps):],
@@ -96,6 +106,10 @@ def project(fig: dict, ranks) -> list[tuple[int, float, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=float, default=0.1,
+                    help="DDP's bucket_cap_mb (0.1: 5 buckets of the model's 0.44 MB)")
+    ap.add_argument("--host-us", type=float, default=None,
+                    help="DeviceSpec.host_op_overhead_us (0: a host that is never the bottleneck)")
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     a = ap.parse_args()
     with socket.socket() as s:
@@ -103,16 +117,19 @@ def main() -> None:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(2, port, a.steps, results), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, port, a.steps, a.bucket_mb, a.host_us, results), nprocs=2, join=True)
         results = dict(results)
     lines = ["| mode | rank | launches | collectives | collective bytes | device time (us) "
-             "| of which collectives (us) | CPU fallbacks |", "|---" * 8 + "|"]
+             "| of which collectives (us) | exposed (us) | hidden | step time (us) "
+             "| CPU fallbacks |", "|---" * 11 + "|"]
     for mode in MODES:
         for r in (0, 1):
             f = results[r][mode]
             lines.append(f"| {mode} | {r} | {f['launches']:.0f} | {f['collectives']:.0f} | "
                          f"{f['collective_bytes']:.0f} | {f['device_us']:.1f} | "
-                         f"{f['collective_us']:.1f} | {f['fallbacks']} |")
+                         f"{f['collective_us']:.1f} | {f['exposed_us']:.1f} | "
+                         f"{f['hidden_us'] / max(f['collective_us'], 1e-9):.0%} | "
+                         f"{f['span_us']:.1f} | {f['fallbacks']} |")
     lines += ["", "Projection (each collective of rank 0's step re-costed at p ranks with its "
               "own pattern; weak scaling):", "",
               "| mode | ranks | projected step device time (us) | scaling efficiency |",

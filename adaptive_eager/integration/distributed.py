@@ -143,6 +143,49 @@ def _route_work_results() -> None:
         return fut.then(lambda f: _on_device(f.value()))
     work_result._neuron = work_get_future._neuron = True
     work.result, work.get_future = work_result, work_get_future
+    wait = work.wait
+    global _GLOO_WAIT
+    _GLOO_WAIT = wait
+
+    def work_wait(self, *args, **kwargs):
+        done = wait(self, *args, **kwargs)
+        entry = _ISSUED.pop(id(self), None)
+        if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
+            _, eng, end_us, buffers = entry
+            with eng.lock:
+                eng.device.unpend(buffers, end_us)
+        return done
+    work_wait._neuron = True
+    work.wait = work_wait
+
+
+# Note [Overlap]: a collective runs on the device's collective stream (Note [Collective
+# stream] in device/core.py): its issue is not a join, its `Work.wait()` is (every
+# synchronous collective is issued then waited for at once by torch.distributed, so it is
+# all exposed), and so is the first launch that uses its tensors (DDP's reducer waits in
+# C++, where Python cannot see it: the optimizer's first read of a gradient is the join).
+# The bytes are gloo's: a launch that uses the tensors first waits for gloo's Work too, so
+# an async collective's result is never read half-written. In adaptive mode the issue is
+# still a flush (gloo reads the bytes when it is issued; the reference queues it), the wait
+# is not (it only joins the streams).
+_GLOO_WAIT = None  # dist.Work.wait before the patch
+_ISSUED: dict = {}  # id(Work) -> (Work, engine, end on the collective stream, buffers)
+
+
+def _pend(eng, end_us, buffers, out) -> None:
+    works = [dist.Work.unbox(w) for w in tree_flatten(out)[0]
+             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
+    eng.device.pend(buffers, end_us, (lambda w=works[0]: _WAIT(w)) if works else None)
+    for key in [k for k, e in _ISSUED.items()  # joined since (a launch used its tensors)
+                if e[1] is eng and e[2] <= eng.device.free_at_us and e[0].is_completed()]:
+        del _ISSUED[key]
+    for w in works:
+        _ISSUED[id(w)] = (w, eng, end_us, buffers)
+
+
+def _WAIT(work) -> None:
+    """gloo's own wait (the bytes), never the timeline's join: the caller joins."""
+    _GLOO_WAIT(work)
 
 
 def collective(eng, func, args, kwargs):
@@ -177,8 +220,9 @@ def collective(eng, func, args, kwargs):
     _keep_until_done(out)
     nbytes = _size(func, args, kwargs, size_arg)
     cost = collective_us(eng.spec, pattern, nbytes, _world(args, kwargs))
-    eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
-                             dma_bytes=nbytes, cost_us=cost))
+    launch = eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
+                                      dma_bytes=nbytes, cost_us=cost))
+    _pend(eng, launch.end_us, [t._handle.buffer for t in tensors], out)
     eng.metrics.collectives += 1
     eng.metrics.collective_bytes += nbytes
     # c10d ops return the tensors they were given (in place): the caller's neuron tensors.
