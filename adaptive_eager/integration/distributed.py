@@ -149,6 +149,8 @@ def _route_work_results() -> None:
 
     def work_wait(self, *args, **kwargs):
         done = wait(self, *args, **kwargs)
+        if _on_side_stream():  # that stream waits, not compute: it joins at first use
+            return done
         entry = _ISSUED.pop(id(self), None)
         if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
             _, eng, end_us, buffers = entry
@@ -164,11 +166,23 @@ def _route_work_results() -> None:
 # synchronous collective is issued then waited for at once by torch.distributed, so it is
 # all exposed), and so is the first launch that uses its tensors (DDP's reducer waits in
 # C++, where Python cannot see it: the optimizer's first read of a gradient is the join).
+# A wait under another stream than the default one (FSDP2 all-gathers and reduce-scatters
+# on streams of its own, and overlaps them by events) makes that stream wait, as on CUDA:
+# the compute stream joins at its first use of the tensors (FSDP2's copy-out, after its
+# `wait_event`) or at a sync. Streams multiplex compute onto one hardware queue
+# (integration/neuron.py): only collectives overlap.
 # The bytes are gloo's: a launch that uses the tensors first waits for gloo's Work too, so
 # an async collective's result is never read half-written. In adaptive mode the issue is
 # still a flush (gloo reads the bytes when it is issued; the reference queues it), the wait
 # is not (it only joins the streams).
 _GLOO_WAIT = None  # dist.Work.wait before the patch
+
+
+def _on_side_stream() -> bool:
+    """Is a stream other than the default one current (FSDP2's all-gather and
+    reduce-scatter streams)? A wait there makes that stream wait, as on CUDA."""
+    from . import neuron
+    return neuron._current[-1] is not neuron._default_stream
 _ISSUED: dict = {}  # id(Work) -> (Work, engine, end on the collective stream, buffers)
 
 

@@ -374,6 +374,10 @@ def run_rest(rank, world, port, path, results):
                     mine[("async_checkpoint", mode)] = async_checkpoint(
                         rank, world, mesh, os.path.join(path, mode))
                     mine[("sync_batch_norm", mode)] = sync_batch_norm(rank, world)
+            for mode in REST_MODES:
+                with _mode(mode):
+                    mine[("ddp_overlap", mode)] = ddp_overlap(rank, world)
+                    mine[("fsdp2_overlap", mode)] = fsdp2_overlap(rank, world, mesh)
             mine["fallbacks"] = (ae.metrics() - before).cpu_fallbacks
             dist.destroy_process_group()
         except BaseException:
@@ -383,3 +387,59 @@ def run_rest(rank, world, port, path, results):
 
 
 REST_MODES = ["eager", "graph"]
+
+
+def _overlap(build, steps=2, host_us=0.0):
+    """Communication exposed and hidden over the last of `steps` training steps of
+    `build()`, with the host's time per op set to `host_us` (0: only compute can hide a
+    collective). Also: does a collective's span on the timeline cross a launch's?"""
+    import dataclasses
+
+    from adaptive_eager.engine import engine as _engine
+    old = _engine.ENGINE.spec
+    ae.set_device_spec(dataclasses.replace(old, host_op_overhead_us=host_us))
+    try:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 64).to("neuron")
+        for i in range(steps):
+            if i == steps - 1:
+                ae.synchronize()
+                before, mark = ae.metrics(), len(_engine.ENGINE.device.trace)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        ae.synchronize()
+        m = ae.metrics() - before
+        events = list(_engine.ENGINE.device.trace)[mark:]
+    finally:
+        ae.set_device_spec(old)
+    colls = [(s, s + d) for _, kind, s, d, _, _ in events if kind == "collective"]
+    launches = [(s, s + d) for _, kind, s, d, _, _ in events if kind in ("launch", "dma")]
+    crossed = sum(1 for a, b in colls if any(s < b and a < e for s, e in launches))
+    return {"collectives": m.collectives, "collective_us": m.collective_us,
+            "exposed_us": m.exposed_collective_us, "hidden_us": m.hidden_collective_us,
+            "crossing": crossed}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+
+def ddp_overlap(rank, world):
+    """DDP in buckets of ~1.5 layers (bucket_cap_mb=0.025: 4 all-reduces a step)."""
+    return _overlap(lambda: torch.nn.parallel.DistributedDataParallel(
+        _mlp().to("neuron"), bucket_cap_mb=0.025))
+
+
+def fsdp2_overlap(rank, world, mesh):
+    """FSDP2 per layer: it prefetches the next layer's all-gather, reduce-scatters by layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = _mlp().to("neuron")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return _overlap(build)

@@ -323,3 +323,79 @@ def test_torchrun_ddp_example(tmp_path):
     assert got["world"] == 2 and got["device_count"] == 4  # rank r on neuron:r of the chip
     assert got["devices"] == ["neuron:0"]  # rank 0's (rank 1 checks its own neuron:1)
     assert got["cpu_fallbacks"] == {} and got["collectives"] > 0
+
+
+# -- overlap (Note [Overlap], Note [Collective stream] in device/core.py) --------------------
+def _comm():
+    ae.synchronize()
+    return ae.metrics()
+
+
+def test_synchronous_collective_is_all_exposed(world_of_one):
+    x = torch.ones(1024, device="neuron")
+    before = _comm()
+    dist.all_reduce(x)  # issued, then waited for at once by torch.distributed
+    m = ae.metrics() - before
+    assert m.collective_us > 0 and m.exposed_collective_us == pytest.approx(m.collective_us)
+    assert m.hidden_collective_us == pytest.approx(0.0)
+    assert "communication exposed / hidden" in ae.metrics_report()
+
+
+def _compute(n=10):
+    a = torch.randn(128, 128, device="neuron")
+    for _ in range(n):
+        a = (a @ a).tanh()
+    return a
+
+
+def test_async_collective_hides_under_compute_until_wait(world_of_one, mode):
+    x = torch.ones(1024, device="neuron")
+    before = _comm()
+    work = dist.all_reduce(x, async_op=True)  # the compute stream does not wait here...
+    _compute()
+    work.wait()  # ...but here, by which time the collective is long done
+    m = _comm() - before
+    assert m.collective_us > 0
+    assert m.exposed_collective_us == pytest.approx(0.0)
+    assert m.hidden_collective_us == pytest.approx(m.collective_us)
+    assert x.cpu().tolist() == [1.0] * 1024
+
+
+def test_using_an_async_result_before_wait_joins(world_of_one):
+    """A launch that reads an async collective's tensor waits for it (its bytes from gloo,
+    its end on the timeline), as DDP's reducer, waiting in C++, needs."""
+    from adaptive_eager.engine import engine as _engine
+    x = torch.full((1024,), 2.0, device="neuron")
+    x * 3  # compiled once (a compile's host time would hide the collective)
+    before = _comm()
+    dist.all_reduce(x, async_op=True)
+    y = x * 3  # no wait(): the first use joins
+    ae.synchronize()
+    m = ae.metrics() - before
+    # exposed: all but the host's time to issue `x * 3`, which the collective ran under
+    assert m.exposed_collective_us == pytest.approx(
+        m.collective_us - _engine.ENGINE.spec.host_op_overhead_us)
+    trace = list(_engine.ENGINE.device.trace)
+    coll = [e for e in trace if e[1] == "collective"][-1]
+    use = [e for e in trace if e[1] == "launch"][-1]
+    assert use[2] >= coll[2] + coll[3]  # the launch starts after the collective ends
+    assert y.cpu().tolist() == [6.0] * 1024
+
+
+def test_collectives_queue_on_their_own_stream(world_of_one):
+    """Two async collectives run one after the other on the collective stream, and neither
+    holds up the compute stream's launches issued meanwhile."""
+    from adaptive_eager.engine import engine as _engine
+    dev = _engine.ENGINE.device
+    x, z = torch.ones(4, device="neuron"), torch.ones(4, device="neuron")
+    ae.synchronize()
+    mark = len(dev.trace)
+    w1, w2 = dist.all_reduce(x, async_op=True), dist.all_reduce(z, async_op=True)
+    _compute(2)
+    ae.synchronize()
+    w1.wait(), w2.wait()
+    events = list(dev.trace)[mark:]
+    c1, c2 = [e for e in events if e[1] == "collective"]
+    assert c2[2] >= c1[2] + c1[3]
+    first = [e for e in events if e[1] == "launch"][0]
+    assert first[2] < c2[2] + c2[3]  # compute started before the collectives were done

@@ -73,6 +73,22 @@ def test_sync_batch_norm_matches_one_cpu_process(ranks, mode):
         _close(state, ref_state)  # parameters, running mean and variance, batches seen
 
 
+@pytest.mark.parametrize("style", ["ddp_overlap", "fsdp2_overlap"])
+@pytest.mark.parametrize("mode", W.REST_MODES)
+def test_communication_hides_under_compute(ranks, style, mode):
+    """Note [Overlap]: DDP's bucket all-reduces run while backward computes; FSDP2's
+    prefetched all-gathers and its reduce-scatters too. With a host that costs nothing per
+    op, only compute can hide them: the timeline shows it (a collective's span crosses a
+    launch's or a copy's) and the metrics split the collectives' time into exposed and hidden."""
+    for r in range(WORLD):
+        got = ranks[r][(style, mode)]
+        assert got["collectives"] >= 4, got
+        assert got["crossing"] > 0, got
+        assert got["hidden_us"] > 0.3 * got["collective_us"], got
+        assert got["exposed_us"] >= 0
+        assert got["hidden_us"] + got["exposed_us"] == pytest.approx(got["collective_us"])
+
+
 def test_no_cpu_fallback(ranks):
     for r in range(WORLD):
         assert ranks[r]["fallbacks"] == {}
