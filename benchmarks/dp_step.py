@@ -4,15 +4,22 @@ and a projection to more ranks from the same cost model.
     python benchmarks/dp_step.py [--steps 5] [--out benchmarks/dp_results.md]
 
 Each rank runs the suite's GPT training step (benchmarks/workloads.py: the same model,
-AdamW, one batch per rank) wrapped in DistributedDataParallel. Figures per step, after one
-warm-up step: launches, collectives and their bytes, simulated device time (launches and
-collectives, as `ae.metrics().device_time_us`) and the part of it spent in collectives.
+AdamW, one batch per rank) wrapped in DistributedDataParallel, in buckets of --bucket-mb
+(several all-reduces per step). Figures per step, after two warm-up steps: launches,
+collectives and their bytes, simulated device time (launches and collectives, as
+`ae.metrics().device_time_us`), the part spent in collectives, how much of it the compute
+stream waited for (exposed) and what ran under compute or host work (hidden: Note [Overlap]
+in adaptive_eager/integration/distributed.py), and the step time on the simulated clock.
+`--host-us 0` makes the host free, so only compute can hide communication.
 
-The projection (Note [DP projection]) re-costs the all-reduces one rank issued per step with
-the ring model of device/interconnect.py at p ranks, and adds the rest of the step's device
-time, unchanged (weak scaling: the per-rank batch stays the same). Like the simulated device,
-it assumes no overlap of collectives with compute and one link figure for every hop (inside a
-Trn2 instance; past it the network is slower, so large-p figures are optimistic).
+Note [DP projection]: each collective of one step of rank 0 is re-costed at p ranks with
+its own pattern by device/interconnect.py, on two levels (NeuronLink inside an instance of
+`ranks_per_instance` ranks, EFA across; the algorithm each level takes is printed). Weak
+scaling: the per-rank batch and its compute stay the same. Two columns: with no overlap
+(the rest of the device time plus every collective: an upper bound on device time), and
+with the measured overlap, assuming the compute that hid collectives at 2 ranks hides the
+same time at p ranks and every added microsecond of communication is exposed (the step time
+at 2 ranks plus the growth of the collectives).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MODES = ["eager", "graph", "matmul"]
-PROJECTED_RANKS = (2, 8, 64, 512)
+PROJECTED_RANKS = (2, 8, 64, 128, 512)
 
 
 def ddp_gpt_step(rank, bucket_mb):
@@ -89,18 +96,27 @@ def _rank(rank, world, port, steps, bucket_mb, host_us, results):
     results[rank] = out
 
 
-def project(fig: dict, ranks) -> list[tuple[int, float, float]]:
-    """(p, projected step device time in us, weak-scaling efficiency) per rank count."""
+def project(fig: dict, ranks) -> list[tuple]:
+    """Per rank count: (p, step device time with no overlap, its weak-scaling efficiency,
+    step time with the measured overlap, its efficiency, the all-reduce's algorithm)
+    (Note [DP projection])."""
     import adaptive_eager as ae
     from adaptive_eager.integration.distributed import _COLLECTIVES
-    from device.interconnect import collective_us
+    from device.interconnect import collective_plan
     spec = ae.engine.engine.ENGINE.spec
 
     def wire(p):  # each collective of the step with its own pattern (ring, tree...)
-        return sum(collective_us(spec, _COLLECTIVES[name.split("::")[1]][0], b, p)
+        return sum(collective_plan(spec, _COLLECTIVES[name.split("::")[1]][0], b, p)[0]
                    for name, b in fig["last_step"])
+
+    def algo(p):
+        sizes = [b for name, b in fig["last_step"] if "allreduce" in name]
+        return collective_plan(spec, "all_reduce", max(sizes), p)[1] if sizes else "-"
     rest = fig["device_us"] - wire(2)
-    return [(p, rest + wire(p), (rest + wire(1)) / (rest + wire(p))) for p in ranks]
+    span = fig["span_us"]
+    return [(p, rest + wire(p), (rest + wire(1)) / (rest + wire(p)),
+             span + wire(p) - wire(2), (span + wire(1) - wire(2)) / (span + wire(p) - wire(2)),
+             algo(p)) for p in ranks]
 
 
 def main() -> None:
@@ -130,13 +146,20 @@ def main() -> None:
                          f"{f['collective_us']:.1f} | {f['exposed_us']:.1f} | "
                          f"{f['hidden_us'] / max(f['collective_us'], 1e-9):.0%} | "
                          f"{f['span_us']:.1f} | {f['fallbacks']} |")
-    lines += ["", "Projection (each collective of rank 0's step re-costed at p ranks with its "
-              "own pattern; weak scaling):", "",
-              "| mode | ranks | projected step device time (us) | scaling efficiency |",
-              "|---|---|---|---|"]
+    import adaptive_eager as ae
+    spec = ae.engine.engine.ENGINE.spec
+    lines += ["", "Projection (Note [DP projection]: each collective of rank 0's step re-costed "
+              f"at p ranks on two levels, {spec.ranks_per_instance} ranks per instance at "
+              f"{spec.interconnect_gbps:.0f} GB/s and {spec.interconnect_latency_us} us per "
+              f"hop, EFA across at {spec.inter_instance_gbps:.0f} GB/s per instance and "
+              f"{spec.inter_instance_latency_us} us per hop; weak scaling):", "",
+              "| mode | ranks | device time, no overlap (us) | efficiency | step time, "
+              "measured overlap (us) | efficiency | largest all-reduce's algorithm |",
+              "|---|---|---|---|---|---|---|"]
     for mode in MODES:
-        for p, t, eff in project(results[0][mode], PROJECTED_RANKS):
-            lines.append(f"| {mode} | {p} | {t:.1f} | {eff:.1%} |")
+        for p, t, eff, t2, eff2, how in project(results[0][mode], PROJECTED_RANKS):
+            lines.append(f"| {mode} | {p} | {t:.1f} | {eff:.1%} | {t2:.1f} | {eff2:.1%} "
+                         f"| {how} |")
     step = ", ".join(f"{n} of {b} B" for n, b in results[0]["graph"]["last_step"])
     lines += ["", f"Collectives of one step (rank 0): {step}."]
     text = "\n".join(lines)

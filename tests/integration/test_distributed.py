@@ -5,6 +5,7 @@ runs every scenario in eager and both adaptive strategies, and the tests assert 
 ranks sent back. The single-process part runs a world of one in this process."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 
@@ -15,7 +16,8 @@ import torch.multiprocessing as mp
 
 import adaptive_eager as ae
 from device import DeviceSpec
-from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
+from device.interconnect import (BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE,
+                                 collective_plan, collective_us)
 
 from tests.harness import dist_worker as W
 
@@ -266,10 +268,59 @@ def test_ring_all_reduce_formula():
 
 
 def test_ring_all_reduce_bandwidth_term_saturates():
-    """The ring's bytes per rank approach 2n as p grows: time grows with latency only."""
-    spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0)
+    """The ring's bytes per rank approach 2n as p grows: time grows with latency only
+    (one level: every rank in one instance)."""
+    spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0,
+                      ranks_per_instance=512)
     t = [collective_us(spec, RING_ALL_REDUCE, 2**26, p) for p in (2, 64, 512)]
     assert t[0] < t[1] < t[2] < 2 * t[0]
+
+
+def test_all_reduce_picks_tree_or_ring_by_size():
+    """NCCL's rule: a tree for small messages (log p hops of latency), a ring for large ones."""
+    spec = DeviceSpec(interconnect_gbps=100.0, interconnect_latency_us=2.0,
+                      launch_overhead_us=0.0)
+    assert collective_plan(spec, RING_ALL_REDUCE, 1024, 64) == pytest.approx(
+        (2 * 6 * 2.0 + 2 * 1024 / 1e5, "tree"))
+    n = 1 << 30
+    assert collective_plan(spec, RING_ALL_REDUCE, n, 8) == pytest.approx(
+        (2 * 7 * (2.0 + n / 8 / 1e5), "ring"))
+
+
+def test_two_level_interconnect():
+    """Note [Two-level interconnect]: past `ranks_per_instance` ranks, the hops between
+    instances are EFA's (the NIC's bandwidth shared by the instance's ranks)."""
+    spec = DeviceSpec(interconnect_gbps=320.0, interconnect_latency_us=0.5,
+                      inter_instance_gbps=50.0, inter_instance_latency_us=15.0,
+                      ranks_per_instance=4, launch_overhead_us=0.0)
+    n = 100_000_000
+    b1, b2 = 320e3, 50e3 / 4  # bytes per us: a NeuronLink link; a rank's share of the NIC
+    # 8 ranks = 2 instances of 4: ring reduce-scatter and all-gather inside, a ring of n/4
+    # between the two instances (cheaper than a tree of 2 for this size)
+    inside = 3 * (0.5 + n / (4 * b1))
+    across = 2 * 1 * (15.0 + (n / 4) / (2 * b2))
+    us, algo = collective_plan(spec, RING_ALL_REDUCE, n, 8)
+    assert algo == "hierarchical (ring in 4, ring across 2 instances)"
+    assert us == pytest.approx(2 * inside + across)
+    # the same 8 ranks in one instance: NeuronLink only, faster
+    one = dataclasses.replace(spec, ranks_per_instance=8)
+    assert collective_us(one, RING_ALL_REDUCE, n, 8) < us
+    # all-gather: a ring across instances over each rank's share, then the ring inside
+    assert collective_us(spec, RING_GATHER, n, 8) == pytest.approx(
+        3 * (0.5 + n / (4 * b1)) + 1 * (15.0 + (n / 4) / (2 * b2)))
+    # tree ops and barriers: log2 hops on each level
+    assert collective_us(spec, TREE, n, 8) == pytest.approx(
+        2 * (0.5 + n / b1) + 1 * (15.0 + n / 50e3))
+    assert collective_us(spec, BARRIER, 0, 8) == pytest.approx(2 * 0.5 + 15.0)
+
+
+def test_projection_grows_past_one_instance():
+    """The default figures: an all-reduce over 2 instances costs more than over one."""
+    spec = DeviceSpec()
+    per = spec.ranks_per_instance
+    n = 100 << 20
+    assert collective_us(spec, RING_ALL_REDUCE, n, 2 * per) > collective_us(
+        spec, RING_ALL_REDUCE, n, per)
 
 
 # -- storage resize (FSDP2 frees and re-allocates unsharded parameters) ----------------------
