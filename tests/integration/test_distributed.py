@@ -450,3 +450,22 @@ def test_collectives_queue_on_their_own_stream(world_of_one):
     assert c2[2] >= c1[2] + c1[3]
     first = [e for e in events if e[1] == "launch"][0]
     assert first[2] < c2[2] + c2[3]  # compute started before the collectives were done
+
+
+def test_setting_data_across_devices_keeps_the_object():
+    """Note [Setting .data across devices]: `p.data = p.to("neuron")` (FSDP2's move of a
+    CPU-built module) kept the object on CUDA and raised "incompatible tensor type" here."""
+    lin = torch.nn.Linear(3, 2)
+    w, want = lin.weight, lin.weight.detach().clone()
+    w.data = w.to("neuron")
+    assert lin.weight is w and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w.device.type == "neuron"
+    torch.testing.assert_close(w.cpu(), want)
+    v = torch.ones(3, device="neuron")
+    buf = torch.zeros(3)
+    buf.data = v  # aliases v's buffer, as `.data =` does
+    v.add_(1)
+    assert buf.cpu().tolist() == [2.0, 2.0, 2.0]
+    cpu = torch.zeros(2)
+    cpu.data = torch.ones(3)  # PyTorch's own path, unchanged
+    assert cpu.tolist() == [1.0, 1.0, 1.0]
