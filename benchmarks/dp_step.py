@@ -38,22 +38,27 @@ MODES = ["eager", "graph", "matmul"]
 PROJECTED_RANKS = (2, 8, 64, 128, 512)
 
 
-def ddp_gpt_step(rank, bucket_mb):
+def ddp_gpt_step(rank, bucket_mb, style="ddp"):
     """The suite's GPT training step (workloads.gpt_train), under DDP, on this rank's batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from adaptive_eager.tools.models import GPT, batches
     from workloads import _train_step
     torch.manual_seed(0)
-    # buckets of bucket_mb MB: several per step (DDP's default, 25 MB, holds this whole model)
-    model = DDP(GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron"),
-                bucket_cap_mb=bucket_mb)
+    model = GPT(vocab=64, d=64, heads=4, layers=2, seq=32).to("neuron")
+    if style == "fsdp2":  # per block and at the root: all-gathers prefetched, reduce-scatters
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        model = fully_shard(model)
+    else:  # buckets of bucket_mb MB: several per step (the default 25 MB holds the model)
+        model = DDP(model, bucket_cap_mb=bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = batches("gpt", 1, seed=rank)[0]
     return _train_step(model, opt, x.to("neuron"), y.to("neuron"))
 
 
-def _rank(rank, world, port, steps, bucket_mb, host_us, results):
+def _rank(rank, world, port, steps, bucket_mb, host_us, style, results):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import adaptive_eager as ae
     from adaptive_eager.engine import engine as _engine
@@ -64,7 +69,7 @@ def _rank(rank, world, port, steps, bucket_mb, host_us, results):
     out = {}
     for mode in MODES:
         with (ae.adaptive(False) if mode == "eager" else ae.adaptive(strategy=mode)):
-            step = ddp_gpt_step(rank, bucket_mb)
+            step = ddp_gpt_step(rank, bucket_mb, style)
             for _ in range(2):  # warm-up: compiles; DDP rebuilds its buckets at step 2
                 step().item()
             ae.synchronize()
@@ -126,6 +131,8 @@ def main() -> None:
                     help="DDP's bucket_cap_mb (0.1: 5 buckets of the model's 0.44 MB)")
     ap.add_argument("--host-us", type=float, default=None,
                     help="DeviceSpec.host_op_overhead_us (0: a host that is never the bottleneck)")
+    ap.add_argument("--style", choices=["ddp", "fsdp2"], default="ddp",
+                    help="DDP, or FSDP2 (fully_shard per block and at the root)")
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     a = ap.parse_args()
     with socket.socket() as s:
@@ -133,7 +140,7 @@ def main() -> None:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(2, port, a.steps, a.bucket_mb, a.host_us, results), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, port, a.steps, a.bucket_mb, a.host_us, a.style, results), nprocs=2, join=True)
         results = dict(results)
     lines = ["| mode | rank | launches | collectives | collective bytes | device time (us) "
              "| of which collectives (us) | exposed (us) | hidden | step time (us) "
