@@ -149,10 +149,11 @@ def _route_work_results() -> None:
 
     def work_wait(self, *args, **kwargs):
         done = wait(self, *args, **kwargs)
-        if _on_side_stream():  # that stream waits, not compute: it joins at first use
-            return done
-        entry = _ISSUED.pop(id(self), None)
+        entry = _ISSUED.get(id(self))
         if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
+            if _on_side_stream(entry[1]):  # that stream waits, not compute: first use joins
+                return done
+            del _ISSUED[id(self)]
             _, eng, end_us, buffers = entry
             with eng.lock:
                 eng.device.unpend(buffers, end_us)
@@ -178,11 +179,11 @@ def _route_work_results() -> None:
 _GLOO_WAIT = None  # dist.Work.wait before the patch
 
 
-def _on_side_stream() -> bool:
-    """Is a stream other than the default one current (FSDP2's all-gather and
+def _on_side_stream(eng) -> bool:
+    """Is a stream other than the default one current on this core (FSDP2's all-gather and
     reduce-scatter streams)? A wait there makes that stream wait, as on CUDA."""
     from . import neuron
-    return neuron._current[-1] is not neuron._default_stream
+    return neuron.current_stream(eng.index) != neuron.default_stream(eng.index)
 _ISSUED: dict = {}  # id(Work) -> (Work, engine, end on the collective stream, buffers)
 
 
