@@ -45,6 +45,10 @@ class Snapshot:
     compile_failures: dict = dataclasses.field(default_factory=dict)  # reason -> groups
     collectives: int = 0
     collective_bytes: int = 0
+    # Note [Overlap] in integration/distributed.py: collective-stream time, and the part of it
+    # the compute stream waited for; the rest ran under compute or host work (hidden)
+    collective_us: float = 0.0
+    exposed_collective_us: float = 0.0
     replayed_ops: int = 0  # ops queued from a trace (Note [Replay]): no template, no lookup
     # Custom kernels (Note [Custom kernels]): their launches, device time and HBM bytes (also
     # counted in launches, device_time_us and hbm_bytes), and launches by kernel
@@ -52,6 +56,11 @@ class Snapshot:
     kernel_time_us: float = 0.0
     kernel_hbm_bytes: int = 0
     kernels: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def hidden_collective_us(self) -> float:
+        """Collective time that ran under compute or host work (Note [Overlap])."""
+        return self.collective_us - self.exposed_collective_us
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """Counters accumulated between two snapshots (peak/current memory: the later one)."""
@@ -93,6 +102,7 @@ def snapshot(hbms) -> Snapshot:
         inductor_compile_s=c.inductor_compile_s, tier_ups=c.tier_ups,
         compile_failures=dict(c.compile_failures),
         collectives=c.collectives, collective_bytes=c.collective_bytes,
+        collective_us=c.collective_us, exposed_collective_us=c.exposed_collective_us,
         replayed_ops=c.replayed_ops, kernel_launches=c.kernel_launches,
         kernel_time_us=c.kernel_time_us, kernel_hbm_bytes=c.kernel_hbm_bytes,
         kernels=dict(c.kernels))
@@ -125,6 +135,8 @@ def report(s: Snapshot) -> str:
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
         ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),
+        ("communication exposed / hidden", f"{s.exposed_collective_us / 1e3:.3f} / "
+         f"{(s.collective_us - s.exposed_collective_us) / 1e3:.3f} ms"),
         ("host->device bytes", s.h2d_bytes), ("device->host bytes", s.d2h_bytes),
         ("core->core bytes", s.d2d_bytes),
         ("HBM bytes moved by launches", s.hbm_bytes),

@@ -7,6 +7,16 @@ host only waits for it at a sync. An exception raised by the work is kept on the
 re-raised at the next sync, earliest first, exactly as an asynchronous runtime reports it.
 With `blocking=True` (NEURON_LAUNCH_BLOCKING=1) the host waits for every launch, and the
 engine synchronizes after each flush, so errors are raised at the op that issued it.
+
+Note [Collective stream]: collectives run on a stream of their own, as NCCL's on CUDA. One
+starts once the host has issued it, the compute work queued before it has finished (its
+inputs are written: CUDA's event on the current stream) and the collective before it has
+finished; it does not hold the compute stream up. The compute stream joins it (waits for
+its end) when the work is waited for (`join`, at `Work.wait()`), when a launch reads or
+writes one of its buffers (`join_buffers`: a C++ caller's wait, DDP's reducer, that Python
+cannot see), and at a sync. The time a join makes the compute stream wait (past both its
+own queued work and the host) is the collective's *exposed* time; the rest of its time ran
+under compute or host work: *hidden*. A sync's join counts as exposed too.
 """
 from __future__ import annotations
 
@@ -85,6 +95,8 @@ class Device:
         self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
         self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
+        self.coll_free_at_us = 0.0  # when the collective stream is done (Note [Collective stream])
+        self._pending: dict[int, tuple] = {}  # id(buffer) -> (buffer, end, wait for the bytes)
 
     def respec(self, spec: DeviceSpec) -> None:
         """New figures for this core, in place: its memory, clock, trace, generator and
@@ -115,7 +127,7 @@ class Device:
             COUNTERS.dmas += 1
             self.stats["dmas"] += 1
         elif launch.kind == "collective":  # costed by its caller (device/interconnect.py)
-            cost = launch.cost_us
+            return self._submit_collective(launch)
         else:
             cost = spec.launch_us(launch.nbytes, launch.flops, launch.low_precision) \
                 + launch.overhead_us
@@ -151,8 +163,63 @@ class Device:
             self.host_us = max(self.host_us, launch.end_us)
         return launch
 
+    # -- the collective stream (Note [Collective stream]) --------------------------------
+    def _submit_collective(self, launch: Launch) -> Launch:
+        cost = launch.cost_us
+        launch.start_us = max(self.host_us, self.free_at_us, self.coll_free_at_us)
+        launch.end_us = self.coll_free_at_us = launch.start_us + cost
+        COUNTERS.device_time_us += cost
+        COUNTERS.collective_us += cost
+        self.stats["device_time_us"] += cost
+        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
+                           launch.flops))
+        if self.blocking:
+            self.join(launch.end_us)
+            self.host_us = max(self.host_us, launch.end_us)
+        return launch
+
+    def pend(self, buffers, end_us: float, wait: Callable[[], Any] | None) -> None:
+        """`buffers` are a collective's until `end_us`; `wait()` waits for its bytes."""
+        for b in buffers:
+            self._pending[id(b)] = (b, end_us, wait)
+
+    def join(self, end_us: float) -> None:
+        """The compute stream waits for a collective ending at `end_us`."""
+        base = max(self.free_at_us, self.host_us)
+        if end_us > base:
+            COUNTERS.exposed_collective_us += end_us - base
+            self.stats["exposed_collective_us"] += end_us - base
+            self.free_at_us = end_us
+
+    def join_buffers(self, buffers) -> None:
+        """A launch about to use `buffers`: the collectives writing them finish first (their
+        bytes, and on the timeline)."""
+        pending = self._pending
+        for b in buffers:
+            entry = pending.pop(id(b), None)
+            if entry is not None and entry[0] is b:
+                if entry[2] is not None:
+                    entry[2]()
+                self.join(entry[1])
+
+    def unpend(self, buffers, end_us: float) -> None:
+        """The collective that ended at `end_us` was waited for: join it, forget its buffers."""
+        self.join(end_us)
+        for b in buffers:
+            entry = self._pending.get(id(b))
+            if entry is not None and entry[0] is b and entry[1] <= end_us:
+                del self._pending[id(b)]
+
+    def _join_all(self) -> None:
+        pending, self._pending = self._pending, {}
+        for _, _, wait in pending.values():
+            if wait is not None:
+                wait()
+        self.join(self.coll_free_at_us)
+
     def wait_idle(self) -> None:
         """The host waits until everything queued has finished (errors stay for the sync)."""
+        self._join_all()
         self.host_us = max(self.host_us, self.free_at_us)
 
     def mark(self, name: str, kind: str, duration_us: float, start_us=None) -> None:
@@ -162,6 +229,7 @@ class Device:
 
     def synchronize(self) -> None:
         """The host waits for all queued work, then the earliest deferred error is raised."""
+        self._join_all()
         self.host_us = max(self.host_us, self.free_at_us)
         self._ends.clear()
         if self._errors:

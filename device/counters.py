@@ -45,6 +45,8 @@ class Counters:
     bytes_saved: int = 0  # bytes of values freed before their flush, never written back
     collectives: int = 0  # torch.distributed collectives and P2P ops on neuron tensors
     collective_bytes: int = 0  # their payload (bytes of this rank's tensors they carry)
+    collective_us: float = 0.0  # their time on the collective stream (Note [Collective stream])
+    exposed_collective_us: float = 0.0  # of which the compute stream waited for
     # Executors (fusion/executors): launches that ran TorchInductor's code; Inductor's real
     # compile wall time, apart from the modeled compile_time_us above.
     compiled_launches: int = 0

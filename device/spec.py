@@ -12,7 +12,7 @@ GiB = 1 << 30
 # TORCHNEURON.md (~0.22 ms per eager elementwise op, most of it host + launch overhead).
 
 
-_POSITIVE = ("hbm_bytes", "sbuf_bytes", "max_in_flight", "chip_cores")
+_POSITIVE = ("hbm_bytes", "sbuf_bytes", "max_in_flight", "chip_cores", "ranks_per_instance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,12 @@ class DeviceSpec:
     # Beyond one instance the links are the network (EFA), slower: see device/interconnect.py.
     interconnect_gbps: float = 320.0  # assumption: per-rank link bandwidth, GB/s, one way
     interconnect_latency_us: float = 5.0  # assumption: latency of one hop (one ring step)
+    # Past one instance the hops are the network (Note [Two-level interconnect] in
+    # device/interconnect.py). A trn2.48xlarge holds 16 Trn2 chips (64 logical cores) and
+    # 3.2 Tbps of EFAv3 (public launch figures): 400 GB/s per instance, shared by its ranks.
+    ranks_per_instance: int = 64  # assumption: 16 chips x chip_cores logical cores
+    inter_instance_gbps: float = 400.0  # assumption: EFA bandwidth per instance, GB/s, one way
+    inter_instance_latency_us: float = 15.0  # assumption: latency of one hop over EFA
 
     def __post_init__(self):
         """Refuse what the cost model cannot use, naming the field (a zero bandwidth was a

@@ -211,6 +211,9 @@ class Runner:
                     poisoned.add(s)
                     causes[s] = why
                     origin = origin or why
+            if dev._pending:  # Note [Collective stream] in device/core.py
+                dev.join_buffers([handles[gp.slots[s]].buffer for s in range(exe.program.n_inputs)
+                                  if gp.slots[s] not in env and handles[gp.slots[s]] is not None])
             members = nodes[gp.start:gp.end]
             inputs = [n.inputs for n in members]
             if isinstance(exe, OneByOne):

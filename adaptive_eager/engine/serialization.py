@@ -60,7 +60,8 @@ def reduce(t) -> tuple:
 
 # What a neuron tensor's `__dict__` holds for the engine (the rest is the user's, as a CPU
 # tensor's `__dict__` is).
-_INTERNAL = frozenset(("_engine", "_handle", "_layout", "_vbytes", "_extent", "_is_param"))
+_INTERNAL = frozenset(("_engine", "_handle", "_info", "_layout", "_vbytes", "_extent",
+                       "_is_param"))
 
 
 def user_state(t) -> dict:

@@ -368,3 +368,44 @@ def tensor_repr(t: torch.Tensor, cpu: torch.Tensor) -> str:
     elif t.requires_grad:
         suffixes.append("requires_grad=True")
     return torch._tensor_str._add_suffixes(prefix + body, suffixes, len(prefix), False)
+
+
+# Note [Setting .data across devices]: `cpu_param.data = t.to("neuron")` (FSDP2 moves a
+# CPU-built module's parameters and buffers this way; so do hand-written `.to` helpers) is
+# refused by C++'s set_data: a CPU tensor and a PrivateUse1 wrapper are no "compatible
+# shallow-copy type" (c10's dense list lacks PrivateUse1: pytorch/pytorch#196975, which C++
+# PrivateUse1 backends hit too). On CUDA the same line keeps the object and moves it. So
+# `torch.Tensor.data`'s setter, for a neuron value set into a tensor of another device only,
+# swaps a fresh alias of that value into the old Python object (torch.utils.swap_tensors,
+# as FSDP2 does for wrapper subclasses): the object, its requires_grad and what is tied to
+# it stay; it aliases the value's buffer, as `.data =` does. Every other `.data =` is
+# PyTorch's own, unchanged.
+_BASE_DATA = torch._C.TensorBase.data
+
+
+def _set_data(self, new):
+    if not isinstance(new, NeuronTensor) or type(self) not in (torch.Tensor, torch.nn.Parameter):
+        return _BASE_DATA.__set__(self, new)
+    grad, self.grad = self.grad, None
+    with torch.no_grad():
+        alias = new.detach()
+        alias.requires_grad_(self.requires_grad)
+        if isinstance(self, torch.nn.Parameter):
+            alias = torch.nn.Parameter(alias, requires_grad=self.requires_grad)
+    try:
+        torch.utils.swap_tensors(self, alias)
+    except RuntimeError as e:
+        self.grad = grad
+        raise RuntimeError(
+            f"Attempted to call `variable.set_data(tensor)` with a {new.device} tensor on a "
+            f"{self.device} tensor, which a neuron tensor can only do by taking the tensor's "
+            f"place (torch.utils.swap_tensors), and that failed: {e}") from e
+    if grad is not None:
+        self.grad = grad.to(new.device)
+
+
+def install_set_data() -> None:
+    """Note [Setting .data across devices]. Idempotent."""
+    if isinstance(torch.Tensor.__dict__.get("data"), property):
+        return
+    torch.Tensor.data = property(_BASE_DATA.__get__, _set_data, doc=_BASE_DATA.__doc__)

@@ -15,6 +15,9 @@ tensor parallel) are composed from these: Note [Functional collectives].
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 import weakref
 
 import torch
@@ -29,6 +32,7 @@ from ..engine.tensor import NeuronTensor
 from ..errors import _raise_launch_error
 from ..engine.templates import _two_devices
 from ..engine.transfer import buffer_view, on_host
+from . import sync_batch_norm
 
 DEVICE_TYPE = "neuron"
 
@@ -83,6 +87,10 @@ def register() -> None:
             _engine._SPECIAL[getattr(packet, overload)] = collective
     _register_functional()
     _route_work_results()
+    for op, kernel in sync_batch_norm.KERNELS.items():  # Note [SyncBatchNorm ops]
+        _engine._SPECIAL[op] = _functional(kernel)
+    _after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
+    _after_import("torch.distributed.checkpoint._state_dict_stager", _patch_stager)
     _done = True
 
 
@@ -135,6 +143,64 @@ def _route_work_results() -> None:
         return fut.then(lambda f: _on_device(f.value()))
     work_result._neuron = work_get_future._neuron = True
     work.result, work.get_future = work_result, work_get_future
+    wait = work.wait
+    global _GLOO_WAIT
+    _GLOO_WAIT = wait
+
+    def work_wait(self, *args, **kwargs):
+        done = wait(self, *args, **kwargs)
+        entry = _ISSUED.get(id(self))
+        if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
+            if _on_side_stream(entry[1]):  # that stream waits, not compute: first use joins
+                return done
+            del _ISSUED[id(self)]
+            _, eng, end_us, buffers = entry
+            with eng.lock:
+                eng.device.unpend(buffers, end_us)
+        return done
+    work_wait._neuron = True
+    work.wait = work_wait
+
+
+# Note [Overlap]: a collective runs on the device's collective stream (Note [Collective
+# stream] in device/core.py): its issue is not a join, its `Work.wait()` is (every
+# synchronous collective is issued then waited for at once by torch.distributed, so it is
+# all exposed), and so is the first launch that uses its tensors (DDP's reducer waits in
+# C++, where Python cannot see it: the optimizer's first read of a gradient is the join).
+# A wait under another stream than the default one (FSDP2 all-gathers and reduce-scatters
+# on streams of its own, and overlaps them by events) makes that stream wait, as on CUDA:
+# the compute stream joins at its first use of the tensors (FSDP2's copy-out, after its
+# `wait_event`) or at a sync. Streams multiplex compute onto one hardware queue
+# (integration/neuron.py): only collectives overlap.
+# The bytes are gloo's: a launch that uses the tensors first waits for gloo's Work too, so
+# an async collective's result is never read half-written. In adaptive mode the issue is
+# still a flush (gloo reads the bytes when it is issued; the reference queues it), the wait
+# is not (it only joins the streams).
+_GLOO_WAIT = None  # dist.Work.wait before the patch
+
+
+def _on_side_stream(eng) -> bool:
+    """Is a stream other than the default one current on this core (FSDP2's all-gather and
+    reduce-scatter streams)? A wait there makes that stream wait, as on CUDA."""
+    from . import neuron
+    return neuron.current_stream(eng.index) != neuron.default_stream(eng.index)
+_ISSUED: dict = {}  # id(Work) -> (Work, engine, end on the collective stream, buffers)
+
+
+def _pend(eng, end_us, buffers, out) -> None:
+    works = [dist.Work.unbox(w) for w in tree_flatten(out)[0]
+             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
+    eng.device.pend(buffers, end_us, (lambda w=works[0]: _WAIT(w)) if works else None)
+    for key in [k for k, e in _ISSUED.items()  # joined since (a launch used its tensors)
+                if e[1] is eng and e[2] <= eng.device.free_at_us and e[0].is_completed()]:
+        del _ISSUED[key]
+    for w in works:
+        _ISSUED[id(w)] = (w, eng, end_us, buffers)
+
+
+def _WAIT(work) -> None:
+    """gloo's own wait (the bytes), never the timeline's join: the caller joins."""
+    _GLOO_WAIT(work)
 
 
 def collective(eng, func, args, kwargs):
@@ -169,8 +235,9 @@ def collective(eng, func, args, kwargs):
     _keep_until_done(out)
     nbytes = _size(func, args, kwargs, size_arg)
     cost = collective_us(eng.spec, pattern, nbytes, _world(args, kwargs))
-    eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
-                             dma_bytes=nbytes, cost_us=cost))
+    launch = eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
+                                      dma_bytes=nbytes, cost_us=cost))
+    _pend(eng, launch.end_us, [t._handle.buffer for t in tensors], out)
     eng.metrics.collectives += 1
     eng.metrics.collective_bytes += nbytes
     # c10d ops return the tensors they were given (in place): the caller's neuron tensors.
@@ -370,3 +437,98 @@ def _register_functional() -> None:
             packet = getattr(torch.ops.fsdp, name)
             for overload in packet.overloads():
                 _engine._SPECIAL[getattr(packet, overload)] = _python_kernel
+
+
+# -- pipelines (torch.distributed.pipelining) ------------------------------------------------
+# Note [Pipeline stages from pipeline()]: `pipe.build_stage(i, device)` moves the stage's
+# exported module with `submod.to(device)`. Its parameters are the user's, and the export's
+# FakeTensorMode (kept alive by the graph's node.meta["val"]) remembers each one in a
+# WeakIdKeyDictionary (MetaTensorDescriber.lookup_tensor: tensor -> the id it described it
+# as). Module.to keeps a parameter's identity on neuron by swapping (Note [Module.to keeps
+# Parameters] in _tensor.py), and torch.utils.swap_tensors refuses a tensor with weakrefs
+# ("Couldn't swap InterpreterModule.weight"). Those entries are a cache of a finished trace:
+# before the stage moves to neuron, they are dropped (a later conversion of the tensor by
+# that mode describes it anew, as for any tensor it has not seen), then torch's move runs.
+
+
+def _forget_traced(module) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+    modes = {}
+    for m in module.modules():
+        for node in getattr(getattr(m, "graph", None), "nodes", ()):
+            val = node.meta.get("val")
+            if isinstance(val, FakeTensor):
+                modes[id(val.fake_mode)] = val.fake_mode
+    tensors = list(module.parameters()) + list(module.buffers())
+    for mode in modes.values():
+        describer = mode.fake_tensor_converter.meta_converter.describer
+        for t in tensors:
+            describer.lookup_tensor.pop(t, None)
+
+
+def _patch_pipeline_stage(stage_module) -> None:
+    cls = stage_module._PipelineStage
+    move = cls._move_submod_to_device
+    if getattr(move, "_neuron", False):
+        return
+
+    def _move_submod_to_device(self):
+        if torch.device(self.device).type == DEVICE_TYPE:  # Note [Pipeline stages from pipeline()]
+            _forget_traced(self.submod)
+        return move(self)
+    _move_submod_to_device._neuron = True
+    cls._move_submod_to_device = _move_submod_to_device
+
+
+def _after_import(name: str, patch) -> None:
+    """`patch(module)` once `name` is imported: now if it is, else right after its import (the
+    pipelining package imports torch._dynamo, seconds we do not spend at `import torch`)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_then_patch(module):
+                exec_module(module)
+                patch(module)
+            spec.loader.exec_module = exec_then_patch
+            return spec
+    sys.meta_path.insert(0, _Hook())
+
+
+# -- asynchronous checkpoints (torch.distributed.checkpoint.async_save) -----------------------
+# Note [Staging neuron tensors]: async_save first stages the state dict into host memory
+# (StateDictStager._offload_tensor), storage by storage: `type(storage)(n, device="cpu")`,
+# then `cpu_storage.copy_(storage)`, then the tensor's `__dict__` copied onto the CPU copy.
+# A neuron tensor's storage is a NeuronStorage (no C++ storage: UntypedStorage.copy_ cannot
+# read it) and its `__dict__` holds the engine's handle. So a neuron tensor is staged as
+# its `.cpu()` (the device-to-host copy CUDA's staging makes, a sync point), carrying only
+# the user's attributes (serialization.user_state); every other tensor is staged by torch.
+
+
+def _patch_stager(stager_module) -> None:
+    cls = stager_module.StateDictStager
+    offload = cls._offload_tensor
+    if getattr(offload, "_neuron", False):
+        return
+
+    def _offload_tensor(self, x, memo, non_blocking=False):
+        if not isinstance(x, NeuronTensor):
+            return offload(self, x, memo, non_blocking=non_blocking)
+        from ..engine.serialization import user_state
+        y = memo[id(x)] = x.detach().cpu()  # Note [Staging neuron tensors]
+        for name, value in user_state(x).items():
+            setattr(y, name, self.deepcopy_with_tensor_offload(value, memo,
+                                                                non_blocking=non_blocking))
+        return y
+    _offload_tensor._neuron = True
+    cls._offload_tensor = _offload_tensor

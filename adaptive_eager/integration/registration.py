@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ..engine.tensor import NeuronTensor, _refuse_sharing
+from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
 from . import attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors
@@ -47,6 +47,7 @@ def register() -> None:
     hooks.install()  # Note [Hooks that raise]
     _route_accelerator_api()
     _storage.refuse_device_storages()
+    install_set_data()  # Note [Setting .data across devices]
     cpu_settings.install(lambda: _engine.flush_all("settings"))  # Note [CPU settings]
     pinned.register()
     serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])

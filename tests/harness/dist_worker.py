@@ -254,3 +254,192 @@ def run(rank, world, port, results, port2=None):
             mine["error"] = traceback.format_exc()
     mine["warnings"] = [str(w.message) for w in caught]
     results[rank] = mine
+
+
+# -- issue 30: the rest of the reference's list ----------------------------------------------
+def fully_shard_cpu_built(rank, world, mesh):
+    """FSDP2 of a module built on the CPU: fully_shard moves it (`tensor.data = t.to(dev)`)."""
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()  # on the CPU
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    devices = sorted({p.device.type for p in model.parameters()})
+    losses = _train_sharded(model, rank, world)
+    return losses, [_full(p) for p in model.parameters()], devices
+
+
+def pipeline_stages(rank, world):
+    """pipeline() splits the model in two; build_stage puts stage r on this rank's neuron;
+    GPipe over 2 micro-batches of the global batch."""
+    from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
+    model = make_model()
+    data = make_data()
+    pipe = pipeline(model, mb_args=(data[0][0][:GLOBAL_BATCH // 2],),
+                    split_spec={"2": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("neuron"))
+    params = list(stage.submod.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    sched = ScheduleGPipe(stage, 2, loss_fn=torch.nn.functional.mse_loss)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x.to("neuron"))
+        else:
+            micro = []
+            sched.step(target=y.to("neuron"), losses=micro)
+            losses.append(sum(v.item() for v in micro) / len(micro))
+        opt.step()
+    return losses, [p.detach().cpu() for p in params], sorted({p.device.type for p in params})
+
+
+def async_checkpoint(rank, world, mesh, path):
+    """dcp.async_save of an FSDP2 model's sharded state, then dcp.load into another one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    model = fully_shard(make_model().to("neuron"), mesh=mesh)
+    dcp.async_save(model.state_dict(), checkpoint_id=path).result()
+    torch.manual_seed(5)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    other = fully_shard(other.to("neuron"), mesh=mesh)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    return [_full(p) for p in other.parameters()]
+
+
+def make_bn_model(sync):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+def bn_data():
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(GLOBAL_BATCH, 3, 6, 6, generator=g),
+             torch.randn(GLOBAL_BATCH, 2, generator=g)) for _ in range(STEPS)]
+
+
+def bn_train(model, rank, world, device):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = GLOBAL_BATCH // world
+    losses = []
+    for x, y in bn_data():
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    inner = getattr(model, "module", model)
+    return losses, [t.detach().cpu() for t in list(inner.parameters()) + list(inner.buffers())]
+
+
+def cpu_bn_losses():
+    """The reference: plain BatchNorm, one process, CPU, the whole global batch."""
+    return bn_train(make_bn_model(False), 0, 1, "cpu")
+
+
+def sync_batch_norm(rank, world):
+    """SyncBatchNorm under DDP: each rank normalizes with the statistics of the global batch."""
+    model = torch.nn.parallel.DistributedDataParallel(make_bn_model(True).to("neuron"))
+    return bn_train(model, rank, world, "neuron")
+
+
+def run_rest(rank, world, port, path, results):
+    """One rank of tests/test_distributed_rest.py: issue 30's paths, per mode."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    mine = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            # async_save needs a CPU backend (PyTorch's rule): "gloo" covers cpu and neuron
+            # ("cpu:gloo,neuron:gloo" would too, but SyncBatchNorm then asks the group's
+            # backend name, no longer "gloo", and takes NCCL's all-gather, which gloo refuses)
+            dist.init_process_group("gloo", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=60))
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("neuron", (world,))
+            before = ae.metrics()
+            for mode in REST_MODES:
+                with _mode(mode):
+                    mine[("fully_shard_cpu", mode)] = fully_shard_cpu_built(rank, world, mesh)
+                    mine[("pipeline", mode)] = pipeline_stages(rank, world)
+                    mine[("async_checkpoint", mode)] = async_checkpoint(
+                        rank, world, mesh, os.path.join(path, mode))
+                    mine[("sync_batch_norm", mode)] = sync_batch_norm(rank, world)
+            for mode in REST_MODES:
+                with _mode(mode):
+                    mine[("ddp_overlap", mode)] = ddp_overlap(rank, world)
+                    mine[("fsdp2_overlap", mode)] = fsdp2_overlap(rank, world, mesh)
+            mine["fallbacks"] = (ae.metrics() - before).cpu_fallbacks
+            dist.destroy_process_group()
+        except BaseException:
+            mine["error"] = traceback.format_exc()
+    mine["warnings"] = [str(w.message) for w in caught]
+    results[rank] = mine
+
+
+REST_MODES = ["eager", "graph"]
+
+
+def _overlap(build, steps=2, host_us=0.0):
+    """Communication exposed and hidden over the last of `steps` training steps of
+    `build()`, with the host's time per op set to `host_us` (0: only compute can hide a
+    collective). Also: does a collective's span on the timeline cross a launch's?"""
+    import dataclasses
+
+    from adaptive_eager.engine import engine as _engine
+    old = _engine.ENGINE.spec
+    ae.set_device_spec(dataclasses.replace(old, host_op_overhead_us=host_us))
+    try:
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 64).to("neuron")
+        for i in range(steps):
+            if i == steps - 1:
+                ae.synchronize()
+                before, mark = ae.metrics(), len(_engine.ENGINE.device.trace)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        ae.synchronize()
+        m = ae.metrics() - before
+        events = list(_engine.ENGINE.device.trace)[mark:]
+    finally:
+        ae.set_device_spec(old)
+    colls = [(s, s + d) for _, kind, s, d, _, _ in events if kind == "collective"]
+    launches = [(s, s + d) for _, kind, s, d, _, _ in events if kind in ("launch", "dma")]
+    crossed = sum(1 for a, b in colls if any(s < b and a < e for s, e in launches))
+    return {"collectives": m.collectives, "collective_us": m.collective_us,
+            "exposed_us": m.exposed_collective_us, "hidden_us": m.hidden_collective_us,
+            "crossing": crossed}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+
+def ddp_overlap(rank, world):
+    """DDP in buckets of ~1.5 layers (bucket_cap_mb=0.025: 4 all-reduces a step)."""
+    return _overlap(lambda: torch.nn.parallel.DistributedDataParallel(
+        _mlp().to("neuron"), bucket_cap_mb=0.025))
+
+
+def fsdp2_overlap(rank, world, mesh):
+    """FSDP2 per layer: it prefetches the next layer's all-gather, reduce-scatters by layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = _mlp().to("neuron")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return _overlap(build)

@@ -5,6 +5,7 @@ runs every scenario in eager and both adaptive strategies, and the tests assert 
 ranks sent back. The single-process part runs a world of one in this process."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 
@@ -15,7 +16,8 @@ import torch.multiprocessing as mp
 
 import adaptive_eager as ae
 from device import DeviceSpec
-from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
+from device.interconnect import (BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE,
+                                 collective_plan, collective_us)
 
 from tests.harness import dist_worker as W
 
@@ -266,10 +268,59 @@ def test_ring_all_reduce_formula():
 
 
 def test_ring_all_reduce_bandwidth_term_saturates():
-    """The ring's bytes per rank approach 2n as p grows: time grows with latency only."""
-    spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0)
+    """The ring's bytes per rank approach 2n as p grows: time grows with latency only
+    (one level: every rank in one instance)."""
+    spec = DeviceSpec(interconnect_latency_us=0.0, launch_overhead_us=0.0,
+                      ranks_per_instance=512)
     t = [collective_us(spec, RING_ALL_REDUCE, 2**26, p) for p in (2, 64, 512)]
     assert t[0] < t[1] < t[2] < 2 * t[0]
+
+
+def test_all_reduce_picks_tree_or_ring_by_size():
+    """NCCL's rule: a tree for small messages (log p hops of latency), a ring for large ones."""
+    spec = DeviceSpec(interconnect_gbps=100.0, interconnect_latency_us=2.0,
+                      launch_overhead_us=0.0)
+    assert collective_plan(spec, RING_ALL_REDUCE, 1024, 64) == pytest.approx(
+        (2 * 6 * 2.0 + 2 * 1024 / 1e5, "tree"))
+    n = 1 << 30
+    assert collective_plan(spec, RING_ALL_REDUCE, n, 8) == pytest.approx(
+        (2 * 7 * (2.0 + n / 8 / 1e5), "ring"))
+
+
+def test_two_level_interconnect():
+    """Note [Two-level interconnect]: past `ranks_per_instance` ranks, the hops between
+    instances are EFA's (the NIC's bandwidth shared by the instance's ranks)."""
+    spec = DeviceSpec(interconnect_gbps=320.0, interconnect_latency_us=0.5,
+                      inter_instance_gbps=50.0, inter_instance_latency_us=15.0,
+                      ranks_per_instance=4, launch_overhead_us=0.0)
+    n = 100_000_000
+    b1, b2 = 320e3, 50e3 / 4  # bytes per us: a NeuronLink link; a rank's share of the NIC
+    # 8 ranks = 2 instances of 4: ring reduce-scatter and all-gather inside, a ring of n/4
+    # between the two instances (cheaper than a tree of 2 for this size)
+    inside = 3 * (0.5 + n / (4 * b1))
+    across = 2 * 1 * (15.0 + (n / 4) / (2 * b2))
+    us, algo = collective_plan(spec, RING_ALL_REDUCE, n, 8)
+    assert algo == "hierarchical (ring in 4, ring across 2 instances)"
+    assert us == pytest.approx(2 * inside + across)
+    # the same 8 ranks in one instance: NeuronLink only, faster
+    one = dataclasses.replace(spec, ranks_per_instance=8)
+    assert collective_us(one, RING_ALL_REDUCE, n, 8) < us
+    # all-gather: a ring across instances over each rank's share, then the ring inside
+    assert collective_us(spec, RING_GATHER, n, 8) == pytest.approx(
+        3 * (0.5 + n / (4 * b1)) + 1 * (15.0 + (n / 4) / (2 * b2)))
+    # tree ops and barriers: log2 hops on each level
+    assert collective_us(spec, TREE, n, 8) == pytest.approx(
+        2 * (0.5 + n / b1) + 1 * (15.0 + n / 50e3))
+    assert collective_us(spec, BARRIER, 0, 8) == pytest.approx(2 * 0.5 + 15.0)
+
+
+def test_projection_grows_past_one_instance():
+    """The default figures: an all-reduce over 2 instances costs more than over one."""
+    spec = DeviceSpec()
+    per = spec.ranks_per_instance
+    n = 100 << 20
+    assert collective_us(spec, RING_ALL_REDUCE, n, 2 * per) > collective_us(
+        spec, RING_ALL_REDUCE, n, per)
 
 
 # -- storage resize (FSDP2 frees and re-allocates unsharded parameters) ----------------------
@@ -323,3 +374,99 @@ def test_torchrun_ddp_example(tmp_path):
     assert got["world"] == 2 and got["device_count"] == 4  # rank r on neuron:r of the chip
     assert got["devices"] == ["neuron:0"]  # rank 0's (rank 1 checks its own neuron:1)
     assert got["cpu_fallbacks"] == {} and got["collectives"] > 0
+
+
+# -- overlap (Note [Overlap], Note [Collective stream] in device/core.py) --------------------
+def _comm():
+    ae.synchronize()
+    return ae.metrics()
+
+
+def test_synchronous_collective_is_all_exposed(world_of_one):
+    x = torch.ones(1024, device="neuron")
+    before = _comm()
+    dist.all_reduce(x)  # issued, then waited for at once by torch.distributed
+    m = ae.metrics() - before
+    assert m.collective_us > 0 and m.exposed_collective_us == pytest.approx(m.collective_us)
+    assert m.hidden_collective_us == pytest.approx(0.0)
+    assert "communication exposed / hidden" in ae.metrics_report()
+
+
+def _compute(n=10):
+    a = torch.randn(128, 128, device="neuron")
+    for _ in range(n):
+        a = (a @ a).tanh()
+    return a
+
+
+def test_async_collective_hides_under_compute_until_wait(world_of_one, mode):
+    x = torch.ones(1024, device="neuron")
+    before = _comm()
+    work = dist.all_reduce(x, async_op=True)  # the compute stream does not wait here...
+    _compute()
+    work.wait()  # ...but here, by which time the collective is long done
+    m = _comm() - before
+    assert m.collective_us > 0
+    assert m.exposed_collective_us == pytest.approx(0.0)
+    assert m.hidden_collective_us == pytest.approx(m.collective_us)
+    assert x.cpu().tolist() == [1.0] * 1024
+
+
+def test_using_an_async_result_before_wait_joins(world_of_one):
+    """A launch that reads an async collective's tensor waits for it (its bytes from gloo,
+    its end on the timeline), as DDP's reducer, waiting in C++, needs."""
+    from adaptive_eager.engine import engine as _engine
+    x = torch.full((1024,), 2.0, device="neuron")
+    x * 3  # compiled once (a compile's host time would hide the collective)
+    before = _comm()
+    dist.all_reduce(x, async_op=True)
+    y = x * 3  # no wait(): the first use joins
+    ae.synchronize()
+    m = ae.metrics() - before
+    # exposed: all but the host's time to issue `x * 3`, which the collective ran under
+    assert m.exposed_collective_us == pytest.approx(
+        m.collective_us - _engine.ENGINE.spec.host_op_overhead_us)
+    trace = list(_engine.ENGINE.device.trace)
+    coll = [e for e in trace if e[1] == "collective"][-1]
+    use = [e for e in trace if e[1] == "launch"][-1]
+    assert use[2] >= coll[2] + coll[3]  # the launch starts after the collective ends
+    assert y.cpu().tolist() == [6.0] * 1024
+
+
+def test_collectives_queue_on_their_own_stream(world_of_one):
+    """Two async collectives run one after the other on the collective stream, and neither
+    holds up the compute stream's launches issued meanwhile."""
+    from adaptive_eager.engine import engine as _engine
+    dev = _engine.ENGINE.device
+    x, z = torch.ones(4, device="neuron"), torch.ones(4, device="neuron")
+    _compute(2)  # compiled once (a compile's host time would come first)
+    ae.synchronize()
+    mark = len(dev.trace)
+    w1, w2 = dist.all_reduce(x, async_op=True), dist.all_reduce(z, async_op=True)
+    _compute(2)
+    ae.synchronize()
+    w1.wait(), w2.wait()
+    events = list(dev.trace)[mark:]
+    c1, c2 = [e for e in events if e[1] == "collective"]
+    assert c2[2] >= c1[2] + c1[3]
+    first = [e for e in events if e[1] == "launch"][0]
+    assert first[2] < c2[2] + c2[3]  # compute started before the collectives were done
+
+
+def test_setting_data_across_devices_keeps_the_object():
+    """Note [Setting .data across devices]: `p.data = p.to("neuron")` (FSDP2's move of a
+    CPU-built module) kept the object on CUDA and raised "incompatible tensor type" here."""
+    lin = torch.nn.Linear(3, 2)
+    w, want = lin.weight, lin.weight.detach().clone()
+    w.data = w.to("neuron")
+    assert lin.weight is w and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w.device.type == "neuron"
+    torch.testing.assert_close(w.cpu(), want)
+    v = torch.ones(3, device="neuron")
+    buf = torch.zeros(3)
+    buf.data = v  # aliases v's buffer, as `.data =` does
+    v.add_(1)
+    assert buf.cpu().tolist() == [2.0, 2.0, 2.0]
+    cpu = torch.zeros(2)
+    cpu.data = torch.ones(3)  # PyTorch's own path, unchanged
+    assert cpu.tolist() == [1.0, 1.0, 1.0]
