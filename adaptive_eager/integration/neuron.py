@@ -101,6 +101,11 @@ def seed_all() -> None:
     manual_seed_all(torch.seed())
 
 
+# Each core's default generator, as torch.cuda.default_generators: its state is the core's
+# device RNG (get_rng_state). Made by the native hooks (Note [Native hooks]); empty without.
+default_generators: tuple = ()
+
+
 def initial_seed() -> int:
     return _E().device.rng.seed
 

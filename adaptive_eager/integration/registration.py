@@ -78,6 +78,7 @@ def _install_native() -> bool:
     _engine.NATIVE = (mod.current_device, lambda k: mod.set_device(k, cores.count()))
     transfer.CPU_GENERATOR = _cpu_generator
     neuron._NATIVE_STREAMS = mod
+    neuron.default_generators = tuple(mod.default_generator(k) for k in range(cores.count()))
     return True
 
 

@@ -314,5 +314,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current_stream", [](int k) { return g_stream[k].load(); });
   m.def("new_stream_id", []() { return g_next_stream++; });
   m.def("generator_info", &generator_info);
+  m.def("default_generator", [](int k) {  // torch.neuron.default_generators[k]
+    return g_hooks.getDefaultGenerator(static_cast<c10::DeviceIndex>(k));
+  });
   m.def("is_pinned_ptr", [](uintptr_t p) { return is_pinned_ptr(reinterpret_cast<void*>(p)); });
 }
