@@ -47,18 +47,25 @@ def _load():
     where = build_dir()
     os.makedirs(where, exist_ok=True)
     name = "adaptive_eager_native"
-    built = os.path.exists(os.path.join(where, name + ".so"))
-    if not built:
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise RuntimeError(f"no C++ compiler ('{cxx}' is not on PATH; install g++ or set "
-                               f"CXX)")
-        print(f"adaptive_eager: building the native hooks for torch {torch.__version__} "
-              f"(once, about a minute) in {where}", file=sys.stderr, flush=True)
+    lib = os.path.join(where, name + ".so")
+    # Built before (the directory's key says it is current) and no build running (another
+    # process holds torch's "lock" file while it builds: cpp_extension.load waits for it)
+    if os.path.exists(lib) and not os.path.exists(os.path.join(where, "lock")):
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(name, lib)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod._build_seconds = None
+        return mod
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ('{cxx}' is not on PATH; install g++ or set CXX)")
+    print(f"adaptive_eager: building the native hooks for torch {torch.__version__} (once; "
+          f"15-60 s) in {where}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     mod = cpp_extension.load(name=name, sources=[_SOURCE], build_directory=where,
                              extra_cflags=["-O2"], verbose=False)
-    mod._build_seconds = None if built else time.perf_counter() - t0
+    mod._build_seconds = time.perf_counter() - t0
     return mod
 
 
