@@ -767,8 +767,14 @@ def flush_all(reason: str) -> None:
 
 # Note [Native hooks] in integration/native.py: with them, the current core is the C++ device guard's,
 # per thread as CUDA's (PyTorch resolves an index-less "neuron" through it); without them it
-# is `_CURRENT`, per process. Registration sets NATIVE to the hooks' (get, set).
+# is `_CURRENT`, per process. NATIVE: the hooks' (get, set), once registration loads them.
 NATIVE = None
+
+
+def use_native_current(get, set_) -> None:
+    """The current core is the native hooks' from now on (registration calls this)."""
+    global NATIVE
+    NATIVE = (get, set_)
 
 
 def current_index() -> int:

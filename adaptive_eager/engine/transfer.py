@@ -68,6 +68,12 @@ def upload(eng, cpu: torch.Tensor) -> torch.Tensor:
 CPU_GENERATOR = None
 
 
+def use_cpu_generator(find) -> None:
+    """`find(neuron_generator) -> CPU generator` (registration, with the native hooks)."""
+    global CPU_GENERATOR
+    CPU_GENERATOR = find
+
+
 def on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""

@@ -176,6 +176,14 @@ _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 _NATIVE_STREAMS = None  # the native hooks (Note [Native hooks]), which then number streams
 
 
+def use_native(mod, count: int) -> None:
+    """The native hooks number streams, follow the current stream, and give each core's
+    default generator (registration calls this once they are loaded)."""
+    global _NATIVE_STREAMS, default_generators
+    _NATIVE_STREAMS = mod
+    default_generators = tuple(mod.default_generator(k) for k in range(count))
+
+
 def _new_id() -> int:
     return next(_ids) if _NATIVE_STREAMS is None else _NATIVE_STREAMS.new_stream_id()
 

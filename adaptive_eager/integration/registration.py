@@ -75,10 +75,9 @@ def _install_native() -> bool:
     if not _native.install(cores.count(), sync, rng):
         return False
     mod = _native.module()
-    _engine.NATIVE = (mod.current_device, lambda k: mod.set_device(k, cores.count()))
-    transfer.CPU_GENERATOR = _cpu_generator
-    neuron._NATIVE_STREAMS = mod
-    neuron.default_generators = tuple(mod.default_generator(k) for k in range(cores.count()))
+    _engine.use_native_current(mod.current_device, lambda k: mod.set_device(k, cores.count()))
+    transfer.use_cpu_generator(_cpu_generator)
+    neuron.use_native(mod, cores.count())
     return True
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import native
+from adaptive_eager.integration import native
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_native = pytest.mark.skipif(not ae.native_hooks(), reason="the native hooks are off")
 
 
@@ -252,7 +252,8 @@ else:
     raise AssertionError("a neuron generator without the hooks")
 torch.neuron.set_device(1)
 assert torch.neuron.current_device() == 1
-print("OK", ae.native.why_not())
+from adaptive_eager.integration import native
+print("OK", native.why_not())
 """
 
 
