@@ -22,6 +22,7 @@ from .explain import Explanation
 # report as _report: importing the `adaptive_eager.tools.report` submodule (the CLI) rebinds the
 # package attribute `report` to that module.
 from .metrics import Snapshot, report as _report, snapshot
+from .integration.native import loaded as native_hooks  # Note [Native hooks]: loaded?
 from device import COUNTERS
 from device import DeviceSpec, NeuronOutOfMemoryError
 from fusion.kernels import Cost, register_cost
@@ -29,7 +30,7 @@ from fusion.kernels import Cost, register_cost
 __all__ = [
     "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
     "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
-    "core_metrics", "metrics", "metrics_report", "override", "reset_metrics", "save_trace",
+    "core_metrics", "metrics", "metrics_report", "native_hooks", "override", "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
     "wait_for_compiles",
 ]

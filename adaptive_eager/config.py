@@ -114,6 +114,10 @@ class Config:
     fallback_enabled: bool = _setting(
         "NEURON_FALLBACK_ENABLED", True, _flag_not_0,
         "CPU fallback for ops the device lacks ('0' raises instead)")
+    native: bool = _setting(
+        "ADAPTIVE_EAGER_NATIVE", True, _flag_not_0,
+        "the native hooks (device guard, pinned memory, generators; built with the C++ "
+        "compiler at first import): '0' goes without them")
     stack_trace: bool = _setting(
         "TORCH_NEURONX_ENABLE_STACK_TRACE", False, _flag_exact_1,
         "record each op's full Python stack for error reports")

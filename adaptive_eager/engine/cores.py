@@ -13,8 +13,9 @@ and autograd sizes its per-device worker threads from it: a backward on neuron:1
 internal assert there. Backward runs with autograd's multithreading off (`torch.autograd.
 set_multithreading_enabled(False)`, public API; also for CPU's order of a double backward):
 the whole backward runs on the calling thread, every core included (registration.py).
-The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per process, not per
-thread as CUDA's is.
+The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per thread as CUDA's
+with the native hooks (Note [Native hooks] in integration/native.py: the C++ device guard holds
+it), per process without them.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def count() -> int:
 
 
 def current() -> int:
-    return _engine._CURRENT[0]
+    return _engine.current_index()
 
 
 def set_current(device) -> None:

@@ -32,14 +32,14 @@ from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer
 from .. import errors
 from .tensor import NeuronTensor
-from ..errors import _raise_launch_error
+from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
                    infer)
 from .queue import Segment, record
 from .replay import MISS, MISSED
-from .source import _user_stacklevel
+from .source import DEVICE_TYPE, _user_stacklevel
 from .templates import template
 
 aten = torch.ops.aten
@@ -344,6 +344,8 @@ class Engine:
         try:
             lock.acquire()  # (`with`, unrolled: this runs per op)
             try:
+                if kwargs and kwargs.get("generator") is not None:
+                    return self._with_generator(func, args, kwargs)
                 if self.traces.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
                     if out is not MISS:
@@ -367,6 +369,18 @@ class Engine:
             if errors.is_user_error(e):  # CPU's own error: no frames of ours
                 raise e.with_traceback(None) from None
             raise
+
+    def _with_generator(self, func, args, kwargs):
+        """A random op given a generator (Note [Native hooks] in integration/native.py): its draws are
+        taken now, in order, from the generator's CPU generator (a device launch the host
+        waits for), so seeding or reading that generator afterwards sees them taken. A
+        generator of another device is refused with CUDA's error."""
+        gen = kwargs["generator"]
+        if gen.device.type != DEVICE_TYPE:
+            raise _generator_error(gen)
+        self.metrics.ops += 1
+        self.device.advance_host(self.spec.host_op_overhead_us)
+        return run_now(self, func, args, kwargs, fallback=False)
 
     def dispatch_plain(self, func, args, kwargs, route=None, counted=False):
         """An op as the engine runs every op it does not handle specially (`_SPECIAL`): the
@@ -751,13 +765,32 @@ def flush_all(reason: str) -> None:
             eng.flush(reason)
 
 
+# Note [Native hooks] in integration/native.py: with them, the current core is the C++ device guard's,
+# per thread as CUDA's (PyTorch resolves an index-less "neuron" through it); without them it
+# is `_CURRENT`, per process. NATIVE: the hooks' (get, set), once registration loads them.
+NATIVE = None
+
+
+def use_native_current(get, set_) -> None:
+    """The current core is the native hooks' from now on (registration calls this)."""
+    global NATIVE
+    NATIVE = (get, set_)
+
+
+def current_index() -> int:
+    return _CURRENT[0] if NATIVE is None else NATIVE[0]()
+
+
 def current() -> Engine:
     """The current core's engine: where "neuron" with no index goes."""
-    return core(_CURRENT[0])
+    return core(current_index())
 
 
 def set_current(index: int) -> None:
-    _CURRENT[0] = index
+    if NATIVE is None:
+        _CURRENT[0] = index
+    else:
+        NATIVE[1](index)
 
 
 def core(index: int) -> Engine:

@@ -62,12 +62,26 @@ def upload(eng, cpu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Note [Native hooks] in integration/native.py: a neuron generator's numbers are drawn by a CPU generator
+# (its own; a core's default one: that core's device RNG). Registration sets this to the
+# function that finds it; None without the hooks (then no neuron generator can be made).
+CPU_GENERATOR = None
+
+
+def use_cpu_generator(find) -> None:
+    """`find(neuron_generator) -> CPU generator` (registration, with the native hooks)."""
+    global CPU_GENERATOR
+    CPU_GENERATOR = find
+
+
 def on_host(v, tensor):
     """Argument v for a host call: neuron tensors replaced by `tensor(t)`, the neuron device
     by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
         return tensor(v)
     if isinstance(v, torch.Generator):
+        if v.device.type == DEVICE_TYPE and CPU_GENERATOR is not None:
+            return CPU_GENERATOR(v)
         raise _generator_error(v)
     if isinstance(v, (list, tuple)):
         return type(v)(on_host(x, tensor) for x in v)

@@ -101,6 +101,11 @@ def seed_all() -> None:
     manual_seed_all(torch.seed())
 
 
+# Each core's default generator, as torch.cuda.default_generators: its state is the core's
+# device RNG (get_rng_state). Made by the native hooks (Note [Native hooks]); empty without.
+default_generators: tuple = ()
+
+
 def initial_seed() -> int:
     return _E().device.rng.seed
 
@@ -168,13 +173,32 @@ def empty_cache() -> None:
 # boundary. Each core has its current stream (its default one, id 0, until another is set).
 _ids = itertools.count(1)
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
+_NATIVE_STREAMS = None  # the native hooks (Note [Native hooks]), which then number streams
+
+
+def use_native(mod, count: int) -> None:
+    """The native hooks number streams, follow the current stream, and give each core's
+    default generator (registration calls this once they are loaded)."""
+    global _NATIVE_STREAMS, default_generators
+    _NATIVE_STREAMS = mod
+    default_generators = tuple(mod.default_generator(k) for k in range(count))
+
+
+def _new_id() -> int:
+    return next(_ids) if _NATIVE_STREAMS is None else _NATIVE_STREAMS.new_stream_id()
+
+
+def _tell_guard(s: "Stream") -> None:
+    """The C++ device guard's current stream follows ours (PyTorch's code asks it)."""
+    if _NATIVE_STREAMS is not None:
+        _NATIVE_STREAMS.set_stream(s.device_index, s.stream_id)
 
 
 class Stream(torch.Stream):
     """A neuron stream: `torch.neuron.Stream(device=None, priority=0)` (Note [Streams])."""
 
     def __new__(cls, device=None, priority: int = 0, _id: int | None = None):
-        return super().__new__(cls, stream_id=next(_ids) if _id is None else _id,
+        return super().__new__(cls, stream_id=_new_id() if _id is None else _id,
                                device_index=_check(device), device_type=_PRIVATEUSE1)
 
     def __init__(self, device=None, priority: int = 0, _id: int | None = None):
@@ -251,6 +275,7 @@ def set_stream(s: torch.Stream) -> None:
     if s != current_stream(k):
         _E(k).flush("stream switch")
     _current[k] = s
+    _tell_guard(s)
 
 
 @contextlib.contextmanager

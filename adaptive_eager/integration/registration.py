@@ -8,7 +8,7 @@ import torch
 
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
-from . import attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
+from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
 
@@ -29,6 +29,7 @@ def register() -> None:
             f"process). Do not import both; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop "
             f"backends from loading on `import torch`.")
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    native = _install_native()  # before PyTorch's Python guard and hooks (Note [Native hooks])
     _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
     _engine._SPECIAL[torch.ops.aten.record_stream.default] = neuron.record_stream
     _lib = torch.library.Library("aten", "IMPL")
@@ -49,7 +50,8 @@ def register() -> None:
     _storage.refuse_device_storages()
     install_set_data()  # Note [Setting .data across devices]
     cpu_settings.install(lambda: _engine.flush_all("settings"))  # Note [CPU settings]
-    pinned.register()
+    if not native:
+        pinned.register()  # the Python path for pinned memory (the native hooks have PyTorch's)
     serialization.register()  # torch.save / torch.load / deepcopy (Note [Checkpoints])
     profiler.install()  # torch.profiler shows the device's launches, compiles, syncs
     compile.install()  # torch.compile(backend="neuron"), once torch._dynamo is imported
@@ -57,6 +59,37 @@ def register() -> None:
     lightning.install()  # Trainer(accelerator="neuron") once Lightning is imported
     frameworks.install()  # Note [Frameworks find the device]: `torch_neuronx`, if absent
     _done = True
+
+
+def _install_native() -> bool:
+    """Note [Native hooks] in native.py: the C++ device guard and hooks, if they can be had;
+    then the current core is theirs (per thread) and neuron generators draw through them."""
+    def sync(k):
+        _engine.core(k).sync("synchronize")
+
+    def rng(k):  # a core's default generator is its device RNG: queued draws first
+        eng = _engine.core(k)
+        eng.flush("rng")
+        return eng.device.rng.gen
+
+    if not _native.install(cores.count(), sync, rng):
+        return False
+    mod = _native.module()
+    _engine.use_native_current(mod.current_device, lambda k: mod.set_device(k, cores.count()))
+    transfer.use_cpu_generator(_cpu_generator)
+    neuron.use_native(mod, cores.count())
+    return True
+
+
+def _cpu_generator(g):
+    """The CPU generator that draws a neuron generator's numbers (a core's default one: its
+    device RNG, whose queued draws run first)."""
+    k, default, own = _native.module().generator_info(g)
+    if not default:
+        return own
+    eng = _engine.core(k)
+    eng.flush("rng")
+    return eng.device.rng.gen
 
 
 def _check_grad_devices(outputs, grads) -> None:
@@ -300,14 +333,18 @@ def _host_factory(name):
     random = packet == "randperm"
 
     def impl(*args, **kwargs):
-        if kwargs.get("generator") is not None:  # randperm.generator: kwarg-only
-            raise errors._generator_error(kwargs["generator"])
+        gen = kwargs.get("generator")  # randperm.generator: kwarg-only
+        if gen is not None:
+            gen = transfer.on_host(gen, None)  # a neuron generator's CPU one, or the error
         eng = cores.engine(kwargs.get("device"))
         with eng.lock, torch._C._DisableTorchDispatch():
             meta = op(*args, **dict(kwargs, device=torch.device("meta")))
             out = eng.empty(tuple(meta.shape), meta.stride(), meta.dtype)  # the device's
             kwargs = dict(kwargs, device=torch.device("cpu"))  # out-of-memory error first
-            if random:
+            if random and gen is not None:
+                eng.flush("rng")
+                cpu = op(*args, **dict(kwargs, generator=gen))
+            elif random:
                 eng.flush("rng")
                 cpu = eng.device.rng.run(op, args, kwargs)
             else:

@@ -136,12 +136,18 @@ def _busy_child(code: str) -> "subprocess.CompletedProcess":
 
 _BUSY = """
     import os, threading, time, torch, adaptive_eager as ae
+    warm = threading.Event()
     def busy():  # a daemon thread issuing neuron ops (and holding the engine lock) non-stop
         a = torch.ones(64, device="neuron")
         while True:
             a = (a * 1.0001).tanh()
             a.sum().item()
+            warm.set()
     threading.Thread(target=busy, daemon=True).start()
+    # Past its first ops, whose lazy imports (torch._dynamo imports numpy.random) held a module
+    # lock: a fork then left the child's `import numpy.random` (DataLoader workers seed numpy)
+    # waiting on it forever, a hazard of forking during any import, not of the engine.
+    warm.wait(120)
     time.sleep(0.3)
 """
 

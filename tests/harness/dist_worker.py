@@ -63,11 +63,39 @@ def _train_sharded(model, rank, world):
     return losses
 
 
-def ddp_losses(rank, world):
-    """DDP on neuron: each rank trains on its shard; the global loss is the ranks' mean."""
-    model = torch.nn.parallel.DistributedDataParallel(make_model().to("neuron"))
+def ddp_losses(rank, world, **options):
+    """DDP on neuron: each rank trains on its shard; the global loss is the ranks' mean.
+    `options`: DDP's (find_unused_parameters and static_graph pin a host buffer: the native
+    hooks' pinned allocator, issue 25)."""
+    model = torch.nn.parallel.DistributedDataParallel(make_model().to("neuron"), **options)
     losses = _train_sharded(model, rank, world)
     return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def ddp_on_own_core(rank, world):
+    """The torchrun habit: set_device(local_rank), then `.to("neuron")` and DDP given
+    device_ids=[local_rank] (the native hooks resolve an index-less "neuron" to the current
+    core, issue 25). Each rank's model lands on neuron:rank."""
+    torch.neuron.set_device(rank)
+    try:
+        model = make_model().to("neuron")
+        where = str(next(model.parameters()).device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        shard = GLOBAL_BATCH // world
+        losses = []
+        for x, y in make_data():
+            x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x.to("neuron")), y.to("neuron"))
+            loss.backward()
+            opt.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+        return where, losses, [p.detach().cpu() for p in ddp.parameters()]
+    finally:
+        torch.neuron.set_device(0)
 
 
 def _full(p):
@@ -239,6 +267,11 @@ def run(rank, world, port, results, port2=None):
                 with _mode(mode):
                     mine[("collectives", mode)] = collectives(rank, world)
                     mine[("ddp", mode)] = ddp_losses(rank, world)
+                    if mode != "matmul" and ae.native_hooks():  # issue 25
+                        mine[("ddp_unused", mode)] = ddp_losses(
+                            rank, world, find_unused_parameters=True)
+                        mine[("ddp_static", mode)] = ddp_losses(rank, world, static_graph=True)
+                        mine[("ddp_own_core", mode)] = ddp_on_own_core(rank, world)
                     mine[("fsdp2", mode)] = fsdp2_losses(rank, world, mesh)
                     mine[("tp", mode)] = tp_losses(rank, world, mesh)
                     mine[("dtensor", mode)] = dtensor_values(rank, world, mesh)

@@ -111,6 +111,36 @@ def test_ddp_matches_single_process_cpu(ranks, mode):
             torch.testing.assert_close(p, q)
 
 
+needs_native = pytest.mark.skipif(not ae.native_hooks(), reason="the native hooks are off")
+
+
+@needs_native
+@pytest.mark.parametrize("option", ["ddp_unused", "ddp_static"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_ddp_options_that_pin_match_single_process_cpu(ranks, option, mode):
+    """find_unused_parameters=True and static_graph=True: the reducer pins a host buffer,
+    which needs the native hooks' pinned allocator (issue 25; HF Trainer turns
+    find_unused_parameters on under torchrun)."""
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        losses, params = ranks[r][(option, mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
+@needs_native
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_ddp_after_set_device_runs_on_each_ranks_core(ranks, mode):
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        where, losses, params = ranks[r][("ddp_own_core", mode)]
+        assert where == f"neuron:{r}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q)
+
+
 @pytest.mark.parametrize("style", ["fsdp2", "tp"])
 @pytest.mark.parametrize("mode", W.MODES)
 def test_parallel_style_matches_single_process_cpu(ranks, style, mode):
