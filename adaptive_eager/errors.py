@@ -1,8 +1,9 @@
 """The errors users see, and how an op's error reaches them.
 
-Two kinds (STYLE.md): a user error is raised with PyTorch's own (CPU's) exception at the call;
-an error only execution finds is a deferred device error, raised at the next sync as a
-NeuronRuntimeError naming the op and the user's line. Bugs of ours are raised as themselves.
+Two kinds (adaptive_eager/README.md, "Design contracts"): a user error is raised with
+PyTorch's own (CPU's) exception at the call; an error only execution finds is a deferred
+device error, raised at the next sync as a NeuronRuntimeError naming the op and the user's
+line. Bugs of ours are raised as themselves.
 """
 from __future__ import annotations
 

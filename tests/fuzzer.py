@@ -10,7 +10,7 @@ failure keeps its signature) and `Pool` (a persistent worker child process: prog
 JSON lines on stdin, results come back on stdout, so an abort or a hang is caught, reported and
 shrunk like any other failure).
 
-Note [Comparison rules]
+Note [Comparison rules]:
 - Errors: each run stops at its first exception. CPU raises at statement i with type T =>
   neuron raises T at i (immediate), or, at some j >= i no later than the next explicit sync
   statement, `ae.NeuronRuntimeError` (deferred, as the README documents; every program ends

@@ -66,7 +66,7 @@ def one_segment(n_ops: int = 0):
     boundary never costs a launch the adaptive mode would not pay (Note [Compiled graphs
     in adaptive mode]).
 
-    The engine lock is held throughout (Note [Threads] in (engine.py)): the mode and settings
+    The engine lock is held throughout (Note [Threads] in engine/engine.py): the mode and settings
     changed here are the process's, so another thread must neither record under them nor
     save them as its own to restore (two threads' graphs left an eager process adaptive)."""
     eng = _engine.ENGINE

@@ -6,8 +6,9 @@ outputs back with `.cpu()` and compare:
 
 * eager    : neuron eager vs CPU (assert_close, float32 tolerances, equal_nan);
 * adaptive : neuron adaptive eager (`ae.adaptive()`, strategy "graph") vs CPU, and, when
-             eager passes, adaptive vs eager bit for bit (DESIGN.md: "adaptive eager gives
-             the same values as eager mode, bit for bit with the default executor").
+             eager passes, adaptive vs eager bit for bit (adaptive_eager/README.md, "Design
+             contracts": "adaptive eager gives the same values as eager mode, bit for bit
+             with the default executor").
 
 Random ops are seeded with `torch.manual_seed(0)` right before every call on both sides (it
 seeds the neuron generator too), so they must produce the same values as CPU.
@@ -193,7 +194,7 @@ def compare(actual, expected, *, exact: bool = False, meta_only: bool = False,
                 raise Mismatch(f"{where}: expected a tensor, got {type(a).__name__}")
             if a.shape != e.shape:
                 raise Mismatch(f"{where}: shape {tuple(a.shape)} != {tuple(e.shape)}")
-            # DESIGN.md: float64 runs as float32 on neuron (the reference's policy).
+            # Note [float64 policy]: float64 runs as float32 on neuron (the reference's).
             if a.dtype != e.dtype and not (e.dtype == torch.float64 and a.dtype == torch.float32):
                 raise Mismatch(f"{where}: dtype {a.dtype} != {e.dtype}")
             # CPU's strides (issue 8: view-versus-copy semantics follow them); a clone may

@@ -1,5 +1,5 @@
-"""CPU's semantics on neuron, one test per finding of issues 7 and 8 (each failed before its
-fix): global state in the meta cache, conj views, bounds, error wording, device-thread errors,
+"""CPU's semantics on neuron, op by op, one test per difference found (by users' programs,
+probers and the fuzzer; each failed before its fix): global state in the meta cache, conj views, bounds, error wording, device-thread errors,
 deferred-error isolation, out= resizing, CPU's layouts and dtypes, printing."""
 import os
 import subprocess
@@ -727,7 +727,7 @@ def test_views_in_inference_mode_follow_their_base(mode):
 
 
 def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
-    """Note [Composite ops in inference mode] ((engine.py)): with autograd's key skipped,
+    """Note [Composite ops in inference mode] (engine/engine.py): with autograd's key skipped,
     `to`, `softmax`, `layer_norm`... reached the device whole: `.cpu()` of a tensor made in
     inference mode returned a neuron tensor, and softmax or layer_norm fell back to the CPU."""
     x = torch.randn(4, 8)
