@@ -1,6 +1,7 @@
 """CPU's semantics on neuron, op by op, one test per difference found (by users' programs,
-probers and the fuzzer; each failed before its fix): global state in the meta cache, conj views, bounds, error wording, device-thread errors,
-deferred-error isolation, out= resizing, CPU's layouts and dtypes, printing."""
+probers and the fuzzer; each failed before its fix): global state in the meta cache, conj
+views, bounds, error wording, device-thread errors, deferred-error isolation, out= resizing,
+CPU's layouts and dtypes, printing."""
 import os
 import subprocess
 import sys

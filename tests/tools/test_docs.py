@@ -18,7 +18,8 @@ PENDING = {"adaptive_eager/TORCH_NEURON_API.md"}
 
 NOTE = re.compile(r"Note\s+\[([^\]]+)\]")
 # A citation naming its file: "Note [X] in fusion/program.py", "Note [Threads] at exit in ..."
-NOTE_IN = re.compile(r"Note\s+\[([^\]]+)\](?:\s+[a-z.]+(?:\s+[a-z.]+)?)?\s+in\s+`?([\w/]+\.(?:py|md))")
+NOTE_IN = re.compile(r"Note\s+\[([^\]]+)\](?:\s+[a-z.]+(?:\s+[a-z.]+)?)?"
+                     r"\s+in\s+`?([\w/]+\.(?:py|md))")
 DOC = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[A-Z][A-Z_]+\.md|(?:[\w-]+/)+[\w-]+\.md)\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
