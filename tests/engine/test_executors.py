@@ -250,11 +250,12 @@ def test_a_second_process_with_a_warm_cache_compiles_nothing(tmp_path):
     group's compiled code there (FX graph cache hit), so Inductor generates nothing.
 
     Both processes are fresh children with their own cache folder. Inductor's FX graph key
-    holds process-wide state (torch.get_num_threads(), the default dtype, matmul precision,
-    deterministic flags, Inductor's config): when this test process filled the cache, a
-    setting an earlier test of the suite had left changed gave the entry a key a fresh
-    process never computes (shown: torch.set_num_threads(1) in the writer -> 0 hits), and the
-    test failed only in full-suite runs."""
+    holds process-wide state (torch.get_num_threads(), the default dtype, the fp32_precision
+    settings, deterministic flags, Inductor's config): when this test process filled the
+    cache, a setting an earlier test had left changed gave the entry a key a fresh process
+    never computes, and the test failed in full-suite runs only (test_cpu_settings.py left
+    torch.backends.cuda.matmul.fp32_precision "ieee" where a fresh process has "none";
+    torch.set_num_threads(1) in the writer does the same)."""
     script = tmp_path / "warm.py"
     script.write_text(
         "import json, torch, torch.nn.functional as F\n"
