@@ -83,7 +83,7 @@ def _out_of_bounds(size, stride, off, dtype, nbytes):
 
 def _generator_error(g) -> RuntimeError:
     """As CUDA: a device op refuses a generator of another device (and a neuron generator
-    cannot be made: README, known gaps)."""
+    cannot be made: adaptive_eager/LIMITS.md)."""
     return RuntimeError(f"Expected a '{DEVICE_TYPE}' device type for generator but found "
                        f"'{g.device.type}'")
 

@@ -16,7 +16,8 @@ kernels, our device) and the captured graph holds ordinary ATen ops. At run time
 reach the engine through `__torch_dispatch__` as usual. `_tensor.NeuronTensor` also defines
 `__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents), the engine's
 modules are on Dynamo's skip list (`_never_traced`), and Inductor gets a refusing code
-generator for 'neuron'. All are pinned by tests/test_compile.py and listed in the README.
+generator for 'neuron'. All are pinned by tests/integration/test_compile.py and listed in
+adaptive_eager/README.md.
 """
 from __future__ import annotations
 

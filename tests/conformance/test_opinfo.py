@@ -429,7 +429,7 @@ def _run_sample(op, fn, tag, si, sample, random, res, modes) -> bool:
                 raise Mismatch(f"output on device {devs} (expected all on {DEVICE})")
             compare(out, expected[0], meta_only=meta_only)
             compare(inputs, expected[1], meta_only=meta_only, what="input")
-            # inductor: float tolerance, not bit for bit (README, "Executors")
+            # inductor: float tolerance, not bit for bit (fusion/README.md, "Executors")
             exact = mode != "inductor"
             compare(clones, out, exact=exact, meta_only=meta_only, what="clone of output")
             if mode == "eager":

@@ -179,7 +179,7 @@ def test_current_core_is_where_neuron_without_an_index_goes():
         assert torch.neuron.current_device() == 3
         assert torch.empty(2, device=N).device == torch.device(N, 3)
         # `.to("neuron")` from the CPU asks PyTorch's device guard, which Python cannot
-        # answer: it goes to neuron:0 (README, Known gaps); name the core instead
+        # answer: it goes to neuron:0 (adaptive_eager/LIMITS.md); name the core instead
         assert torch.ones(2).to(N).device == torch.device(N, 0)
         assert torch.ones(2).to(torch.neuron.current_device()).device == torch.device(N, 3)
     assert torch.neuron.current_device() == 0

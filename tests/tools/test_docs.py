@@ -29,7 +29,7 @@ def _name(raw: str) -> str:
 
 
 def _files():
-    out = [ROOT / "README.md"]
+    out = [ROOT / "README.md"] + sorted(ROOT.glob("*.py"))  # (the pytest plugin's module)
     for top in SOURCES:
         out += sorted(p for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".md")
                       and "__pycache__" not in p.parts and p != pathlib.Path(__file__))
