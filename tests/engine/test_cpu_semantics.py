@@ -102,19 +102,19 @@ def test_python_error_in_backward_op_is_raised_not_aborted():
     out = _run("""
         import torch, adaptive_eager
         from adaptive_eager.engine import engine as _engine
-        real = _engine.Engine._dispatch
-        def broken(self, func, args, kwargs, *route):
+        real = _engine.Engine.dispatch_plain
+        def broken(self, func, args, kwargs, *route, **kw):
             if func is torch.ops.aten.mse_loss_backward.default:
                 raise ValueError("boom in backward")
-            return real(self, func, args, kwargs, *route)
-        _engine.Engine._dispatch = broken
+            return real(self, func, args, kwargs, *route, **kw)
+        _engine.Engine.dispatch_plain = broken
         x = torch.randn(3, device="neuron", requires_grad=True)
         l = torch.nn.functional.mse_loss(x, torch.zeros(3, device="neuron"))
         try:
             l.backward()
         except ValueError as e:
             print("caught", e)
-        _engine.Engine._dispatch = real
+        _engine.Engine.dispatch_plain = real
         print("alive", (x + 1).shape)
     """)
     assert out.returncode == 0, out.stderr[-2000:]
