@@ -25,7 +25,8 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _name(raw: str) -> str:
-    return " ".join(raw.split())
+    """A Note's name, also when a comment wraps it (`Note [Collective\n    # stream]`)."""
+    return " ".join(w for w in raw.split() if w != "#")
 
 
 def _files():
@@ -53,7 +54,7 @@ def test_every_cited_note_is_indexed_and_defined_where_the_index_says():
         target = ROOT / path
         if not target.is_file():
             problems.append(f"index: Note [{name}] -> {path}, which does not exist")
-        elif not re.search(r"Note\s+\[" + re.escape(name).replace(r"\ ", r"\s+") + r"\]:",
+        elif not re.search(r"Note\s+\[" + re.escape(name).replace(r"\ ", r"[\s#]+") + r"\]:",
                            target.read_text()):
             problems.append(f"index: Note [{name}] is not defined (`Note [{name}]:`) in {path}")
     for f in _files():
