@@ -52,7 +52,13 @@ def test_collective_formulas():
     a, bw, lo = s.interconnect_latency_us, s.interconnect_gbps * 1e3, s.launch_overhead_us
     n, p = 1 << 20, 4
     got = lambda pattern: interconnect.collective_us(s, pattern, n, p) - lo  # noqa: E731
-    assert got("all_reduce") == pytest.approx(2 * (p - 1) * (a + n / (p * bw)))
+    # inside one instance (Note [Two-level interconnect]): all-reduce is the faster of a ring
+    # and a tree for the size
+    assert p <= s.ranks_per_instance
+    ring, tree = 2 * (p - 1) * (a + n / (p * bw)), 2 * math.ceil(math.log2(p)) * a + 2 * n / bw
+    assert got("all_reduce") == pytest.approx(min(ring, tree))
+    assert interconnect.collective_plan(s, "all_reduce", n, p)[1] == ("ring" if ring <= tree
+                                                                         else "tree")
     assert got("ring") == pytest.approx((p - 1) * (a + n / (p * bw)))
     assert got("tree") == pytest.approx(math.ceil(math.log2(p)) * (a + n / bw))
     assert got("p2p") == pytest.approx(a + n / bw)
