@@ -1,7 +1,7 @@
 """Every setting, declared once: typed default, environment variable, effect.
 
-Names follow the reference (TORCHNEURON.md); our own carry the ADAPTIVE_EAGER_ prefix. The
-environment is read once, at import. Tests change settings with `ae.override(...)` (the
+Names follow the reference (adaptive_eager/REFERENCE.md); our own carry the ADAPTIVE_EAGER_
+prefix. The environment is read once, at import. Tests change settings with `ae.override(...)` (the
 engine applies them), never by editing os.environ mid-run. This module imports nothing of
 the engine.
 """

@@ -1,8 +1,9 @@
 """The errors users see, and how an op's error reaches them.
 
-Two kinds (STYLE.md): a user error is raised with PyTorch's own (CPU's) exception at the call;
-an error only execution finds is a deferred device error, raised at the next sync as a
-NeuronRuntimeError naming the op and the user's line. Bugs of ours are raised as themselves.
+Two kinds (adaptive_eager/README.md, "Design contracts"): a user error is raised with
+PyTorch's own (CPU's) exception at the call; an error only execution finds is a deferred
+device error, raised at the next sync as a NeuronRuntimeError naming the op and the user's
+line. Bugs of ours are raised as themselves.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _out_of_bounds(size, stride, off, dtype, nbytes):
 
 def _generator_error(g) -> RuntimeError:
     """As CUDA: a device op refuses a generator of another device (and a neuron generator
-    cannot be made: README, known gaps)."""
+    cannot be made: adaptive_eager/LIMITS.md)."""
     return RuntimeError(f"Expected a '{DEVICE_TYPE}' device type for generator but found "
                        f"'{g.device.type}'")
 

@@ -272,7 +272,7 @@ class DeviceRNG:
     thread's CPU draws (a data-augmentation thread) ran inside the swap, taking the device's
     numbers and losing their own. The few ops with no generator overload (`native_dropout`,
     attention's dropout) still swap (the lock keeps two cores' swaps apart; a CPU thread's
-    draws meanwhile still race: README, Known gaps, Threads)."""
+    draws meanwhile still race: adaptive_eager/LIMITS.md)."""
 
     def __init__(self, seed: int = 67280421310721):
         self.gen = torch.Generator()

@@ -9,7 +9,8 @@ GiB = 1 << 30
 # real Trainium2. One logical NeuronCore (LNC=2) is taken as a quarter of a Trn2 chip
 # (96 GiB HBM, 2.9 TB/s, ~667 dense BF16 TFLOP/s per chip, public launch figures). Launch
 # overhead and compile time are order-of-magnitude figures from the third-party report in
-# TORCHNEURON.md (~0.22 ms per eager elementwise op, most of it host + launch overhead).
+# adaptive_eager/REFERENCE.md (~0.22 ms per eager elementwise op, most of it host + launch
+# overhead).
 
 
 _POSITIVE = ("hbm_bytes", "sbuf_bytes", "max_in_flight", "chip_cores", "ranks_per_instance")

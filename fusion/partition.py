@@ -86,8 +86,9 @@ class Strategy:
 
 
 class GraphStrategy(Strategy):
-    """Our default (DESIGN.md fusion rules): pointwise chains, pointwise into and out of
-    reductions, contraction epilogues, horizontal concatenation when the cost model pays.
+    """Our default (fusion/README.md, "Fusion rules"): pointwise chains, pointwise into and
+    out of reductions, contraction epilogues, horizontal concatenation when the cost model
+    pays.
 
     Note [Contractions per group]: a group may hold up to `max_contractions` (default 4)
     contractions, the shapes of the fused kernels a NeuronCore runs well: attention's

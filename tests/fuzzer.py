@@ -10,14 +10,14 @@ failure keeps its signature) and `Pool` (a persistent worker child process: prog
 JSON lines on stdin, results come back on stdout, so an abort or a hang is caught, reported and
 shrunk like any other failure).
 
-Note [Comparison rules]
+Note [Comparison rules]:
 - Errors: each run stops at its first exception. CPU raises at statement i with type T =>
   neuron raises T at i (immediate), or, at some j >= i no later than the next explicit sync
-  statement, `ae.NeuronRuntimeError` (deferred, as the README documents; every program ends
-  with a sync) or the exception CPU raises at j too (i is still pending), or any exception at a
-  statement j > i reading what statement i left undefined (i's error is pending; CUDA too
-  raises a shape error at the call before an earlier asynchronous one). Neuron raising where
-  CPU does not, or a different type, is a failure. The statement a neuron run stopped at
+  statement, `ae.NeuronRuntimeError` (deferred, as adaptive_eager/README.md documents; every
+  program ends with a sync) or the exception CPU raises at j too (i is still pending), or any
+  exception at a statement j > i reading what statement i left undefined (i's error is pending;
+  CUDA too raises a shape error at the call before an earlier asynchronous one). Neuron raising
+  where CPU does not, or a different type, is a failure. The statement a neuron run stopped at
   counts as failed in the reference (its effects are unknown).
 - Values: the CPU reference runs every statement, skipping the ones that raise; a skipped
   statement *taints* what it defines and mutates (and everything aliasing it, found from CPU
@@ -26,21 +26,21 @@ Note [Comparison rules]
   (exact for integers and bools, float32 `assert_close` defaults, NaN equal to NaN) and `.grad`.
   After a deferred error, reading an untainted variable may raise NeuronRuntimeError (clearly
   marked invalid) but must never give a wrong value. Tainted values are not compared.
-- Float64 policy (README "CPU fallback and dtypes"): the device stores float64 but computes it
-  as float32, random streams included. A value is *f64-tainted* when it, or anything it was
-  computed from, is float64: floating values are compared against CPU's float64 result cast to
-  float32 (float32 saturation included: where that is infinite or beyond 1e18, inf or NaN are
-  allowed, since float32 saturates inside an op and inf arithmetic gives NaN, as CPU's own
-  float32 mean of four 8.5e37s and gelu(inf) do) with rtol = atol = 1e-3; integer and bool
-  values derived from float64 (comparisons, argmax, casts), and everything computed from them,
-  get dtype/shape/stride checks only; values from a float64 input through an op where rounding
-  can flip a discrete outcome (a mask's selection, nonzero, %, floor, round, sign, ...) get a
-  dtype check only. Values that depend on a float64 random op get dtype/shape/stride checks
-  only (the device draws them from the float32 stream), and so do later random draws until the
-  next `manual_seed` (the streams have moved apart). float32 random ops use CPU's stream and
-  are compared as any value. Whether a statement reading a value whose shape is so left free
-  raises (an index past the end of `where(mask)[0]`) is free too: where the runs first part at
-  such a statement, only what ran before it is compared.
+- Float64 policy (adaptive_eager/README.md, "CPU fallback and dtypes"): the device stores
+  float64 but computes it as float32, random streams included. A value is *f64-tainted* when
+  it, or anything it was computed from, is float64: floating values are compared against CPU's
+  float64 result cast to float32 (float32 saturation included: where that is infinite or beyond
+  1e18, inf or NaN are allowed, since float32 saturates inside an op and inf arithmetic gives
+  NaN, as CPU's own float32 mean of four 8.5e37s and gelu(inf) do) with rtol = atol = 1e-3;
+  integer and bool values derived from float64 (comparisons, argmax, casts), and everything
+  computed from them, get dtype/shape/stride checks only; values from a float64 input through
+  an op where rounding can flip a discrete outcome (a mask's selection, nonzero, %, floor,
+  round, sign, ...) get a dtype check only. Values that depend on a float64 random op get
+  dtype/shape/stride checks only (the device draws them from the float32 stream), and so do
+  later random draws until the next `manual_seed` (the streams have moved apart). float32
+  random ops use CPU's stream and are compared as any value. Whether a statement reading a
+  value whose shape is so left free raises (an index past the end of `where(mask)[0]`) is free
+  too: where the runs first part at such a statement, only what ran before it is compared.
 - Gradients through a full min/max/median reduction may be NaN on neuron where CPU's are 0:
   PyTorch's own formula for devices and tensor subclasses (`_EVENLY`).
 - Adaptive vs eager: the same error outcome and, where both read a value, bit for bit equal
@@ -1251,7 +1251,7 @@ def compare_close(stmts, eager, run, taint) -> list[tuple[str, str]]:
         # A device-side value error (an index out of range, found at the sync): Inductor's
         # code wraps negative indices that eager refuses, and fails a group as a whole
         # where the interpreter poisons only what depends on the failed op (seed 19000329;
-        # README, Executors). Not compared.
+        # fusion/README.md, "Executors"). Not compared.
         return []
     if (ee and (ee["at"], ee["type"])) != (ie and (ie["at"], ie["type"])):
         fmt = lambda e: "nothing" if e is None else f"{e['type']} at statement {e['at']}"  # noqa: E731

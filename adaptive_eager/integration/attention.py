@@ -10,7 +10,7 @@ or `sdpa_kernel(SDPBackend.MATH)`) is composed here too, as before; so are input
 checks refuse, which then raise CPU's errors. Under torch.compile the same choice is made
 for its fake neuron tensors of static shape (functionalization decomposes the op through
 `decompose()`, so that is ours too), and the graph holds CPU's op; with dynamic shapes the
-graph keeps the math path (README, Known gaps).
+graph keeps the math path (adaptive_eager/LIMITS.md).
 """
 from __future__ import annotations
 

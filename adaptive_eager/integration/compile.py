@@ -16,7 +16,8 @@ kernels, our device) and the captured graph holds ordinary ATen ops. At run time
 reach the engine through `__torch_dispatch__` as usual. `_tensor.NeuronTensor` also defines
 `__coerce_same_metadata_as_tangent__` (AOTAutograd's hook for subclass tangents), the engine's
 modules are on Dynamo's skip list (`_never_traced`), and Inductor gets a refusing code
-generator for 'neuron'. All are pinned by tests/test_compile.py and listed in the README.
+generator for 'neuron'. All are pinned by tests/integration/test_compile.py and listed in
+adaptive_eager/README.md.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def one_segment(n_ops: int = 0):
     boundary never costs a launch the adaptive mode would not pay (Note [Compiled graphs
     in adaptive mode]).
 
-    The engine lock is held throughout (Note [Threads] in (engine.py)): the mode and settings
+    The engine lock is held throughout (Note [Threads] in engine/engine.py): the mode and settings
     changed here are the process's, so another thread must neither record under them nor
     save them as its own to restore (two threads' graphs left an eager process adaptive)."""
     eng = _engine.ENGINE

@@ -445,7 +445,7 @@ def _register_functional() -> None:
 # FakeTensorMode (kept alive by the graph's node.meta["val"]) remembers each one in a
 # WeakIdKeyDictionary (MetaTensorDescriber.lookup_tensor: tensor -> the id it described it
 # as). Module.to keeps a parameter's identity on neuron by swapping (Note [Module.to keeps
-# Parameters] in _tensor.py), and torch.utils.swap_tensors refuses a tensor with weakrefs
+# Parameters] in engine/tensor.py), and torch.utils.swap_tensors refuses a tensor with weakrefs
 # ("Couldn't swap InterpreterModule.weight"). Those entries are a cache of a finished trace:
 # before the stage moves to neuron, they are dropped (a later conversion of the tensor by
 # that mode describes it anew, as for any tensor it has not seen), then torch's move runs.

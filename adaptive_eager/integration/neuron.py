@@ -352,8 +352,9 @@ def device(d):
 # -- what frameworks ask torch.cuda ------------------------------------------------------
 # Note [torch.neuron answers as torch.cuda]: Hugging Face Transformers, accelerate, PEFT, TRL
 # and Lightning call these on their device paths (`torch.<device>.*`, found by grepping
-# them: TORCH_NEURON_API.md has the table). Each answers from the simulated device; what
-# has no meaning here (CUDA graphs, NVML's temperature) is left out, so `hasattr` tells.
+# them: adaptive_eager/TORCH_NEURON_API.md has the table). Each answers from the simulated
+# device; what has no meaning here (CUDA graphs, NVML's temperature) is left out, so
+# `hasattr` tells.
 from device import NeuronOutOfMemoryError as OutOfMemoryError  # noqa: E402
 
 

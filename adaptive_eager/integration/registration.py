@@ -276,7 +276,7 @@ def _register_fused_rnn_cells():
         lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
     lib.impl("lstm_cell", rnn.lstm_cell, "AutogradPrivateUse1")
     lib.impl("gru_cell", rnn.gru_cell, "AutogradPrivateUse1")
-    # Conjugate and negative views are materialized on the device (README, Known gaps), so
+    # Conjugate and negative views are materialized on the device (adaptive_eager/LIMITS.md), so
     # autograd must not take them for views either: it rebased a later in-place change of
     # the base onto them, and `resolve_conj()` (a copy on CPU, the tensor itself here) took
     # its gradient away (fuzzer seed 40003841: a gradient of 0 for CPU's 1)

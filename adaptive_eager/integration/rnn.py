@@ -7,7 +7,7 @@ mkldnn/RNN.cpp in Python), and each `mkldnn_rnn_layer` runs on the device with C
 backward included. GRU and RNN take CPU's composition op for op (below). Anything else
 (LSTM projections, which CPU composes too; a packed sequence, float16 LSTM under grad, oneDNN
 off, where CPU's composition differs from the one used here) is composed by PyTorch as before:
-the latter are a few ulps off CPU's (README, Known gaps).
+the latter are a few ulps off CPU's (adaptive_eager/LIMITS.md).
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def check(exe) -> str | None:
     """Why the group cannot be compiled at all (structure only, cheap), or None."""
     dtypes: dict[int, torch.dtype] = {}
     for ins in exe.instrs:
-        if ins.random:  # Note [FX form]: random ops stay interpreted (eager's masks)
+        if ins.random:  # Note [Executors] in tiered.py: random ops stay interpreted
             return "random op"
         if ins.f64:
             return "float64 (computed as float32)"

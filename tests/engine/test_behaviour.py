@@ -531,31 +531,47 @@ def test_a_failed_op_keeps_no_frame_alive(mode):
     assert m.weight.shape == (4, 5)
 
 
-def test_misused_settings_are_refused_and_change_nothing(capsys):
-    """set_device_spec("trn2") installed the string (every later op failed); a spec with
-    less HBM than in use made free memory negative; ae.adaptive("matmul") and
-    set_adaptive("0") turned adaptive mode on; events on two cores gave a difference of two
-    clocks; demo --steps 0 divided by zero."""
-    import dataclasses
+# Misused settings are refused and change nothing: five regressions, one test each.
 
-    from adaptive_eager.tools import demo
-    x = torch.ones(1024, 1024, device="neuron")
-    mode = ae.is_adaptive()
+def test_set_device_spec_refuses_a_string():
+    """set_device_spec("trn2") installed the string: every later op failed."""
     with pytest.raises(TypeError, match="takes an ae.DeviceSpec"):
         ae.set_device_spec("trn2")
+    assert (torch.ones(4, device="neuron") + 1).sum().item() == 8
+
+
+def test_set_device_spec_refuses_less_hbm_than_in_use():
+    """A spec with less HBM than in use made free memory negative."""
+    import dataclasses
+    x = torch.ones(1024, 1024, device="neuron")
     with pytest.raises(ValueError, match="smaller than the"):
         ae.set_device_spec(dataclasses.replace(ae.DeviceSpec(), hbm_bytes=2**20))
     assert torch.neuron.mem_get_info()[0] >= 0 and (x + 1).sum().item() == 2 * 2**20
-    for bad in (lambda: ae.adaptive("matmul"), lambda: ae.set_adaptive("0")):
-        with pytest.raises(TypeError, match="True or False"):
-            bad()
+
+
+@pytest.mark.parametrize("call", [pytest.param(lambda: ae.adaptive("matmul"), id="adaptive"),
+                                  pytest.param(lambda: ae.set_adaptive("0"), id="set_adaptive")])
+def test_adaptive_mode_switches_refuse_what_is_not_a_bool(call):
+    """ae.adaptive("matmul") and set_adaptive("0") turned adaptive mode on."""
+    mode = ae.is_adaptive()
+    with pytest.raises(TypeError, match="True or False"):
+        call()
     assert ae.is_adaptive() == mode
+
+
+def test_elapsed_time_between_events_of_two_cores_is_refused():
+    """Events on two cores gave a difference of two clocks."""
     a, b = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
     a.record()
     with torch.neuron.device(1):
         b.record()
     with pytest.raises(ValueError, match="same device"):
         a.elapsed_time(b)
+
+
+def test_demo_refuses_zero_steps(capsys):
+    """demo --steps 0 divided by zero."""
+    from adaptive_eager.tools import demo
     with pytest.raises(SystemExit):
         demo.main(["--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err

@@ -178,9 +178,9 @@ def test_current_core_is_where_neuron_without_an_index_goes():
     with torch.neuron.device(3):
         assert torch.neuron.current_device() == 3
         assert torch.empty(2, device=N).device == torch.device(N, 3)
-        # `.to("neuron")` from the CPU asks PyTorch's device guard: the native hooks' answers
-        # the current core; PyTorch's Python guard cannot, and says neuron:0 (README, Known
-        # gaps; tests/test_native.py)
+        # `.to("neuron")` from the CPU asks PyTorch's device guard: the native hooks answer
+        # the current core; without them PyTorch's Python guard says neuron:0
+        # (adaptive_eager/LIMITS.md; tests/integration/test_native.py)
         assert torch.ones(2).to(N).device == torch.device(N, 3 if ae.native_hooks() else 0)
         assert torch.ones(2).to(torch.neuron.current_device()).device == torch.device(N, 3)
     assert torch.neuron.current_device() == 0

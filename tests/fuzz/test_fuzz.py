@@ -1,6 +1,6 @@
 """The differential fuzzer (tests/fuzzer.py): its CI pass and tests of its own parts.
 
-The long run is `python tests/fuzzer.py --minutes 30 --mode all --policy both` (README,
+The long run is `python tests/fuzzer.py --minutes 30 --mode all --policy both` (tests/README.md,
 "Fuzzing"); here a short fixed-seed pass over every mode and both policies, leaving out the
 families and patterns of known, not yet fixed bugs (fuzzer.CI_EXCLUDED_*, each with its repro).
 """

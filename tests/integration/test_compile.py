@@ -167,8 +167,8 @@ def test_default_backend_still_compiles_cpu_code():
 
 
 def test_private_dynamo_hooks_are_in_place():
-    """Pins the private API the backend rests on (README, Note [Dynamo and the neuron
-    tensor]): if a torch upgrade moves it, this fails before users do."""
+    """Pins the private API the backend rests on (adaptive_eager/README.md, Note [Dynamo
+    and the neuron tensor]): if a torch upgrade moves it, this fails before users do."""
     from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.variables.builder import VariableBuilder
     assert lookup_backend("neuron") is aec.neuron_backend

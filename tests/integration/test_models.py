@@ -87,8 +87,9 @@ def test_lstm_with_projections_matches_cpu(mode):
         assert torch.equal(a, b)
 
 
-# Under the Inductor executor (README, "Executors"): float32 tolerance, not bit for bit. CI
-# trains the MLP and the GPT; `--inductor-all` adds the CNN and the encoder (slow compiles).
+# Under the Inductor executor (fusion/README.md, "Executors"): float32 tolerance, not bit
+# for bit. CI trains the MLP and the GPT; `--inductor-all` adds the CNN and the encoder
+# (slow compiles).
 @pytest.mark.parametrize("kind", KINDS)
 def test_losses_match_cpu_under_inductor(kind, request):
     if kind in ("cnn", "encoder") and not request.config.getoption("--inductor-all"):

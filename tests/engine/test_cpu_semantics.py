@@ -1,6 +1,7 @@
-"""CPU's semantics on neuron, one test per finding of issues 7 and 8 (each failed before its
-fix): global state in the meta cache, conj views, bounds, error wording, device-thread errors,
-deferred-error isolation, out= resizing, CPU's layouts and dtypes, printing."""
+"""CPU's semantics on neuron, op by op, one test per difference found (by users' programs,
+probers and the fuzzer; each failed before its fix): global state in the meta cache, conj
+views, bounds, error wording, device-thread errors, deferred-error isolation, out= resizing,
+CPU's layouts and dtypes, printing."""
 import os
 import subprocess
 import sys
@@ -102,10 +103,10 @@ def test_python_error_in_backward_op_is_raised_not_aborted():
         import torch, adaptive_eager
         from adaptive_eager.engine import engine as _engine
         real = _engine.Engine.dispatch_plain
-        def broken(self, func, args, kwargs, *rest, **kw):
+        def broken(self, func, args, kwargs, *route, **kw):
             if func is torch.ops.aten.mse_loss_backward.default:
                 raise ValueError("boom in backward")
-            return real(self, func, args, kwargs, *rest, **kw)
+            return real(self, func, args, kwargs, *route, **kw)
         _engine.Engine.dispatch_plain = broken
         x = torch.randn(3, device="neuron", requires_grad=True)
         l = torch.nn.functional.mse_loss(x, torch.zeros(3, device="neuron"))
@@ -727,7 +728,7 @@ def test_views_in_inference_mode_follow_their_base(mode):
 
 
 def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
-    """Note [Composite ops in inference mode] ((engine.py)): with autograd's key skipped,
+    """Note [Composite ops in inference mode] (engine/engine.py): with autograd's key skipped,
     `to`, `softmax`, `layer_norm`... reached the device whole: `.cpu()` of a tensor made in
     inference mode returned a neuron tensor, and softmax or layer_norm fell back to the CPU."""
     x = torch.randn(4, 8)

@@ -1,6 +1,6 @@
-"""Real programs give CPU's answers (issue 7): parameters keep identity and ties across
-`.to("neuron")`, checkpoints load the way PyTorch's own do, generators and sparse layouts are
-refused in PyTorch's words, and autograd's zero tensors work."""
+"""What a port to neuron relies on, as real programs use it: parameters keep identity and
+ties across `.to("neuron")`, checkpoints load the way PyTorch's own do, generators and sparse
+layouts are refused in PyTorch's words, and autograd's zero tensors work."""
 import copy
 import io
 import os
@@ -426,7 +426,7 @@ def test_sparse_layouts_raise_a_clear_not_implemented_error(make):
 
 
 # -- found while testing: an error inside a native backward op ------------------------------
-# (Note [Device-thread errors] in adaptive_eager/engine/engine.py: it used to abort the process)
+# (Note [Device-thread errors] in adaptive_eager/engine/hooks.py: it used to abort the process)
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_recomputes_the_same_dropout(mode, reentrant):
     """torch.utils.checkpoint saves the device's RNG state only for a device module that says

@@ -1,0 +1,175 @@
+"""device/ on its own (device/README.md): a Device's clock, in-flight bound, deferred errors
+and blocking mode; the HBM allocator; the cost model's figures; collective formulas. No
+engine, no neuron tensor: the objects are made here."""
+import math
+
+import pytest
+import torch
+
+from device import (COUNTERS, HBM, Device, DeviceError, DeviceSpec, Launch, LaunchError,
+                    NeuronOutOfMemoryError)
+from device import interconnect
+
+MiB = 1 << 20
+
+
+# -- the cost model -------------------------------------------------------------------
+
+def test_launch_cost_is_overhead_plus_the_larger_of_memory_and_compute():
+    s = DeviceSpec()
+    # memory bound: 725 GB/s is 725e3 bytes per us
+    assert s.launch_us(725_000, 0) == pytest.approx(s.launch_overhead_us + 1.0)
+    # compute bound in FP32 (42 TFLOP/s is 42e6 FLOPs per us), BF16 at its own peak
+    assert s.launch_us(0, 42e6) == pytest.approx(s.launch_overhead_us + 1.0)
+    assert s.launch_us(0, 167e6, low_precision=True) == pytest.approx(s.launch_overhead_us + 1.0)
+    assert s.launch_us(725_000, 84e6) == pytest.approx(s.launch_overhead_us + 2.0)  # max, not sum
+
+
+def test_dma_and_compile_figures():
+    s = DeviceSpec()
+    assert s.dma_us(25_000) == pytest.approx(s.dma_overhead_us + 1.0)  # 25 GB/s host link
+    assert s.compile_us(1) == s.compile_base_us
+    assert s.compile_us(5) == s.compile_base_us + 4 * s.compile_per_op_us
+
+
+def test_spec_refuses_what_the_model_cannot_use_naming_the_field():
+    with pytest.raises(ValueError, match=r"DeviceSpec.hbm_bandwidth_gbps must be a number above 0"):
+        DeviceSpec(hbm_bandwidth_gbps=0)
+    with pytest.raises(ValueError, match=r"DeviceSpec.max_in_flight"):
+        DeviceSpec(max_in_flight=0)
+    with pytest.raises(ValueError, match=r"DeviceSpec.launch_overhead_us .* at least 0"):
+        DeviceSpec(launch_overhead_us=-1.0)
+    assert DeviceSpec(launch_overhead_us=0).launch_overhead_us == 0  # zero overhead is fine
+
+
+def test_fingerprint_names_every_figure():
+    assert DeviceSpec().fingerprint() == DeviceSpec().fingerprint()
+    assert DeviceSpec().fingerprint() != DeviceSpec(hbm_bytes=1 << 30).fingerprint()
+
+
+def test_collective_formulas():
+    s = DeviceSpec()
+    a, bw, lo = s.interconnect_latency_us, s.interconnect_gbps * 1e3, s.launch_overhead_us
+    n, p = 1 << 20, 4
+    got = lambda pattern: interconnect.collective_us(s, pattern, n, p) - lo  # noqa: E731
+    # inside one instance (Note [Two-level interconnect]): all-reduce is the faster of a ring
+    # and a tree for the size
+    assert p <= s.ranks_per_instance
+    ring, tree = 2 * (p - 1) * (a + n / (p * bw)), 2 * math.ceil(math.log2(p)) * a + 2 * n / bw
+    assert got("all_reduce") == pytest.approx(min(ring, tree))
+    assert interconnect.collective_plan(s, "all_reduce", n, p)[1] == ("ring" if ring <= tree
+                                                                         else "tree")
+    assert got("ring") == pytest.approx((p - 1) * (a + n / (p * bw)))
+    assert got("tree") == pytest.approx(math.ceil(math.log2(p)) * (a + n / bw))
+    assert got("p2p") == pytest.approx(a + n / bw)
+    assert got("barrier") == pytest.approx(2 * a)
+    assert interconnect.collective_us(s, "all_reduce", n, 1) == lo  # one rank: no wire
+    with pytest.raises(AssertionError, match="unknown collective pattern"):
+        interconnect.collective_us(s, "mesh", n, p)
+
+
+# -- the hardware queue and its clock -------------------------------------------------
+
+def _launch(name="k", nbytes=725_000, flops=0.0, run=None):
+    return Launch(name, run, nbytes, flops)
+
+
+def test_launches_run_in_order_on_the_simulated_clock():
+    dev = Device()
+    cost = dev.spec.launch_us(725_000, 0)
+    before = (COUNTERS.launches, COUNTERS.device_time_us)
+    first, second = dev.submit(_launch()), dev.submit(_launch())
+    assert (first.start_us, first.end_us) == (0.0, pytest.approx(cost))
+    assert second.start_us == pytest.approx(first.end_us)  # one queue: the second waits
+    assert dev.host_us == 0.0  # asynchronous: the host did not wait
+    assert dev.in_flight() == 2
+    dev.synchronize()
+    assert dev.host_us == pytest.approx(2 * cost) and dev.in_flight() == 0
+    assert COUNTERS.launches - before[0] == 2
+    assert COUNTERS.device_time_us - before[1] == pytest.approx(2 * cost)
+    assert [e[0] for e in dev.trace] == ["k", "k"]
+
+
+def test_the_host_waits_beyond_max_in_flight():
+    dev = Device(DeviceSpec(max_in_flight=2))
+    ends = [dev.submit(_launch()).end_us for _ in range(2)]
+    assert dev.host_us == 0.0
+    dev.submit(_launch())  # a third: the host waits for the oldest
+    assert dev.host_us == pytest.approx(ends[0])
+
+
+def test_blocking_device_waits_for_every_launch():
+    dev = Device(blocking=True)
+    launch = dev.submit(_launch())
+    assert dev.host_us == pytest.approx(launch.end_us)
+
+
+def test_dma_costs_the_host_link_and_is_counted_apart():
+    dev = Device()
+    before = (COUNTERS.dmas, COUNTERS.launches)
+    d = dev.submit(Launch("h2d", None, 0, 0.0, kind="dma", dma_bytes=25_000))
+    assert d.end_us - d.start_us == pytest.approx(dev.spec.dma_us(25_000))
+    assert (COUNTERS.dmas - before[0], COUNTERS.launches - before[1]) == (1, 0)
+
+
+def test_an_error_is_kept_for_the_sync_earliest_first_and_the_device_stays_usable():
+    dev = Device()
+    ran = []
+
+    def fails(msg):
+        def run():
+            raise LaunchError(IndexError(msg))
+        return run
+
+    dev.submit(_launch("bad1", run=fails("first")))
+    dev.submit(_launch("bad2", run=fails("second")))
+    dev.submit(_launch("ok", run=lambda: ran.append(1)))  # later work still runs
+    assert ran == [1]
+    with pytest.raises(DeviceError, match="first") as info:
+        dev.synchronize()
+    assert info.value.launch.name == "bad1"
+    assert isinstance(info.value.launch.error, IndexError)
+    dev.synchronize()  # reported once: the next sync is clean
+    dev.submit(_launch("after", run=lambda: ran.append(2)))
+    dev.synchronize()
+    assert ran == [1, 2]
+
+
+# -- HBM ------------------------------------------------------------------------------
+
+def test_hbm_capacity_oom_message_and_frees():
+    dev = Device(DeviceSpec(hbm_bytes=4 * MiB))
+    a = dev.alloc(3 * MiB)
+    assert (dev.hbm.used, dev.hbm.peak) == (3 * MiB, 3 * MiB)
+    with pytest.raises(NeuronOutOfMemoryError) as info:
+        dev.alloc(2 * MiB)
+    msg = str(info.value)
+    assert "tried to allocate 2.00 MiB" in msg and "3.00 MiB in use" in msg
+    assert "1.00 MiB free of 4.00 MiB total" in msg and "stays usable" in msg
+    assert isinstance(info.value, torch.OutOfMemoryError)  # what users catch
+    assert dev.hbm.used == 3 * MiB  # a refused allocation takes nothing
+    del a  # the buffer's last reference: its bytes come back
+    assert dev.hbm.used == 0
+    b = dev.alloc(4 * MiB)  # the whole capacity fits again
+    stats = dev.hbm.stats()
+    assert stats["allocated_bytes.all.current"] == 4 * MiB
+    assert stats["allocated_bytes.all.peak"] == 4 * MiB
+    assert (stats["num_ooms"], stats["allocation.all.allocated"],
+            stats["allocation.all.freed"]) == (1, 2, 1)
+    del b
+
+
+def test_hbm_release_more_than_used_is_an_internal_error():
+    hbm = HBM(1024)
+    hbm.reserve(512)
+    with pytest.raises(AssertionError):
+        hbm.release(1024)
+
+
+def test_a_buffer_is_backed_by_host_bytes_of_its_size():
+    dev = Device()
+    storage = torch.arange(4, dtype=torch.float32).untyped_storage()
+    buf = dev.alloc(16, storage)
+    assert buf.storage is storage and dev.hbm.used == 16
+    with pytest.raises(AssertionError):  # the storage must hold the whole buffer
+        dev.alloc(32, torch.zeros(2).untyped_storage())
