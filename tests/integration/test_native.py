@@ -1,5 +1,5 @@
-"""The native hooks (issue 25, Note [Native hooks] in adaptive_eager/native.py): what PyTorch
-asks only of a C++ backend. Each test closes a known gap the Python hooks left; the last ones
+"""The native hooks (Note [Native hooks] in adaptive_eager/integration/native.py): what
+PyTorch asks only of a C++ backend. Each test closes a known gap the Python hooks left; the last ones
 force the fallback (ADAPTIVE_EAGER_NATIVE=0, no compiler) in a subprocess."""
 from __future__ import annotations
 
