@@ -36,7 +36,7 @@ from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
-                   infer)
+                   give_warnings, infer)
 from .queue import Segment, record
 from .replay import MISS, MISSED
 from .source import DEVICE_TYPE, _user_stacklevel
@@ -424,6 +424,8 @@ class Engine:
             _check_sbuf(self, func, meta.op.cost)
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
+        if meta.warns:
+            give_warnings(meta.warns)
         if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
             self.metrics.ops -= 1
             results.resize_outs(self, func, args, kwargs, meta.resize)

@@ -156,18 +156,12 @@ def grow(eng, t, need: int) -> None:
 
 def resize_outs(eng, func, args, kwargs, resize) -> None:
     """out= tensors of the wrong shape (meta's `resize`: argument, list index, CPU's size and
-    strides) are resized as CPU resizes them, with CPU's warning word for word."""
-    for j, k, size, stride in resize:
+    strides, CPU's warning) are resized as CPU resizes them, with CPU's warning word for word
+    where CPU's kernel gives one (resize_output's; not resize_'s)."""
+    for j, k, size, stride, warn in resize:
         a = func._schema.arguments[j]
         v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
         v = v[k] if isinstance(v, (list, tuple)) else v
-        if v.numel():
-            warnings.warn(
-                f"An output with one or more elements was resized since it had shape "
-                f"{list(v.shape)}, which does not match the required output shape "
-                f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
-                f"release outputs will not be resized unless they have zero elements. "
-                f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
-                f"zero elements with t.resize_(0).", UserWarning,
-                stacklevel=_user_stacklevel())
+        if warn is not None and v.numel():  # (factories resize with resize_: no warning)
+            warnings.warn(warn, UserWarning, stacklevel=_user_stacklevel())
         resize_out(eng, v, size, stride)
