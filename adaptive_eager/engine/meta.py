@@ -15,10 +15,10 @@ from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
 from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
-from fusion.program import cpu_kernels
+from fusion.program import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import user_error
-from .source import DEVICE_TYPE, _user_stacklevel, cpp_warnings_scope
+from .source import DEVICE_TYPE, _user_stacklevel
 
 _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
 
@@ -279,6 +279,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                                        cls == RANDOM)
         if not isinstance(probe, BaseException):
             meta_warnings = probe_warnings  # CPU's own warnings win (Note [CPU probe])
+            if probe_warnings:  # given at each call; the device's run drops its own
+                QUIET_OPS.add(func)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             user_error(probe)
             try:

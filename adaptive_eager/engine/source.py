@@ -117,27 +117,3 @@ def _fx_line(f):
 
 
 
-
-# Note [C++ warnings]: a TORCH_WARN inside a `torch.ops` call is not turned into a Python
-# warning when that call returns: it waits in the warning buffer of the outermost Python call
-# into torch (the user's `torch.add(..., out=t)`) and is raised when that returns. So the
-# warnings of our own internal calls (a meta kernel's, the CPU probe's) reached the user
-# besides the ones we give on purpose: CPU's resize warning came twice, and a catch_warnings
-# around the internal call saw nothing. `cpp_warnings_scope(fn)` runs fn inside a Python
-# call into torch of its own (a torch function whose argument answers __torch_function__), so
-# its C++ warnings become Python warnings when it returns, where a catch_warnings sees them.
-# (About 5 us: for work done once per op signature, never per op.)
-class _Scope:
-    __slots__ = ("fn",)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return args[0].fn()
-
-
-def cpp_warnings_scope(fn):
-    """fn() with its C++ warnings raised as Python warnings when it returns (Note [C++
-    warnings])."""
-    scope = _Scope()
-    scope.fn = fn
-    return torch.neg(scope)
