@@ -529,8 +529,28 @@ def _unsafe_view(eng, func, args, kwargs):
 
 
 def _set_(eng, func, args, kwargs):
-    raise RuntimeError(f"{func._schema.name} (Tensor.set_) is not supported on neuron tensors; "
-                       f"use copy_ or a new tensor.")
+    """`t.set_(other)`, `t.set_(other, offset, size, stride)`, `t.set_()`: t becomes a view
+    of other's buffer (Note [set_] in _storage.py)."""
+    from ._storage import set_storage
+    t, rest = args[0], list(args[1:])
+    source = rest.pop(0) if rest else kwargs.get("source")
+    if not isinstance(t, NeuronTensor):  # a host tensor set to a neuron one
+        raise RuntimeError(
+            f"Attempted to set the storage of a tensor on device \"{t.device}\" to a storage "
+            f"on different device \"{source.device}\".  This is no longer allowed; the "
+            f"devices must match.")
+    if source is None:
+        return set_storage(t, None, 0, (0,), (1,))
+    if not isinstance(source, NeuronTensor):  # (a host tensor: CPU's device error)
+        return set_storage(t, source.untyped_storage(), 0)
+    if source.dtype != t.dtype:
+        raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of "
+                           f"type {t.dtype}")
+    names = ("storage_offset", "size", "stride")
+    given = dict(zip(names, rest), **{k: v for k, v in kwargs.items() if k in names})
+    return set_storage(t, source.untyped_storage(),
+                       given.get("storage_offset", source.storage_offset()),
+                       given.get("size", source.shape), given.get("stride", source.stride()))
 
 
 def _bumps_versions(eng, func, args, kwargs):
