@@ -553,6 +553,21 @@ def _set_(eng, func, args, kwargs):
                        given.get("size", source.shape), given.get("stride", source.stride()))
 
 
+def _block_diag(eng, func, args, kwargs):
+    """block_diag checks its inputs' devices itself, before anything else, in its own words
+    (PyTorch's tests match them); then it is an ordinary op."""
+    tensors = args[0] if args else kwargs["tensors"]
+    first = tensors[0].device if tensors else None
+    for i, t in enumerate(tensors):
+        if t.device != first:
+            e = RuntimeError(f"torch.block_diag: input tensors must all be on the same device. "
+                             f"Input 0 is on device {first} and input {i} is on device "
+                             f"{t.device}")
+            e._ae_user_error = True
+            raise e
+    return eng._dispatch(func, args, kwargs)
+
+
 def _bumps_versions(eng, func, args, kwargs):
     """In-place foreach ops have no ADInplaceOrView kernel to bump the version of what they
     write: CUDA's kernels bump it themselves (CPU's per-tensor fallback gets it from each op),
@@ -644,6 +659,7 @@ _SPECIAL = {
 }
 for _op in transfer.LIKE:
     _SPECIAL[_op] = transfer.like
+_SPECIAL[aten.block_diag.default] = _block_diag
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
 for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:

@@ -17,7 +17,7 @@ from fusion.kernels import cost_of
 from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
 from fusion.program import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
-from ..errors import user_error
+from ..errors import _quantized_error, user_error
 from .source import DEVICE_TYPE, _user_stacklevel
 
 _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
@@ -290,6 +290,10 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if meta_failed:
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
+    if any(isinstance(x, torch.Tensor) and x.dtype in _QUANTIZED for x in tree_flatten(out)[0]):
+        e = _quantized_error(func._schema.name)  # (a strided tensor of qint8 lost its scale)
+        e._ae_user_error = True
+        raise e
     storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
     leaves, spec = tree_flatten(out)
     rets = func._schema.returns
@@ -384,6 +388,10 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
 # resize_, no warning): `arange(4, out=x[:, 1:3])` fills the (2, 2) view in place, where their
 # meta kernels resize it to (4,) (which wrote the values over the wrong elements).
 _RESIZE_BY_NUMEL = {"arange", "linspace", "logspace", "range"}
+
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                        torch.quint2x4})
 
 
 def _is_resize_warning(w) -> bool:
