@@ -117,8 +117,10 @@ def fill_uninitialized(t, start: int = 0) -> None:
     else:
         value = True if t.dtype is torch.bool else torch.iinfo(t.dtype).max
     n = t._handle.nbytes // t.element_size() - start
-    if n > 0:
-        t.as_strided((n,), (1,), start).fill_(value)
+    if n > 0:  # (to the engine itself: this may run below the Python key, inside a kernel of
+        # ours that PyTorch reached while excluding it, where torch's own fill_ has no kernel)
+        view = NeuronTensor(t._engine, t._handle, (n,), (1,), start, t.dtype)
+        t._engine.dispatch(aten.fill_.Scalar, (view, value), {})
 
 
 def resize_out(eng, t, size, stride) -> None:

@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
@@ -39,6 +40,7 @@ def register() -> None:
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
+    _lib.impl("as_strided", _as_strided, "PrivateUse1")
     autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
     _register_undecomposed()
@@ -325,6 +327,18 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
                                      tuple(int(s) for s in stride), dtype)
     results.fill_uninitialized(out)
     return out
+
+
+def _as_strided(self, size, stride, storage_offset=None):
+    """as_strided reached below the Python key (our own kernels' helpers under
+    `torch.use_deterministic_algorithms(True)`: its fill of new memory, reached by
+    index_put_'s deterministic path, had no kernel): a view of the same buffer, checked
+    against it as CPU checks."""
+    off = self.storage_offset() if storage_offset is None else int(storage_offset)
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if extent_bytes(size, stride, off, self.element_size()) > self._handle.nbytes:
+        errors._out_of_bounds(size, stride, off, self.dtype, self._handle.nbytes)
+    return NeuronTensor(self._engine, self._handle, size, stride, off, self.dtype)
 
 
 def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):

@@ -65,3 +65,34 @@ def test_quantized_tensors_are_refused_at_the_boundary(mode):
                 warnings.simplefilter("ignore")
                 f()
     assert (torch.ones(2, device=N) * 3).cpu().tolist() == [3., 3.]
+
+
+def test_deterministic_index_put_matches_cpu(mode):
+    """index_put_'s deterministic path made new memory whose fill (NaN, under
+    `fill_uninitialized_memory`) ran below the Python key: `aten::as_strided` had no kernel."""
+    def run(dev):
+        x = torch.zeros(5, device=dev)
+        x.index_put_((torch.tensor([0, 2, 0], device=dev),),
+                     torch.tensor([1., 2., 3.], device=dev), accumulate=True)
+        w = torch.zeros(4, 3, device=dev)
+        w.index_put_((torch.tensor([0, 0, 2], device=dev),), torch.ones(3, 3, device=dev),
+                     accumulate=True)
+        y = torch.zeros(3, 2, device=dev)
+        y[torch.tensor([1, 1], device=dev)] = torch.ones(2, 2, device=dev)
+        return x.cpu().tolist(), w.cpu().tolist(), y.cpu().tolist(), \
+            torch.empty(3, device=dev).cpu().isnan().tolist()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert run(N) == run("cpu")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_as_strided_below_the_python_key_is_a_view_of_the_buffer():
+    t = torch.arange(6., device=N)
+    with torch._C._DisableTorchDispatch():
+        v = torch.ops.aten.as_strided.default(t, (2, 2), (1, 2), 1)
+    assert v.cpu().tolist() == [[1., 3.], [2., 4.]]
+    with pytest.raises(RuntimeError, match="out of bounds for storage"):
+        with torch._C._DisableTorchDispatch():
+            torch.ops.aten.as_strided.default(t, (3, 3), (3, 1), 0)
