@@ -193,6 +193,9 @@ class NeuronTensor(torch.Tensor):
     def __dlpack__(self, *args, **kwargs):  # PyTorch packed a null pointer of device "ext"
         raise _dlpack_error(self)
 
+    def __dlpack_device__(self):  # torch.from_dlpack asks this first ("Unknown device type
+        raise _dlpack_error(self)  # neuron for Dlpack" otherwise)
+
     def __reduce_ex__(self, proto):
         # torch.save / pickle as CPU's tensors go: (storage, offset, size, stride), over a
         # host copy of the buffer shared by its views (Note [Checkpoints] in

@@ -100,3 +100,18 @@ def test_opcheck_passes_for_a_custom_op_on_neuron():
         warnings.simplefilter("ignore")
         result = torch.library.opcheck(scale, (x, 2.0))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_dlpack_imports_host_capsules_and_refuses_export_clearly():
+    import numpy as np
+    c = torch.arange(3.)
+    for made in (torch.asarray(c, device=N), torch.asarray(torch.utils.dlpack.to_dlpack(c),
+                                                            device=N),
+                 torch.from_dlpack(c).to(N), torch.from_dlpack(np.arange(3.)).to(N)):
+        assert made.device.type == N and made.cpu().tolist() == [0., 1., 2.]
+    t = torch.ones(2, device=N)
+    for export in (lambda: torch.from_dlpack(t), lambda: t.__dlpack__(),
+                   lambda: t.__dlpack_device__(), lambda: torch.utils.dlpack.to_dlpack(t),
+                   lambda: np.from_dlpack(t)):
+        with pytest.raises(RuntimeError, match="Can't export to dlpack a neuron:0 tensor.*t.cpu"):
+            export()
