@@ -541,8 +541,9 @@ def _set_(eng, func, args, kwargs):
             f"devices must match.")
     if source is None:
         return set_storage(t, None, 0, (0,), (1,))
-    if not isinstance(source, NeuronTensor):  # (a host tensor: CPU's device error)
-        return set_storage(t, source.untyped_storage(), 0)
+    if not isinstance(source, NeuronTensor):  # a host tensor or storage: CPU's device error
+        return set_storage(t, source.untyped_storage() if isinstance(source, torch.Tensor)
+                           else source, 0)
     if source.dtype != t.dtype:
         raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of "
                            f"type {t.dtype}")

@@ -33,7 +33,7 @@ class MetaResult:
     def __init__(self, leaves, spec, op, resize=(), checks=(), warns=()):
         self.warns = warns  # (text, category) CPU warns with at every call of this signature
         self.resize = resize  # out= tensors to resize first: (arg index, list index, size,
-        # stride, CPU's warning or None)
+        # stride, CPU's resize warnings)
         self.checks = checks  # (runtime input index, dtype) per Note [Scalar conversion]
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
         self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
@@ -164,8 +164,10 @@ def _host_zeros(n: int) -> torch.Tensor:
     """n zero bytes on the host, from calloc'd memory: torch.zeros of 32 KiB or more fills in
     parallel, which cost ~20 ms a call on a busy 2-core host (a row assignment loop probes
     one new signature per row)."""
-    return torch.frombuffer(bytearray(n), dtype=torch.uint8) if n else \
-        torch.empty(0, dtype=torch.uint8)
+    # (a storage copied from a zeroed bytearray: resizable, as a kernel may resize an out=
+    # twin past its buffer, which torch.frombuffer's storage refuses)
+    t = torch.empty(0, dtype=torch.uint8, device="cpu")  # (whatever the default device)
+    return t.set_(torch.UntypedStorage.from_buffer(bytearray(n), dtype=torch.uint8)) if n else t
 
 
 def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
@@ -350,8 +352,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                     if tuple(size) != tuple(t[2]) and not schema_args[j].is_out:
                         _refuse_reshaping_self(func, m_args, m_kwargs, schema_args[j].name,
                                                t, size)
-                    warn = next((str(w.message) for w in meta_warnings
-                                 if _is_resize_warning(w)), None)  # (CPU's own words)
+                    warn = tuple(str(w.message) for w in meta_warnings  # (CPU's own
+                                 if _is_resize_warning(w))  # words, as often: twice where
+                    # an out of another dtype is resized, then copied into)
                     resize.append((j, k, size, stride, warn))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,

@@ -164,6 +164,7 @@ def resize_outs(eng, func, args, kwargs, resize) -> None:
         a = func._schema.arguments[j]
         v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
         v = v[k] if isinstance(v, (list, tuple)) else v
-        if warn is not None and v.numel():  # (factories resize with resize_: no warning)
-            warnings.warn(warn, UserWarning, stacklevel=_user_stacklevel())
+        if v.numel():  # (factories resize with resize_: no warning)
+            for text in warn:
+                warnings.warn(text, UserWarning, stacklevel=_user_stacklevel())
         resize_out(eng, v, size, stride)

@@ -56,8 +56,8 @@ class NeuronStorage:
     def device(self) -> torch.device:
         return torch.device(DEVICE_TYPE, self._engine.index)
 
-    def data_ptr(self) -> int:
-        return device_address(self._handle)
+    def data_ptr(self) -> int:  # (an empty buffer's is 0, as CPU's and CUDA's: fuzzer)
+        return device_address(self._handle) if self._handle.nbytes else 0
 
     def nbytes(self) -> int:
         return self._handle.nbytes

@@ -188,6 +188,8 @@ class NeuronTensor(torch.Tensor):
         return False
 
     def data_ptr(self) -> int:
+        if not self._handle.nbytes:  # no memory: 0, as CPU and CUDA give
+            return 0
         return device_address(self._handle) + self.storage_offset() * self.element_size()
 
     def __dlpack__(self, *args, **kwargs):  # PyTorch packed a null pointer of device "ext"

@@ -22,6 +22,7 @@ OPS = {
     "range": lambda d, o: torch.range(0, 3, out=o),
     "randperm": lambda d, o: torch.randperm(4, out=o),
     "eye": lambda d, o: torch.eye(2, out=o),
+    "eye_grows": lambda d, o: torch.eye(3, out=o),  # past the view's buffer (fuzzer seed 0)
     "full": lambda d, o: torch.full((2, 2), 3., out=o),
     "zeros": lambda d, o: torch.zeros((2, 2), out=o),
     "ones": lambda d, o: torch.ones(4, out=o),
