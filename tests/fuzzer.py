@@ -393,13 +393,16 @@ class Gen:
         a, b = self.pick(), self.pick()
         if a is None:
             return None
+        # (device tensors, as every variable: a host one would meet CUDA's device rule)
         return r.choice([
-            f"{v} = torch.tensor({a}.storage().data_ptr() == {b}.storage().data_ptr())",
+            f"{v} = torch.tensor({a}.storage().data_ptr() == {b}.storage().data_ptr(), "
+            f"device=dev)",
             f"{v} = torch.tensor({a}.untyped_storage().data_ptr() == "
-            f"{b}.untyped_storage().data_ptr())",
-            f"{v} = torch.tensor([{a}.storage().size(), {a}.storage().element_size()])",
+            f"{b}.untyped_storage().data_ptr(), device=dev)",
+            f"{v} = torch.tensor([{a}.storage().size(), {a}.storage().element_size()], "
+            f"device=dev)",
             # (its own first element: the rest of a storage may never have been written)
-            f"{v} = torch.tensor({a}.storage().tolist()[{a}.storage_offset():][:1]).to(dev)"
+            f"{v} = torch.tensor({a}.storage().tolist()[{a}.storage_offset():][:1], device=dev)"
             if self.ns[a].numel() and self.ns[a].dtype != self.torch.bool else None,
         ])
 

@@ -355,6 +355,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                     warn = tuple(str(w.message) for w in meta_warnings  # (CPU's own
                                  if _is_resize_warning(w))  # words, as often: twice where
                     # an out of another dtype is resized, then copied into)
+                    if warn and probe is None:  # a Python meta kernel's words are not CPU's
+                        warn = (_cpu_resize_text(t[2], size),)
                     resize.append((j, k, size, stride, warn))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,
@@ -403,6 +405,26 @@ _RESIZE_BY_NUMEL = {"arange", "linspace", "logspace", "range"}
 
 _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
                         torch.quint2x4})
+
+
+_RESIZE_SUFFIX: list = []  # where CPU's build says the warning was triggered
+
+
+def _cpu_resize_text(old, new) -> str:
+    """CPU's resize warning for an out of shape `old` resized to `new` (where no CPU probe
+    ran: a Python meta kernel words it otherwise)."""
+    if not _RESIZE_SUFFIX:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cpp_warnings_scope(lambda: torch.ops.aten.neg.out(
+                torch.zeros(1, device="cpu"), out=torch.empty(2, device="cpu")))
+        text = next((str(x.message) for x in w if _is_resize_warning(x)), "")
+        _RESIZE_SUFFIX.append(text[text.index(" (Triggered"):] if " (Triggered" in text else "")
+    return (f"An output with one or more elements was resized since it had shape {list(old)}, "
+            f"which does not match the required output shape {list(new)}. This behavior is "
+            f"deprecated, and in a future PyTorch release outputs will not be resized unless "
+            f"they have zero elements. You can explicitly reuse an out tensor t by resizing "
+            f"it, inplace, to zero elements with t.resize_(0).{_RESIZE_SUFFIX[0]}")
 
 
 def _is_resize_warning(w) -> bool:
