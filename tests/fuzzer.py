@@ -130,7 +130,7 @@ def stmt_info(code: str) -> dict:
     return {"defs": defs, "muts": muts, "reads": reads,
             "backward": ".backward(" in code, "sync": bool(_SYNC.search(code)),
             "random": bool(re.search(r"\b(rand|randn|randint|randperm|rand_like|randn_like|"
-                                     r"dropout|bernoulli|normal_|uniform_|multinomial)\b",
+                                     r"dropout|bernoulli|normal_|uniform_|multinomial|random_)\b",
                                      code)),
             "deletes": code[4:].strip() if code.startswith("del ") else None}
 
