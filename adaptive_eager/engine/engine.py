@@ -566,7 +566,7 @@ def _block_diag(eng, func, args, kwargs):
                              f"{t.device}")
             e._ae_user_error = True
             raise e
-    return eng._dispatch(func, args, kwargs)
+    return eng.dispatch_plain(func, args, kwargs)
 
 
 def _bumps_versions(eng, func, args, kwargs):
