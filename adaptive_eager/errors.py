@@ -98,3 +98,11 @@ def _sparse_error(op: str, layout) -> NotImplementedError:
         f"the CPU.")
 
 
+
+
+def _quantized_error(op: str) -> NotImplementedError:
+    """Quantized tensors (`quantize_per_tensor`, `.to("neuron")` of one) are refused."""
+    return NotImplementedError(
+        f"{op}: quantized tensors (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, "
+        f"torch.quint2x4) are not supported on the neuron device, which has no quantized "
+        f"kernels. Keep quantized tensors on the CPU, or dequantize() them before .to('neuron').")

@@ -59,3 +59,34 @@ def test_tiny_chain(benchmark, mode):
     # What was timed computed CPU's values: the same kernels in the same order, bit for bit.
     host = {"cpu": lambda t: t, "floor": lambda t: t.inner}.get(mode, lambda t: t.cpu())
     assert torch.equal(host(result), chain(host(x)))
+    expected = chain(torch.randn(16, generator=torch.Generator().manual_seed(0)))
+    assert result.shape == expected.shape
+
+
+ROWS = 64  # `a[i] = row` per step (issue 23: PyTorch's reference loop for index_copy)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "eager", "graph"])
+def test_row_assignment_loop(benchmark, mode):
+    """Host time per `a[i] = row`: each row is a new op signature on the device (a view's
+    offset is in the key), so this measures meta inference, the probe and an executable per
+    row, against CPU's ~5 us (README, Known gaps)."""
+    benchmark.group = "row_assignment"
+    dev = "neuron" if mode != "cpu" else "cpu"
+    with mode_scope(mode if dev == "neuron" else "cpu") as device:
+        state = {"n": 0}
+
+        def step():
+            a = torch.zeros(4096, 8, device=device)  # fresh rows: no signature seen before
+            row = torch.ones(8, device=device)
+            base = state["n"] % 4000
+            state["n"] += ROWS
+            for i in range(base, base + ROWS):
+                a[i] = row
+            if dev == "neuron":
+                torch.neuron.synchronize()
+            return a
+
+        step()
+        benchmark.pedantic(step, rounds=3, warmup_rounds=0)
+        benchmark.extra_info.update(mode=mode, assignments_per_step=ROWS)

@@ -44,7 +44,8 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     fixed: set[int] = set()  # ops whose result a checked run had to copy into its layout
     ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALLS": _CALLS,
           "_fix": _fix, "I": tuple(instrs), "FIXED": fixed}
-    fast = [not (ins.random or ins.f64 or ins.user or not _simple_outs(ins)) for ins in instrs]
+    fast = [not (ins.random or ins.f64 or ins.user or ins.quiet or not _simple_outs(ins))
+            for ins in instrs]
     last: dict[int, int] = {}  # view id -> the last instr reading it
     stored = set(outputs)  # slots whose storage must be in `st`
     made: set[int] = set()  # view ids this run has made by the time an instr runs

@@ -57,7 +57,7 @@ _INDEXING = {
     "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
     "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
-    "arange", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
+    "arange", "range", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
     # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
     "split_with_sizes_copy", "_chunk_cat",
 }

@@ -130,7 +130,7 @@ def stmt_info(code: str) -> dict:
     return {"defs": defs, "muts": muts, "reads": reads,
             "backward": ".backward(" in code, "sync": bool(_SYNC.search(code)),
             "random": bool(re.search(r"\b(rand|randn|randint|randperm|rand_like|randn_like|"
-                                     r"dropout|bernoulli|normal_|uniform_|multinomial)\b",
+                                     r"dropout|bernoulli|normal_|uniform_|multinomial|random_)\b",
                                      code)),
             "deletes": code[4:].strip() if code.startswith("del ") else None}
 
@@ -139,7 +139,7 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "settings", "complex", "errors"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "complex", "outview", "intrng", "storage", "errors"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -331,6 +331,80 @@ class Gen:
         if target.startswith("torch."):
             return f"{v} = " + fn.format(target)
         return fn.format(target)
+
+    def _out_view(self, o):
+        """A non-contiguous or offset view of `o` (or of a fresh zero tensor) as an out=."""
+        r = self.r
+        t = self.ns.get(o) if o else None
+        if t is None or not isinstance(t, self.torch.Tensor) or t.dim() == 0 or not t.numel():
+            base = r.choice(["torch.zeros(2, 3, device=dev)", "torch.zeros(9, device=dev)",
+                             "torch.zeros(3, 4, device=dev, dtype=torch.int64)"])
+            views = {"torch.zeros(2, 3, device=dev)": [".narrow(1, 1, 2)", "[:, ::2]", ".t()"],
+                     "torch.zeros(9, device=dev)": ["[2:6]", "[::2]", "[1:]"],
+                     "torch.zeros(3, 4, device=dev, dtype=torch.int64)":
+                         ["[1:, 1:3]", ".t()[1:3]", "[:, ::3]"]}[base]
+            return base + r.choice(views)
+        d = r.randrange(t.dim())
+        n = t.shape[d]
+        return r.choice([f"{o}.narrow({d}, {min(1, n - 1)}, {max(n - 1, 0)})",
+                         f"{o}.select({d}, {n - 1})" if t.dim() > 1 else f"{o}[{n - 1}:]",
+                         f"{o}.mT" if t.dim() > 1 else f"{o}[::2]",
+                         f"{o}[{'::2' if t.dim() == 1 else ':, ::2' if t.dim() == 2 else '..., ::2'}]",
+                         f"{o}.flatten()[1:]" if t.is_contiguous() else f"{o}[1:]"])
+
+    def f_outview(self):
+        """Factories and out= ops writing into non-contiguous and offset views (issue 23: the
+        values landed on the wrong elements, and a resize warning CPU does not give)."""
+        r = self.r
+        tgt = self._out_view(self.pick(lambda t: t.dtype in (self.torch.float32,
+                                                             self.torch.int64)))
+        a = self.pick(lambda t: t.dtype == self.torch.float32 and t.dim() == 1)
+        n = r.randint(0, 7)
+        ops = [f"torch.arange({n}, out={tgt})", f"torch.arange(0., {n / 2}, 0.5, out={tgt})",
+               f"torch.linspace(-1, {n}, {n}, out={tgt})",
+               f"torch.logspace(0, 1, {n}, base={r.choice([2, 10])}, out={tgt})",
+               f"torch.range(0, {n}, out={tgt})", f"torch.full(({n},), 3, out={tgt})",
+               f"torch.zeros(({n},), out={tgt})", f"torch.ones({n}, out={tgt})",
+               f"torch.eye({max(n // 2, 1)}, out={tgt})", f"torch.randperm({n}, out={tgt})"]
+        if a is not None:
+            ops += [f"torch.cat([{a}, {a}], out={tgt})", f"torch.add({a}, 1, out={tgt})",
+                    f"torch.cumsum({a}, 0, out={tgt})"]
+        return r.choice(ops)
+
+    def f_intrng(self):
+        """Integer RNG with from/to (issue 23): exact draws, CPU's bound errors and warnings."""
+        r, v = self.r, self.fresh()
+        dt = r.choice(["int32", "uint32", "int64", "int16", "uint8", "int8", "float32"])
+        big = [0, 1, 2**24 + 1, 2**31 - 1, 2**31, 2**32, -2**31, -42, 255, 256]
+        lo, hi = sorted(r.sample(big, 2))
+        shape = self.shape()
+        if r.random() < 0.5:
+            return f"{v} = torch.empty({shape}, dtype=torch.{dt}, device=dev).random_({lo}, {hi})"
+        a = self.pick(lambda t: not t.is_floating_point() and t.dtype != self.torch.bool
+                      and not t.is_complex())
+        if a is not None and r.random() < 0.5:
+            return f"{a}.random_({r.choice([hi, lo + 1])})" if r.random() < 0.3 else \
+                f"{a}.random_({lo}, {hi})"
+        return f"{v} = torch.randint({lo}, {hi}, {shape}, dtype=torch.{dt}, device=dev)"
+
+    def f_storage(self):
+        """storage() identity and size (issue 23): as a tensor, so runs compare it."""
+        r, v = self.r, self.fresh()
+        a, b = self.pick(), self.pick()
+        if a is None:
+            return None
+        # (device tensors, as every variable: a host one would meet CUDA's device rule)
+        return r.choice([
+            f"{v} = torch.tensor({a}.storage().data_ptr() == {b}.storage().data_ptr(), "
+            f"device=dev)",
+            f"{v} = torch.tensor({a}.untyped_storage().data_ptr() == "
+            f"{b}.untyped_storage().data_ptr(), device=dev)",
+            f"{v} = torch.tensor([{a}.storage().size(), {a}.storage().element_size()], "
+            f"device=dev)",
+            # (its own first element: the rest of a storage may never have been written)
+            f"{v} = torch.tensor({a}.storage().tolist()[{a}.storage_offset():][:1], device=dev)"
+            if self.ns[a].numel() and self.ns[a].dtype != self.torch.bool else None,
+        ])
 
     def f_dtype(self):
         r, v = self.r, self.fresh()
@@ -1209,6 +1283,58 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
     return fails
 
 
+# Note [Warnings compared]: CPU and the device must warn at the same statements, as often
+# and in the same words (issue 23). The device's own warnings (fell back, float64 policy) are
+# not CPU's; a warning CPU gives only once per process (TypedStorage's deprecation, a
+# TORCH_WARN_ONCE) is left out: it is seen on CPU's first run and not on its second.
+_OWN_WARNINGS = re.compile(r"fell back to CPU|float64 is not supported|TypedStorage is "
+                           r"deprecated|not supported on Neuron")
+
+
+def run_warnings(stmts, dev, mode="eager") -> list | None:
+    """(statement, category, text) of every warning, or None if a statement raised."""
+    import contextlib
+    import adaptive_eager as ae
+    out = []
+    with contextlib.ExitStack() as st:
+        if dev != "cpu" and mode != "eager":
+            st.enter_context(ae.adaptive(strategy=mode))
+        ns = _namespace(dev)
+        for i, code in enumerate(stmts):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                try:
+                    exec(code, ns)
+                except Exception:
+                    return None
+            out += [(i, x.category.__name__, str(x.message)) for x in w
+                    if not _OWN_WARNINGS.search(str(x.message))]
+    _settle()
+    return out
+
+
+def compare_warnings(stmts, mode) -> list[tuple[str, str]]:
+    """Note [Warnings compared]: the device's warnings against CPU's, by statement."""
+    cpu = run_warnings(stmts, "cpu")
+    again = run_warnings(stmts, "cpu")
+    if cpu is None or again is None:
+        return []
+    once = {t for _, _, t in cpu} - {t for _, _, t in again}
+    dev = run_warnings(stmts, "neuron", mode)
+    if dev is None:
+        return []
+    cpu = [x for x in again if x[2] not in once]
+    dev = [x for x in dev if x[2] not in once]
+    if dev == cpu:
+        return []
+    for c, d in zip(cpu + [None] * len(dev), dev + [None] * len(cpu)):
+        if c != d:
+            fmt = lambda x: "nothing" if x is None else f"{x[1]} at statement {x[0]}: " \
+                f"{x[2][:120]}"  # noqa: E731
+            return [("warning", f"CPU warned {fmt(c)}; neuron warned {fmt(d)}")]
+    return []
+
+
 def compare_to_eager(eager, run, taint) -> list[tuple[str, str]]:
     """Adaptive must equal eager bit for bit (NaN equal to NaN); values poisoned by a failed
     statement (CPU taint 'err') are undefined in both and not compared."""
@@ -1294,6 +1420,10 @@ def configs(modes, policies):
     return out
 
 
+# Programs whose warnings are compared (the families that warn, and CPU's resize warning)
+_WARNY = re.compile(r"out=|random_\(|randint\(|torch\.range\(|storage\(\)|uint8")
+
+
 def check(stmts, cfgs) -> list[dict]:
     """Run one program on CPU and each (mode, policy); every failure as a dict."""
     ref = run_reference(stmts)
@@ -1304,6 +1434,10 @@ def check(stmts, cfgs) -> list[dict]:
         eager = run_program(stmts, "neuron")
         if ("eager", "default") in cfgs:
             fails += [{"config": "eager", "kind": k, "detail": d} for k, d in compare(stmts, ref, eager)]
+    if ref[0] is None and _WARNY.search("\n".join(stmts)):  # Note [Warnings compared]
+        for m in sorted({m for m, _ in cfgs}):
+            fails += [{"config": m, "kind": k, "detail": d}
+                      for k, d in compare_warnings(stmts, m)]
     for m, p in cfgs:
         if m == "eager" and p == "default":
             continue

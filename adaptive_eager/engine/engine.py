@@ -36,7 +36,7 @@ from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
-                   infer)
+                   give_warnings, infer)
 from .queue import Segment, record
 from .replay import MISS, MISSED
 from .source import DEVICE_TYPE, _user_stacklevel
@@ -424,6 +424,8 @@ class Engine:
             _check_sbuf(self, func, meta.op.cost)
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
+        if meta.warns:
+            give_warnings(meta.warns)
         if meta.resize:  # out= of the wrong shape: resized as CPU does, then the op again
             self.metrics.ops -= 1
             results.resize_outs(self, func, args, kwargs, meta.resize)
@@ -527,8 +529,44 @@ def _unsafe_view(eng, func, args, kwargs):
 
 
 def _set_(eng, func, args, kwargs):
-    raise RuntimeError(f"{func._schema.name} (Tensor.set_) is not supported on neuron tensors; "
-                       f"use copy_ or a new tensor.")
+    """`t.set_(other)`, `t.set_(other, offset, size, stride)`, `t.set_()`: t becomes a view
+    of other's buffer (Note [set_] in _storage.py)."""
+    from .storage import set_storage
+    t, rest = args[0], list(args[1:])
+    source = rest.pop(0) if rest else kwargs.get("source")
+    if not isinstance(t, NeuronTensor):  # a host tensor set to a neuron one
+        raise RuntimeError(
+            f"Attempted to set the storage of a tensor on device \"{t.device}\" to a storage "
+            f"on different device \"{source.device}\".  This is no longer allowed; the "
+            f"devices must match.")
+    if source is None:
+        return set_storage(t, None, 0, (0,), (1,))
+    if not isinstance(source, NeuronTensor):  # a host tensor or storage: CPU's device error
+        return set_storage(t, source.untyped_storage() if isinstance(source, torch.Tensor)
+                           else source, 0)
+    if source.dtype != t.dtype:
+        raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of "
+                           f"type {t.dtype}")
+    names = ("storage_offset", "size", "stride")
+    given = dict(zip(names, rest), **{k: v for k, v in kwargs.items() if k in names})
+    return set_storage(t, source.untyped_storage(),
+                       given.get("storage_offset", source.storage_offset()),
+                       given.get("size", source.shape), given.get("stride", source.stride()))
+
+
+def _block_diag(eng, func, args, kwargs):
+    """block_diag checks its inputs' devices itself, before anything else, in its own words
+    (PyTorch's tests match them); then it is an ordinary op."""
+    tensors = args[0] if args else kwargs["tensors"]
+    first = tensors[0].device if tensors else None
+    for i, t in enumerate(tensors):
+        if t.device != first:
+            e = RuntimeError(f"torch.block_diag: input tensors must all be on the same device. "
+                             f"Input 0 is on device {first} and input {i} is on device "
+                             f"{t.device}")
+            e._ae_user_error = True
+            raise e
+    return eng.dispatch_plain(func, args, kwargs)
 
 
 def _bumps_versions(eng, func, args, kwargs):
@@ -622,6 +660,7 @@ _SPECIAL = {
 }
 for _op in transfer.LIKE:
     _SPECIAL[_op] = transfer.like
+_SPECIAL[aten.block_diag.default] = _block_diag
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
 for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:

@@ -15,10 +15,11 @@ from fusion.program import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor
-from ..errors import NeuronFallbackError, _raise_launch_error, _sparse_error, user_error
+from ..errors import (NeuronFallbackError, _quantized_error, _raise_launch_error,
+                      _sparse_error, user_error)
 from .results import resize_out
 from .source import _source, _user_stacklevel
-from .templates import _two_devices
+from .templates import foreign_tensor
 from .transfer import buffer_view, on_host
 
 
@@ -42,7 +43,7 @@ def _check_devices(eng, func, args, kwargs) -> None:
         for t in tree_flatten(v)[0]:
             if (isinstance(t, torch.Tensor) and type(t) is not NeuronTensor
                     and (t.dim() or name in written)):  # a 0-d host value, never a target
-                raise _two_devices(eng, t.device, func)
+                raise foreign_tensor(eng, t, func)
 
 
 def run_now(eng, func, args, kwargs, fallback: bool):
@@ -130,6 +131,8 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             continue
         if leaf.layout != torch.strided:
             raise _sparse_error(name, leaf.layout)
+        if leaf.is_quantized:
+            raise _quantized_error(name)
         if leaf.is_conj() or leaf.is_neg():  # a lazy view (`solve(left=False)`'s): its
             with torch._C._DisableTorchDispatch():  # storage holds the unconjugated values
                 leaf = leaf.resolve_conj().resolve_neg()

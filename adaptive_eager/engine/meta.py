@@ -15,9 +15,9 @@ from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
 from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
-from fusion.program import cpu_kernels
+from fusion.program import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
-from ..errors import user_error
+from ..errors import _quantized_error, user_error
 from .source import DEVICE_TYPE, _user_stacklevel
 
 _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
@@ -28,10 +28,12 @@ class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
     __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks", "gstate",
-                 "replay")
+                 "replay", "warns")
 
-    def __init__(self, leaves, spec, op, resize=(), checks=()):
-        self.resize = resize  # out= tensors to resize first: (arg index, list index, size, stride)
+    def __init__(self, leaves, spec, op, resize=(), checks=(), warns=()):
+        self.warns = warns  # (text, category) CPU warns with at every call of this signature
+        self.resize = resize  # out= tensors to resize first: (arg index, list index, size,
+        # stride, CPU's resize warnings)
         self.checks = checks  # (runtime input index, dtype) per Note [Scalar conversion]
         self.single = spec.is_leaf()  # one output: no pytree rebuild per call
         self.op = op  # the node signature to queue, or None (views, metadata: nothing runs)
@@ -158,8 +160,19 @@ def _tensor_templates(ts):
 
 
 
+def _host_zeros(n: int) -> torch.Tensor:
+    """n zero bytes on the host, from calloc'd memory: torch.zeros of 32 KiB or more fills in
+    parallel, which cost ~20 ms a call on a busy 2-core host (a row assignment loop probes
+    one new signature per row)."""
+    # (a storage copied from a zeroed bytearray: resizable, as a kernel may resize an out=
+    # twin past its buffer, which torch.frombuffer's storage refuses)
+    t = torch.empty(0, dtype=torch.uint8, device="cpu")  # (whatever the default device)
+    return t.set_(torch.UntypedStorage.from_buffer(bytearray(n), dtype=torch.uint8)) if n else t
+
+
 def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
-    """CPU's result (or the exception CPU raises) for this op over blank host buffers."""
+    """CPU's result (or the exception CPU raises) for this op over blank host buffers, and the
+    warnings CPU gave."""
     first = None
     # A random op's probe draws from a throwaway generator (the op's overload that takes
     # one), or else from a throwaway copy of the process's (fork_rng: restoring it would undo
@@ -167,7 +180,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
     kernel = device_kernel(func)
     gen_op = with_generator(func) if random and kernel is func else None
     for fill in (0, 1):
-        bufs = [torch.zeros(h.nbytes, dtype=torch.uint8, device="cpu") for h in handles]
+        bufs = [_host_zeros(h.nbytes) for h in handles]
         cpu = torch.device("cpu")
 
         seen = {}  # the same tensor passed twice is one twin (CPU's `is_same` overlap checks)
@@ -181,21 +194,23 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
 
         rng = torch.random.fork_rng(devices=[]) if random and gen_op is None \
             else contextlib.nullcontext()
-        with torch._C._DisableTorchDispatch(), cpu_kernels(), warnings.catch_warnings(), rng:
-            warnings.simplefilter("ignore")
+        with torch._C._DisableTorchDispatch(), cpu_kernels(), \
+                warnings.catch_warnings(record=True) as caught, rng:
+            warnings.simplefilter("always")  # (CPU's warnings, C++ ones too: Note [C++ warnings])
             try:
                 c_args = [twin(v, t) for v, t in zip(args, args_t)]
                 c_kwargs = {k: twin(v, t) for (k, v), (_, t) in zip(kwargs.items(), kwargs_t)}
                 if gen_op is not None:
-                    return gen_op(*c_args, **dict(c_kwargs, generator=torch.Generator()))
-                return kernel(*c_args, **c_kwargs)
+                    return cpp_warnings_scope(lambda: gen_op(
+                        *c_args, **dict(c_kwargs, generator=torch.Generator()))), caught
+                return cpp_warnings_scope(lambda: kernel(*c_args, **c_kwargs)), caught
             except Exception as e:
                 if first is not None and type(e) is type(first) and str(e) == str(first):
-                    return first.with_traceback(None)
+                    return first.with_traceback(None), ()
                 if first is not None:  # a value check or a data-dependent shape (a mask's
-                    return None  # count), not a user error: let the device find it
+                    return None, ()  # count), not a user error: let the device find it
                 first = e.with_traceback(None)  # (no traceback: no cycle through this frame)
-    return None
+    return None, ()
 
 
 
@@ -259,8 +274,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         # is a cycle keeping the caller's frames, and their tensors' device memory, alive
         # until the garbage collector runs)
         cls = op_class(func)
-        try:
-            out = func(*m_args, **m_kwargs)
+        try:  # (Note [C++ warnings]: a C++ meta kernel's warnings are recorded here too)
+            out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
         except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
             if cls == KERNEL:  # Note [Custom kernels]: its fake impl is the contract: its
                 raise user_error(e)  # error (or its absence) is the user's, at the call
@@ -270,7 +285,12 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     probe = None
     if cls != KERNEL and (meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t,
                                                         out)):
-        probe = _probe(func, args, kwargs, args_t, kwargs_t, handles, cls == RANDOM)
+        probe, probe_warnings = _probe(func, args, kwargs, args_t, kwargs_t, handles,
+                                       cls == RANDOM)
+        if not isinstance(probe, BaseException):
+            meta_warnings = probe_warnings  # CPU's own warnings win (Note [CPU probe])
+            if probe_warnings:  # given at each call; the device's run drops its own
+                QUIET_OPS.add(func)
         if isinstance(probe, BaseException):  # CPU refuses it too: CPU's error, at the call
             user_error(probe)
             try:
@@ -280,6 +300,10 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if meta_failed:
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
+    if any(isinstance(x, torch.Tensor) and x.dtype in _QUANTIZED for x in tree_flatten(out)[0]):
+        e = _quantized_error(func._schema.name)  # (a strided tensor of qint8 lost its scale)
+        e._ae_user_error = True
+        raise e
     storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
     leaves, spec = tree_flatten(out)
     rets = func._schema.returns
@@ -318,13 +342,22 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             t = t[1 + k] if t[0] == "L" else t
             if (size, stride) != (t[2], t[3]):  # the meta kernel resized an out= tensor
                 cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
-                if isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size:
-                    stride = cpu.stride()  # CPU restrides a resized out (Note [CPU layouts])
+                if isinstance(cpu, torch.Tensor):  # CPU's kernel resizes (and restrides) an
+                    # out unlike meta's: arange into a (2, 2) keeps it (Note [CPU layouts])
+                    size, stride = tuple(cpu.shape), cpu.stride()
+                elif (func.overloadpacket.__name__ in _RESIZE_BY_NUMEL
+                      and math.prod(size) == math.prod(t[2])):
+                    size, stride = tuple(t[2]), tuple(t[3])  # (no probe: a big out)
                 if (size, stride) != (t[2], t[3]):  # (CPU may keep it: sort into a strided out)
                     if tuple(size) != tuple(t[2]) and not schema_args[j].is_out:
                         _refuse_reshaping_self(func, m_args, m_kwargs, schema_args[j].name,
                                                t, size)
-                    resize.append((j, k, size, stride))
+                    warn = tuple(str(w.message) for w in meta_warnings  # (CPU's own
+                                 if _is_resize_warning(w))  # words, as often: twice where
+                    # an out of another dtype is resized, then copied into)
+                    if warn and probe is None:  # a Python meta kernel's words are not CPU's
+                        warn = (_cpu_resize_text(t[2], size),)
+                    resize.append((j, k, size, stride, warn))
         elif (alias is not None or cls == VIEW) and li is not None:
             out_leaves.append(("view", li, size, stride, off, leaf.dtype,
                                _info(size, stride, off, leaf)))
@@ -358,11 +391,44 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if outs is not None or writes:
         op = OpSig(func, cls, args_t, kwargs_t, outs or (), len(handles), writes, flops,
                    tuple(new_bytes), cost)
-    if not resize:  # (a resize gives CPU's warning on every call, in _dispatch)
-        for w in meta_warnings:
-            warnings.warn(w.message, w.category, stacklevel=_user_stacklevel())
+    warns = tuple((str(w.message), w.category) for w in meta_warnings
+                  if not _is_resize_warning(w))  # (a resize's is given by resize_outs)
     return MetaResult(tuple(out_leaves), spec, op, tuple(resize),
-                      _conversion_checks(func, args_t, kwargs_t, leaves))
+                      _conversion_checks(func, args_t, kwargs_t, leaves), warns)
+
+
+# Factories whose CPU kernel resizes an out= only when its number of elements is wrong (with
+# resize_, no warning): `arange(4, out=x[:, 1:3])` fills the (2, 2) view in place, where their
+# meta kernels resize it to (4,) (which wrote the values over the wrong elements).
+_RESIZE_BY_NUMEL = {"arange", "linspace", "logspace", "range"}
+
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
+                        torch.quint2x4})
+
+
+_RESIZE_SUFFIX: list = []  # where CPU's build says the warning was triggered
+
+
+def _cpu_resize_text(old, new) -> str:
+    """CPU's resize warning for an out of shape `old` resized to `new` (where no CPU probe
+    ran: a Python meta kernel words it otherwise)."""
+    if not _RESIZE_SUFFIX:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            cpp_warnings_scope(lambda: torch.ops.aten.neg.out(
+                torch.zeros(1, device="cpu"), out=torch.empty(2, device="cpu")))
+        text = next((str(x.message) for x in w if _is_resize_warning(x)), "")
+        _RESIZE_SUFFIX.append(text[text.index(" (Triggered"):] if " (Triggered" in text else "")
+    return (f"An output with one or more elements was resized since it had shape {list(old)}, "
+            f"which does not match the required output shape {list(new)}. This behavior is "
+            f"deprecated, and in a future PyTorch release outputs will not be resized unless "
+            f"they have zero elements. You can explicitly reuse an out tensor t by resizing "
+            f"it, inplace, to zero elements with t.resize_(0).{_RESIZE_SUFFIX[0]}")
+
+
+def _is_resize_warning(w) -> bool:
+    return str(w.message).startswith("An output with one or more elements was resized")
 
 
 # Note [Scalar conversion]: the fill family converts its Scalar to the tensor's dtype with no
@@ -402,6 +468,13 @@ def _conversion_checks(func, args_t, kwargs_t, leaves) -> tuple:
             if type(t) is tuple and t and t[0] == "S":
                 return ((t[1], dtype),)
     return ()
+
+
+def give_warnings(warns) -> None:
+    """The warnings CPU gives at every call of a signature (its kernel's, found once by the
+    probe or the meta kernel), at the user's line."""
+    for text, category in warns:
+        warnings.warn(text, category, stacklevel=_user_stacklevel())
 
 
 def check_conversions(checks, inputs) -> None:

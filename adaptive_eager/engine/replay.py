@@ -35,7 +35,7 @@ from fusion.ir import Handle, encode_static
 from .. import config as _config
 from . import cpu_settings
 from .tensor import NeuronTensor, fresh
-from .meta import _global_state, check_conversions
+from .meta import _global_state, check_conversions, give_warnings
 from .results import results
 from .source import _source
 
@@ -299,6 +299,8 @@ def follow(eng, func, args, kwargs, counted=False):
             eng.count_op()
         if meta.checks:  # Note [Scalar conversion] in meta.py
             check_conversions(meta.checks, inputs)
+        if meta.warns:
+            give_warnings(meta.warns)
         queued = len(seg.nodes)
         if seg.admit(eng, op.new_total):
             continue  # it flushed

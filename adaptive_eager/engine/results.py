@@ -117,8 +117,10 @@ def fill_uninitialized(t, start: int = 0) -> None:
     else:
         value = True if t.dtype is torch.bool else torch.iinfo(t.dtype).max
     n = t._handle.nbytes // t.element_size() - start
-    if n > 0:
-        t.as_strided((n,), (1,), start).fill_(value)
+    if n > 0:  # (to the engine itself: this may run below the Python key, inside a kernel of
+        # ours that PyTorch reached while excluding it, where torch's own fill_ has no kernel)
+        view = NeuronTensor(t._engine, t._handle, (n,), (1,), start, t.dtype)
+        t._engine.dispatch(aten.fill_.Scalar, (view, value), {})
 
 
 def resize_out(eng, t, size, stride) -> None:
@@ -156,18 +158,13 @@ def grow(eng, t, need: int) -> None:
 
 def resize_outs(eng, func, args, kwargs, resize) -> None:
     """out= tensors of the wrong shape (meta's `resize`: argument, list index, CPU's size and
-    strides) are resized as CPU resizes them, with CPU's warning word for word."""
-    for j, k, size, stride in resize:
+    strides, CPU's warning) are resized as CPU resizes them, with CPU's warning word for word
+    where CPU's kernel gives one (resize_output's; not resize_'s)."""
+    for j, k, size, stride, warn in resize:
         a = func._schema.arguments[j]
         v = args[j] if j < len(args) and not a.kwarg_only else kwargs[a.name]
         v = v[k] if isinstance(v, (list, tuple)) else v
-        if v.numel():
-            warnings.warn(
-                f"An output with one or more elements was resized since it had shape "
-                f"{list(v.shape)}, which does not match the required output shape "
-                f"{list(size)}. This behavior is deprecated, and in a future PyTorch "
-                f"release outputs will not be resized unless they have zero elements. "
-                f"You can explicitly reuse an out tensor t by resizing it, inplace, to "
-                f"zero elements with t.resize_(0).", UserWarning,
-                stacklevel=_user_stacklevel())
+        if v.numel():  # (factories resize with resize_: no warning)
+            for text in warn:
+                warnings.warn(text, UserWarning, stacklevel=_user_stacklevel())
         resize_out(eng, v, size, stride)

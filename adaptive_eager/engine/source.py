@@ -116,3 +116,4 @@ def _fx_line(f):
     return _FX_LINES[key]
 
 
+

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from fusion.ir import extent_bytes
+
 from .source import DEVICE_TYPE
 
 _BASE = 0x7E00_0000_0000  # nonzero: 0 means "no storage" to safetensors
@@ -54,11 +56,15 @@ class NeuronStorage:
     def device(self) -> torch.device:
         return torch.device(DEVICE_TYPE, self._engine.index)
 
-    def data_ptr(self) -> int:
-        return device_address(self._handle)
+    def data_ptr(self) -> int:  # (an empty buffer's is 0, as CPU's and CUDA's: fuzzer)
+        return device_address(self._handle) if self._handle.nbytes else 0
 
     def nbytes(self) -> int:
         return self._handle.nbytes
+
+    @property
+    def _cdata(self) -> int:  # the identity PyTorch compares storages by (fake_utils' alias
+        return device_address(self._handle)  # checks): one per buffer, never reused
 
     size = nbytes
 
@@ -127,6 +133,118 @@ class NeuronStorage:
     def __repr__(self):
         return (f"<neuron storage of {self._handle.nbytes} bytes at "
                 f"{self.data_ptr():#x} on {self.device}>")
+
+
+class NeuronTypedStorage(torch.TypedStorage):
+    """`t.storage()` of a neuron tensor: a TypedStorage over its `NeuronStorage`, as CUDA's
+    is over its device memory: `data_ptr()`, `size()` (elements), `nbytes()`, `device`,
+    `dtype`, identity across views, `Tensor.set_(storage, ...)`. Element reads go through
+    one host copy of the buffer (never a device read per element: a failure report that
+    repr'd a storage walked it element by element, for minutes)."""
+
+    def __new__(cls, untyped: NeuronStorage, dtype: torch.dtype):
+        self = object.__new__(cls)  # (TypedStorage.__new__ takes host UntypedStorages only)
+        self._untyped_storage = untyped
+        self.dtype = dtype
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def _new_wrapped_storage(self, untyped_storage):
+        return NeuronTypedStorage(untyped_storage, self.dtype)
+
+    def cpu(self) -> torch.TypedStorage:
+        """A host copy (a sync point)."""
+        return torch.TypedStorage(wrap_storage=self._untyped_storage.cpu(), dtype=self.dtype,
+                                  _internal=True)
+
+    def _host(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype).set_(self.cpu())
+
+    def _getitem(self, idx):
+        if not isinstance(idx, int):
+            return super()._getitem(idx)  # (its errors)
+        n = self._size()
+        if not -n <= idx < n:
+            raise IndexError(f"index {idx} out of range for storage of size {n}")
+        return self._host()[idx].item()
+
+    def tolist(self) -> list:
+        return self._host().tolist()
+
+    def __str__(self):
+        info = (f"[{torch.typename(self)}(dtype={self.dtype}, device={self.device}) of size "
+                f"{self._size()}]")
+        values = self._host().tolist()
+        if len(values) > 1000:  # (CPU prints every element; a summary keeps it short)
+            values = values[:3] + ["..."] + values[-3:]
+        return " " + "\n ".join(str(v) for v in values) + "\n" + info
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        raise RuntimeError("a neuron storage cannot be pickled; torch.save the tensor")
+
+
+# Note [set_]: `t.set_(storage, offset, size, stride)` makes t a view of another buffer (its
+# handle), as CUDA's set_ points t at another allocation: views of t's old buffer keep it;
+# later ops on t reach the new one. Queued ops captured their handles when queued, so no
+# flush is needed. The storage must be on t's core, of t's dtype if typed, and large enough
+# (CPU's errors, word for word).
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+
+
+def set_storage(t, source, offset=0, size=None, stride=None):
+    """`t.set_(source, offset, size, stride)` for a neuron storage (Note [set_]); `t.set_()`
+    with no source gives t an empty buffer."""
+    from ..errors import _out_of_bounds
+    eng = t._engine
+    if source is None:
+        source = NeuronStorage(eng.empty((0,), (1,), torch.uint8)._handle, eng)
+    if isinstance(source, torch.TypedStorage):
+        if source.dtype != t.dtype:
+            raise RuntimeError(
+                f"Expected a Storage of type {_c_name(t.dtype)} or an UntypedStorage, but got "
+                f"type {_c_name(source.dtype).capitalize()} for argument 1 'storage'")
+        source = source._untyped_storage
+    if not isinstance(source, NeuronStorage):  # a host storage
+        raise RuntimeError(
+            f"Attempted to set the storage of a tensor on device \"{t.device}\" to a storage "
+            f"on different device \"{source.device}\".  This is no longer allowed; the "
+            f"devices must match.")
+    if source._engine is not eng:
+        raise RuntimeError(
+            f"Attempted to set the storage of a tensor on device \"{t.device}\" to a storage "
+            f"on different device \"{source.device}\".  This is no longer allowed; the "
+            f"devices must match.")
+    h = source._handle
+    if size is None:
+        size = (h.nbytes // t.element_size(),)
+    size = tuple(size)
+    if stride is None:
+        stride, n = [], 1
+        for s in reversed(size):
+            stride.insert(0, n)
+            n *= max(s, 1)
+    stride = tuple(stride)
+    offset = int(offset)
+    if extent_bytes(size, stride, offset, t.element_size()) > h.nbytes:
+        _out_of_bounds(size, stride, offset, t.dtype, h.nbytes)
+    with eng.lock:
+        t._handle = h
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):
+            torch.ops.aten.as_strided_.default(t, size, stride, offset)
+        t._set_layout()  # (as_strided_ bumped t's version, as set_ does on CPU)
+    return t
+
+
+def _c_name(dtype) -> str:
+    return {torch.float32: "float", torch.float64: "double", torch.int64: "long",
+            torch.int32: "int", torch.int16: "short", torch.int8: "char",
+            torch.uint8: "byte", torch.bool: "bool", torch.float16: "half",
+            torch.bfloat16: "bfloat16"}.get(dtype, str(dtype)[6:])
 
 
 def refuse_device_storages() -> None:

@@ -9,7 +9,7 @@ import torch
 from fusion.ir import Handle, encode_static, scalar_positions, written_arguments
 
 from .tensor import NeuronTensor
-from ..errors import _generator_error, _out_of_bounds
+from ..errors import _generator_error, _out_of_bounds, _sparse_error
 from .source import DEVICE_TYPE
 
 aten = torch.ops.aten
@@ -98,7 +98,7 @@ class _Encoder:
             # CUDA's rule: a host tensor only as a 0-d input (a value), never one written
             if v.device.type != "cpu" or written or (
                     v.dim() != 0 and self.func is not aten.copy_.default):
-                raise _two_devices(self.eng, v.device, self.func)
+                raise foreign_tensor(self.eng, v, self.func)
             self.inputs.append(v.detach().clone())
             return ("H", len(self.inputs) - 1, str(v.dtype)[6:], tuple(v.shape))
         if scalar and isinstance(v, (int, float, bool, complex)):
@@ -111,6 +111,15 @@ class _Encoder:
         if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
             return ("L",) + tuple(self.enc(x, scalar, written) for x in v)
         return encode_static(v)
+
+
+def foreign_tensor(eng, t, func) -> Exception:
+    """The error for a tensor an op cannot take: a sparse one on neuron (a sparse CSR tensor's
+    `.to("neuron")` is made in C++, as a plain tensor: it was called a second device, "two
+    devices, neuron:0 and neuron:0"), else CUDA's two-devices error."""
+    if t.layout != torch.strided and t.device.type == DEVICE_TYPE:
+        return _sparse_error(func._schema.name, t.layout)
+    return _two_devices(eng, t.device, func)
 
 
 def _two_devices(eng, other, func) -> RuntimeError:

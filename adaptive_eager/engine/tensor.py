@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import hooks
 from . import serialization
-from .storage import NeuronStorage, device_address
+from .storage import NeuronStorage, NeuronTypedStorage, device_address, set_storage
 from fusion.ir import extent_bytes
 from .source import DEVICE_TYPE
 
@@ -162,10 +162,20 @@ class NeuronTensor(torch.Tensor):
                 f"main process (their buffers live in this process's device memory). Return "
                 f"CPU tensors from the Dataset and move each batch with .to('{DEVICE_TYPE}') "
                 f"in the training loop (pin_memory=True and non_blocking=True overlap it).")
-        raise RuntimeError(
-            f"A {DEVICE_TYPE} tensor has no TypedStorage (its bytes live in the device's "
-            f"memory, not in a host storage): use t.untyped_storage() for its buffer's "
-            f"identity and size, or t.cpu() for its values.")
+        return NeuronTypedStorage(self.untyped_storage(), self.dtype)
+
+    def set_(self, source=None, storage_offset=0, size=None, stride=None):
+        """`t.set_(storage, offset, size, stride)` over a neuron storage (typed or not), and
+        `t.set_(other)`: t becomes a view of that buffer, as on CUDA (Note [set_])."""
+        if isinstance(source, (NeuronStorage, torch.TypedStorage)) or source is None:
+            return set_storage(self, source, storage_offset, size, stride)
+        if size is None or type(source) is not NeuronTensor:  # (through autograd's set_)
+            return torch.Tensor.set_(self, source) if size is None else \
+                torch.Tensor.set_(self, source, storage_offset, size, stride)
+        if source.dtype != self.dtype:
+            raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of "
+                               f"type {self.dtype}")
+        return set_storage(self, source.untyped_storage(), storage_offset, size, stride)
 
     # Note [Sharing across processes]: a neuron buffer cannot be shared with another process
     # (CUDA shares through IPC handles; the simulated HBM is this process's). Sending one
@@ -178,10 +188,15 @@ class NeuronTensor(torch.Tensor):
         return False
 
     def data_ptr(self) -> int:
+        if not self._handle.nbytes:  # no memory: 0, as CPU and CUDA give
+            return 0
         return device_address(self._handle) + self.storage_offset() * self.element_size()
 
     def __dlpack__(self, *args, **kwargs):  # PyTorch packed a null pointer of device "ext"
         raise _dlpack_error(self)
+
+    def __dlpack_device__(self):  # torch.from_dlpack asks this first ("Unknown device type
+        raise _dlpack_error(self)  # neuron for Dlpack" otherwise)
 
     def __reduce_ex__(self, proto):
         # torch.save / pickle as CPU's tensors go: (storage, offset, size, stride), over a

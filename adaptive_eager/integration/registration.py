@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
@@ -39,6 +40,7 @@ def register() -> None:
     for op in _HOST_FACTORIES:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
+    _lib.impl("as_strided", _as_strided, "PrivateUse1")
     autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
     _register_undecomposed()
@@ -49,6 +51,7 @@ def register() -> None:
     _route_accelerator_api()
     _storage.refuse_device_storages()
     install_set_data()  # Note [Setting .data across devices]
+    _refuse_other_layouts()
     cpu_settings.install(lambda: _engine.flush_all("settings"))  # Note [CPU settings]
     if not native:
         pinned.register()  # the Python path for pinned memory (the native hooks have PyTorch's)
@@ -90,6 +93,27 @@ def _cpu_generator(g):
     eng = _engine.core(k)
     eng.flush("rng")
     return eng.device.rng.gen
+
+
+def _refuse_other_layouts() -> None:
+    """Quantized and sparse neuron tensors have no kernels: PyTorch reached a missing one deep
+    inside (`Could not run 'aten::empty_quantized' with arguments from the 'Quantizedneuron'
+    backend`), or made a sparse CSR tensor on neuron whose ops then failed with a two-devices
+    error naming neuron:0 twice. Every op of those dispatch keys is refused, clearly."""
+    lib = torch.library.Library("_", "IMPL")
+
+    def quantized(op, *args, **kwargs):
+        raise errors._quantized_error(op._schema.name)
+
+    def sparse(op, *args, **kwargs):
+        layout = next((a.layout for a in args if isinstance(a, torch.Tensor)
+                       and a.layout != torch.strided), kwargs.get("layout"))
+        raise errors._sparse_error(op._schema.name, layout)
+
+    lib.fallback(quantized, "QuantizedPrivateUse1")
+    lib.fallback(sparse, "SparsePrivateUse1")
+    lib.fallback(sparse, "SparseCsrPrivateUse1")
+    _LIBS.append(lib)
 
 
 def _check_grad_devices(outputs, grads) -> None:
@@ -305,6 +329,18 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
     return out
 
 
+def _as_strided(self, size, stride, storage_offset=None):
+    """as_strided reached below the Python key (our own kernels' helpers under
+    `torch.use_deterministic_algorithms(True)`: its fill of new memory, reached by
+    index_put_'s deterministic path, had no kernel): a view of the same buffer, checked
+    against it as CPU checks."""
+    off = self.storage_offset() if storage_offset is None else int(storage_offset)
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if extent_bytes(size, stride, off, self.element_size()) > self._handle.nbytes:
+        errors._out_of_bounds(size, stride, off, self.dtype, self._handle.nbytes)
+    return NeuronTensor(self._engine, self._handle, size, stride, off, self.dtype)
+
+
 def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
     """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
     kind without memory; the device has no such kind, so it gets materialized zeros."""
@@ -327,6 +363,14 @@ _HOST_FACTORIES = ["arange", "arange.start", "arange.start_step", "linspace", "l
                    "kaiser_window.periodic", "kaiser_window.beta"]
 
 
+def cpu_error(op, args, kwargs) -> None:
+    """Raise the error CPU's kernel raises for these factory arguments, if it raises one."""
+    try:
+        op(*args, **dict(kwargs, device=torch.device("cpu")))
+    except Exception as e:
+        raise e.with_traceback(None) from None
+
+
 def _host_factory(name):
     packet, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, packet), overload or "default")
@@ -338,7 +382,13 @@ def _host_factory(name):
             gen = transfer.on_host(gen, None)  # a neuron generator's CPU one, or the error
         eng = cores.engine(kwargs.get("device"))
         with eng.lock, torch._C._DisableTorchDispatch():
-            meta = op(*args, **dict(kwargs, device=torch.device("meta")))
+            try:
+                meta = op(*args, **dict(kwargs, device=torch.device("meta")))
+            except Exception:  # CPU's own words where CPU refuses it too (the meta kernels'
+                # lose the "torch." prefix, and logspace's says linspace)
+                if not random:  # (a draw would move CPU's generator)
+                    cpu_error(op, args, kwargs)
+                raise
             out = eng.empty(tuple(meta.shape), meta.stride(), meta.dtype)  # the device's
             kwargs = dict(kwargs, device=torch.device("cpu"))  # out-of-memory error first
             if random and gen is not None:

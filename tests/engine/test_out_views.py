@@ -1,0 +1,94 @@
+"""out= tensors that are views (offset, narrowed, transposed, strided) or of the wrong shape:
+written where CPU writes, resized as CPU resizes them (or kept), warned about as often as
+CPU warns. Differential: CPU vs neuron eager vs adaptive, same program."""
+import warnings
+
+import pytest
+import torch
+
+N = "neuron"
+
+
+def _x(dev):
+    return torch.arange(4., device=dev).reshape(2, 2) + 1
+
+
+OPS = {
+    "arange": lambda d, o: torch.arange(0, 4, out=o),
+    "arange_step": lambda d, o: torch.arange(0., 2., .5, out=o),
+    "linspace": lambda d, o: torch.linspace(0, 4, 4, out=o),
+    "logspace": lambda d, o: torch.logspace(0, 2, 4, out=o),
+    "logspace_base2": lambda d, o: torch.logspace(0, 2, 4, base=2, out=o),
+    "range": lambda d, o: torch.range(0, 3, out=o),
+    "randperm": lambda d, o: torch.randperm(4, out=o),
+    "eye": lambda d, o: torch.eye(2, out=o),
+    "eye_grows": lambda d, o: torch.eye(3, out=o),  # past the view's buffer (fuzzer seed 0)
+    "full": lambda d, o: torch.full((2, 2), 3., out=o),
+    "zeros": lambda d, o: torch.zeros((2, 2), out=o),
+    "ones": lambda d, o: torch.ones(4, out=o),
+    "cat": lambda d, o: torch.cat([_x(d)[:1], _x(d)[1:]], out=o),
+    "add": lambda d, o: torch.add(_x(d), 1, out=o),
+    "sum": lambda d, o: torch.sum(_x(d), 0, out=o),
+    "take": lambda d, o: torch.take(_x(d), torch.tensor([3, 2, 1, 0], device=d), out=o),
+    "randint": lambda d, o: torch.randint(0, 5, (2, 2), out=o),
+    "normal": lambda d, o: torch.normal(0., 1., (2, 2), out=o),
+}
+
+
+def _layouts(dev, dtype):
+    def z(*s):
+        return torch.zeros(*s, device=dev, dtype=dtype)
+    b1, b2, b3, b4, b5, b6 = z(2, 3), z(3, 3), z(2, 4), z(6), z(2, 3), z(3, 4)
+    return [(z(2, 2), None), (b1.narrow(1, 1, 2), b1), (b2.t()[1:3, :2], b2),
+            (b3[:, ::2], b3), (b4[1:5], b4), (b5[:, :1], b5), (z(0), None),
+            (b6[1:, 1:3], b6)]
+
+
+def _run(dev, op, dtype):
+    """Per layout: (shape, stride, offset, values, the base's values) or the error, and the
+    warnings given (category and text, in order)."""
+    got = []
+    for i in range(len(_layouts("cpu", dtype))):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                torch.manual_seed(0)
+                o, base = _layouts(dev, dtype)[i]
+                OPS[op](dev, o)
+                res = (tuple(o.shape), o.stride(), o.storage_offset(), o.cpu().tolist(),
+                       None if base is None else base.cpu().tolist())
+            except Exception as e:  # noqa: BLE001 (compared with CPU's)
+                res = (type(e).__name__, str(e))
+        got.append((res, [(x.category, str(x.message)) for x in w
+                          if "fell back" not in str(x.message)]))
+    return got
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=str)
+def test_out_views_are_written_resized_and_warned_as_on_cpu(op, dtype, mode):
+    cpu, dev = _run("cpu", op, dtype), _run(N, op, dtype)
+    for i, (c, n) in enumerate(zip(cpu, dev)):
+        assert n == c, f"layout {i}"
+
+
+def test_arange_into_a_narrowed_row_pair_is_the_issues_repro(mode):
+    for dev in ("cpu", N):
+        x = torch.zeros(2, 3, device=dev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.arange(0, 4, out=x.narrow(1, 1, 2))
+        assert x.tolist() == [[0, 0, 1], [0, 2, 3]]
+
+
+def test_a_resize_warning_is_given_once_per_call_as_on_cpu(mode):
+    """CPU's resize warning came twice on the device: once from our resize, once from the
+    meta kernel's C++ warning, which waited for the end of the user's call (Note [C++
+    warnings]); and again on every later call of the same signature only once."""
+    for _ in range(3):
+        out = torch.zeros(2, 2, device=N)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            torch.sum(torch.ones(2, 2, device=N), 0, out=out)
+        assert [str(x.message)[:30] for x in w] == ["An output with one or more ele"]
+        assert out.tolist() == [2., 2.]

@@ -1,0 +1,84 @@
+"""Integer RNG with from/to, and warnings given at the call as often as CPU gives them.
+Differential: CPU vs neuron eager vs adaptive, same seed."""
+import sys
+import warnings
+
+import pytest
+import torch
+
+N = "neuron"
+I64 = torch.iinfo(torch.int64)
+
+
+def _bounds(dtype):
+    """PyTorch's own test_random_from_to cases (test_tensor_creation_ops.py)."""
+    if dtype.is_floating_point:
+        lo = int(max(torch.finfo(dtype).min, I64.min))
+        hi = int(min(torch.finfo(dtype).max, I64.max))
+        return [lo, -42, 0, 42], [-42, 0, 42, hi >> 1]
+    if dtype == torch.int64:
+        return [I64.min, -42, 0, 42], [-42, 0, 42, I64.max]
+    lo, hi = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+    return [I64.min, lo - 1, lo, -42, 0, 42, hi, hi + 1], \
+        [lo - 1, lo, -42, 0, 42, hi, hi + 1, I64.max]
+
+
+def _draw(dev, dtype, lo, hi):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        try:
+            torch.manual_seed(0)
+            x = torch.empty(300, dtype=dtype, device=dev)
+            x.random_(hi) if lo is None else x.random_(lo, hi)
+            res = x.cpu().tolist()  # (exact: no float64 cast on the device)
+        except Exception as e:  # noqa: BLE001 (compared with CPU's)
+            res = (type(e).__name__, str(e))
+    return res, [(x.category, str(x.message), x.lineno) for x in w]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint32, torch.uint16, torch.int64,
+                                   torch.int16, torch.uint8, torch.int8, torch.float32,
+                                   torch.float16, torch.bfloat16], ids=str)
+def test_random_from_to_is_exact_and_checked_and_warned_as_on_cpu(dtype, mode):
+    """Values, bound errors and the precision warnings (once, at the call: they came twice,
+    and in adaptive mode at the statement that flushed)."""
+    froms, tos = _bounds(dtype)
+    for lo in froms + [None]:
+        for hi in tos + [None]:
+            if lo is None and hi is None:
+                continue
+            assert _draw(N, dtype, lo, hi) == _draw("cpu", dtype, lo, hi), (lo, hi)
+
+
+def test_integer_random_above_2_24_is_not_rounded(mode):
+    """The issue's int32/uint32 report: random_ is exact; PyTorch's test reads the values
+    through `t.to(torch.double)`, which follows the float64 policy (float32 precision)."""
+    torch.manual_seed(0)
+    a = torch.empty(1000, dtype=torch.int32).random_(2**24, 2**31 - 1)
+    torch.manual_seed(0)
+    b = torch.empty(1000, dtype=torch.int32, device=N).random_(2**24, 2**31 - 1)
+    assert torch.equal(a, b.cpu()) and (a % 2 == 1).any()
+
+
+def test_a_kernels_warning_comes_at_its_own_statement_in_adaptive_mode(mode):
+    x = torch.empty(10, device=N)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        x.random_(0, 2**30)
+        y = x + 1
+        y.sum().item()
+    assert [(str(m.message)[:20], m.lineno) for m in w] == [("to - 1 is out of bou", line)]
+
+
+def test_a_uint8_mask_is_deprecated_once_per_call_as_on_cpu(mode):
+    def run(dev):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            x = torch.arange(6., device=dev)
+            m = torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.uint8, device=dev)
+            for _ in range(2):
+                r = x[m]
+        return r.cpu().tolist(), [str(m.message) for m in w]
+    cpu, dev = run("cpu"), run(N)
+    assert dev == cpu and len(cpu[1]) == 2
