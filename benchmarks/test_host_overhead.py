@@ -158,8 +158,9 @@ def run(benchmark, mode, make, ops):
         step()
         result = benchmark.pedantic(step, rounds=10, warmup_rounds=1)
         out = result.inner if type(result) is Floor else result.cpu()
-    med = benchmark.stats.stats.median
-    benchmark.extra_info.update(mode=mode, ops_per_step=ops, us_per_op=med / ops * 1e6)
+    benchmark.extra_info.update(mode=mode, ops_per_step=ops)
+    if benchmark.stats is not None:  # (None under --benchmark-disable: the suite's smoke run)
+        benchmark.extra_info.update(us_per_op=benchmark.stats.stats.median / ops * 1e6)
     return out, x0
 
 
