@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
@@ -174,26 +175,48 @@ class adaptive(TorchDispatchMode):
         the mode off while it captures and on again while the compiled graphs run."""
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Note [The scope's dispatch]: TorchDispatchMode wraps a subclass's
+        `__torch_dispatch__` in torch._disable_dynamo unless this says False; ours turns
+        Dynamo off itself, at a fraction of the cost."""
+        return False
+
     # Higher-order operators (torch.cond, map, while_loop, scan, and what compiled graphs
     # hold) come here with this mode already off the stack; its settings still hold
     # (they are scopes, not the stack), so they run as outside it.
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, HigherOrderOperator):
-            return func(*args, **kwargs)
-        if not _dispatch_mode_stack() and types == (NeuronTensor,):
-            # The only mode: go straight to the engine (what func() would reach anyway).
-            # Under other modes, redispatch so that they see the op too.
-            return engine_of(args, kwargs).dispatch(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if _engine.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
-            # Under any dispatch mode, CPU's in-place foreach kernels bump no version of what
-            # they write (outside one, each per-tensor op does): autograd would miss the
-            # write (a silently wrong gradient). Neuron's handler bumps its own.
-            torch.autograd.graph.increment_version(list(args[0]))
-        return out
+        # Note [The scope's dispatch]: this runs per op, so it is what the op would cost
+        # under set_adaptive(True) plus as little as can be. What torch._disable_dynamo
+        # does around a mode's dispatch (Dynamo's frame callback off for the call, so that
+        # a compiled function's callback never traces the engine; with a `None` callback
+        # no stance changes anything), done with one C call each way instead of two
+        # Python wrappers (they cost as much as the op's whole engine path). Then a neuron
+        # op, with no other mode on the stack, goes to its engine at once: the engine of
+        # the first argument when it is a neuron tensor, as NeuronTensor's dispatch finds
+        # it (engine_of's flattening of every argument only when it is not).
+        prior = _set_eval_frame(None)
+        try:
+            if isinstance(func, HigherOrderOperator):
+                return func(*args, **(kwargs or {}))
+            if types == (NeuronTensor,) and not _dispatch_mode_stack():
+                # The only mode: go straight to the engine (what func() would reach
+                # anyway). Under other modes, redispatch so that they see the op too.
+                a = args[0] if args else None
+                eng = a._engine if type(a) is NeuronTensor else engine_of(args, kwargs)
+                return eng.dispatch(func, args, kwargs or {})
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if _engine.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
+                # Under any dispatch mode, CPU's in-place foreach kernels bump no version of
+                # what they write (outside one, each per-tensor op does): autograd would
+                # miss the write (a silently wrong gradient). Neuron's handler bumps its own.
+                torch.autograd.graph.increment_version(list(args[0]))
+            return out
+        finally:
+            _set_eval_frame(prior)
 
 
 def wait_for_compiles() -> None:

@@ -356,7 +356,13 @@ def _device(engine) -> torch.device:
 
 
 def engine_of(args, kwargs):
-    """The engine of the first neuron tensor among an op's arguments."""
+    """The engine of the first neuron tensor among an op's arguments (in tree_flatten's
+    order: the positional ones up to the first container are looked at without it)."""
+    for v in args:
+        if type(v) is NeuronTensor:
+            return v._engine
+        if isinstance(v, (list, tuple, dict)):
+            break
     for v in tree_flatten((args, kwargs))[0]:
         if type(v) is NeuronTensor:
             return v._engine

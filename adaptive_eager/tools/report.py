@@ -92,7 +92,8 @@ def markdown(res: dict) -> str:
 
 def host_table(path: str) -> str:
     """The tiny chain of benchmarks/test_host_overhead.py, if the run has it: host time per op
-    against plain CPU torch and against the do-nothing dispatch floor (medians)."""
+    against plain CPU torch and against the do-nothing dispatch floor (medians); then its
+    slow-path programs, if the run has them, host time per op against CPU and the chain."""
     with open(path) as f:
         data = json.load(f)
     med = {b["extra_info"]["mode"]: (b["stats"]["median"], b["extra_info"]["ops_per_step"])
@@ -102,12 +103,35 @@ def host_table(path: str) -> str:
     cpu, floor = med["cpu"][0], med["floor"][0]
     rows = ["| tiny chain mode | ms/step | host us/op | vs CPU | vs floor |",
             "|---|---|---|---|---|"]
-    for mode in ("cpu", "floor", "graph", "eager"):
+    for mode in _HOST_MODES:
         if mode in med:
             t, n = med[mode]
             rows.append(f"| {mode} | {t * 1e3:.2f} | {t / n * 1e6:.2f} | {t / cpu:.1f}x | "
                         f"{t / floor:.1f}x |")
+    slow: dict = {}
+    for b in data["benchmarks"]:
+        if b.get("group", "").startswith("slow_path:"):
+            e = b["extra_info"]
+            slow.setdefault(e["program"], {})[e["mode"]] = b["stats"]["median"] / e["ops_per_step"]
+    if slow:
+        rows += ["", "| slow path: host us/op (vs CPU, vs the chain's) | "
+                 + " | ".join(_HOST_MODES) + " |", "|---" * (len(_HOST_MODES) + 1) + "|"]
+        for program, per in slow.items():
+            cells = []
+            for mode in _HOST_MODES:
+                if mode not in per or "cpu" not in per:
+                    cells.append("")
+                    continue
+                t = per[mode] * 1e6
+                chain = med[mode][0] / med[mode][1] * 1e6 if mode in med else None
+                cells.append(f"{t:.1f} ({per[mode] / per['cpu']:.0f}x"
+                             + (f", {t / chain:.1f}x" if chain else "") + ")")
+            rows.append(f"| {program} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+# cpu, the dispatch floor, PyTorch's lazy tensors, process-wide adaptive, scoped, eager
+_HOST_MODES = ("cpu", "floor", "ltc", "graph", "scoped", "eager")
 
 
 def chart(res: dict, path: str) -> None:

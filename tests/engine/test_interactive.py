@@ -118,6 +118,33 @@ def test_flop_counter_mode_composes_with_adaptive():
     torch.testing.assert_close(c.cpu(), (a.cpu() @ b.cpu()).relu())
 
 
+def test_the_scope_runs_its_ops_with_dynamo_off(monkeypatch):
+    """Note [The scope's dispatch]: the scope turns Dynamo's frame callback off around its
+    dispatch itself (torch._disable_dynamo's work, which TorchDispatchMode no longer wraps
+    around it), and restores it after: a compiled function's callback never sees the
+    engine's frames."""
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
+    from adaptive_eager.engine.engine import Engine
+    seen = []
+    real = Engine.dispatch
+
+    def spy(self, func, args, kwargs):
+        seen.append(get_eval_frame_callback())
+        return real(self, func, args, kwargs)
+
+    monkeypatch.setattr(Engine, "dispatch", spy)
+    x = torch.ones(3, device="neuron")
+    with ae.adaptive():
+        prior = set_eval_frame(False)  # Dynamo's run-only callback: compiles nothing
+        try:
+            y = x * 2
+            assert get_eval_frame_callback() is False
+        finally:
+            set_eval_frame(prior)
+    assert seen and all(cb is None for cb in seen), seen
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
 def test_cpu_foreach_writes_inside_an_adaptive_scope_are_seen_by_autograd():
     """Under any dispatch mode CPU's in-place foreach kernels bump no version: a CPU tensor
     saved for backward and overwritten in an `ae.adaptive()` block gave a silently wrong
