@@ -530,7 +530,7 @@ def _unsafe_view(eng, func, args, kwargs):
 
 def _set_(eng, func, args, kwargs):
     """`t.set_(other)`, `t.set_(other, offset, size, stride)`, `t.set_()`: t becomes a view
-    of other's buffer (Note [set_] in _storage.py)."""
+    of other's buffer (Note [set_] in storage.py)."""
     from .storage import set_storage
     t, rest = args[0], list(args[1:])
     source = rest.pop(0) if rest else kwargs.get("source")
