@@ -20,6 +20,7 @@ import torch
 from device import COUNTERS, Device, Launch, LaunchError
 
 from .cache import ExecutableCache
+from .causes import HISTORY
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
 from .program import CompileError, Executable, Program, build_program, run_instr, skip
@@ -95,11 +96,13 @@ class Runner:
         self.compile_hook = None  # tests: called with each Program compiled; may raise
         self.done = 0  # nodes of the running flush whose group has run (an interrupted one)
 
-    def compile(self, program: Program) -> Executable:
+    def compile(self, program: Program, nodes=None) -> Executable:
+        """`nodes`: the group's nodes (their sources name the compile's lines)."""
         if self.compile_hook is not None:
             self.compile_hook(program)
         exe = Executable(program)
         us = self.device.spec.compile_us(len(program.instrs))
+        HISTORY.cause(program, id(self.cache), nodes, us)  # Note [Compile causes]
         log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
                  len(program.instrs), us / 1e3)
         COUNTERS.compiles += 1
@@ -158,7 +161,7 @@ class Runner:
             skipped += sum(n.vbytes[li] for n in members for li in n.writes
                            if n.uids[li] in created and n.uids[li] not in keep)
             program, slot_uids = build_program(members, keep)
-            exe, level = self._executable(program)
+            exe, level = self._executable(program, members)
             slots = slot_uids  # segment buffer indices
             ext_bytes = {}
             for n in members:
@@ -177,12 +180,12 @@ class Runner:
                                    cost is not None, cost.overhead_us if cost else 0.0))
         return Plan(plans, reasons, graph, skipped)
 
-    def _executable(self, program: Program) -> tuple[Executable, str]:
+    def _executable(self, program: Program, members=None) -> tuple[Executable, str]:
         reason = self.cache.bad.get(program.key)
         if reason is not None:
             return OneByOne(program, reason), "bad"
         try:
-            return self.cache.get(program, self.compile)
+            return self.cache.get(program, functools.partial(self.compile, nodes=members))
         except CompileError as e:  # a fused compile failed: its ops run one by one (reference)
             if len(program.instrs) == 1:
                 raise

@@ -1,0 +1,64 @@
+"""Issue 28: compile causes (Note [Compile causes] in fusion/causes.py), launches' source
+lines, the per-line report."""
+import torch
+
+import adaptive_eager as ae
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype).to("neuron")
+
+
+def run(fn, adaptive=True, **settings):
+    """fn() under a fresh memory cache and no disk cache, lazily; the metrics of the run."""
+    with ae.override(disable_disk_cache=True, queue_low_threshold=0, **settings), \
+            ae.adaptive(adaptive):
+        ae.reset_metrics()
+        fn()
+        torch.neuron.synchronize()
+        return ae.metrics()
+
+
+def test_new_shapes_are_counted_with_the_dim_that_varied():
+    def loop():
+        for T in (5, 9, 13, 17, 21):  # 5 sequence lengths: 1 new sequence, 4 new shapes
+            x = rand(4, T)
+            ((x * 2 + 1).asinh() * 0.5).sum().item()
+    m = run(loop)
+    assert m.compiles == 5
+    assert m.compile_causes == {"new op sequence": 1, "new shape": 4}
+    assert m.compile_dims == {"dim 1 of input 0 of mul.Tensor": 4}
+    assert "new shape=4" in ae.metrics_report()
+    assert "dim 1 of input 0 of mul.Tensor=4" in ae.metrics_report()
+
+
+def test_new_shapes_in_eager_mode_too():
+    def loop():
+        for n in (3, 7, 11):
+            (rand(2, n).acosh() * 3).sum()
+    m = run(loop, adaptive=False)
+    # acosh and mul of each new width: new shapes of dim 1 (sum too); the first of each op
+    # may have been compiled by an earlier test, so only the later ones are pinned
+    assert m.compile_causes.get("new shape", 0) >= 4
+    assert m.compile_dims.get("dim 1 of input 0 of acosh", 0) >= 2
+
+
+def test_new_scalar_type_and_dtype():
+    x = rand(6, 5)
+    m = run(lambda: [(x.expm1() * 2).sum().item(), (x.expm1() * 2.5).sum().item()])
+    assert m.compile_causes.get("new scalar type") == 1
+    xh = rand(6, 5, dtype=torch.bfloat16)
+    m = run(lambda: [(x.log1p() * 2.5).sum().item(), (xh.log1p() * 2.5).sum().item()])
+    assert m.compile_causes.get("new dtype") == 1
+
+
+def test_same_key_again_after_a_cache_setting_change():
+    x = rand(3, 4)
+
+    def f():
+        (x.sinh() - 0.25).abs().sum().item()
+    run(f)
+    # each settings change (in and out of the override) makes another cache, whose memory
+    # level starts empty: the same key compiles again, for that cause
+    m = run(f, cache_max_entries=500)
+    assert m.compile_causes == {"cache setting": 1}
