@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 
-from device import COUNTERS
+from device.counters import COUNTERS
 
 _MAX_SEQS = 10_000  # op sequences remembered
 _MAX_KEYS = 64  # keys remembered per op sequence (the newest)
