@@ -19,6 +19,7 @@ from .engine.tensor import NeuronTensor, engine_of
 from .config import config
 from .engine.engine import override
 from .explain import Explanation
+from .engine.source import lines as _lines
 # report as _report: importing the `adaptive_eager.tools.report` submodule (the CLI) rebinds the
 # package attribute `report` to that module.
 from .metrics import Snapshot, report as _report, snapshot
@@ -214,12 +215,13 @@ def explain(device=None) -> Explanation:
 
 
 def save_trace(path: str) -> None:
-    """Write the device timeline as a Chrome / Perfetto trace (JSON)."""
+    """Write the device timeline as a Chrome / Perfetto trace (JSON). Each launch's args
+    name its ops' user lines: {"file:line": ops from it}."""
     events = []
     for eng in list(_engine.ENGINES):
         eng.sync("trace")
     for eng in _engine.ENGINES:  # one process row per core (pid = core index)
-        events += eng.device.chrome_trace(pid=eng.index)["traceEvents"]
+        events += eng.device.chrome_trace(pid=eng.index, lines=_lines)["traceEvents"]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 

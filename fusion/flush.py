@@ -69,6 +69,7 @@ class FlushReport:
     plan: Plan
     plan_hit: bool
     compiled: list[bool] = None  # per group: ran TorchInductor's code (fusion/executors)
+    nodes: list = None  # the flushed nodes (their sources: explain's lines)
 
     @property
     def groups(self) -> list[dict]:
@@ -141,7 +142,7 @@ class Runner:
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
         COUNTERS.bytes_saved += plan.skipped_bytes
-        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled)
+        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled, nodes)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -225,7 +226,8 @@ class Runner:
                 for k, n in enumerate(members):
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
                                                                   poisoned, causes),
-                                               n.in_bytes + n.out_bytes, n.flops, context=[n]))
+                                               n.in_bytes + n.out_bytes, n.flops, context=[n],
+                                               sources=(n.source,)))
                     if launch.error is not None:
                         origin = origin or launch
                         for s in exe.instrs[k].out_slots:
@@ -242,7 +244,8 @@ class Runner:
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",
-                                           overhead_us=gp.overhead_us))
+                                           overhead_us=gp.overhead_us,
+                                           sources=[n.source for n in members]))
                 if launch.error is not None:
                     origin = launch
             for s in gp.outputs:  # (only these leave the group: later groups read them)

@@ -62,3 +62,45 @@ def test_same_key_again_after_a_cache_setting_change():
     # level starts empty: the same key compiles again, for that cause
     m = run(f, cache_max_entries=500)
     assert m.compile_causes == {"cache setting": 1}
+
+
+def _line_of(text):
+    """"this file:N" of the first line of this file containing `text`."""
+    with open(__file__) as f:
+        n = next(i for i, s in enumerate(f, 1) if text in s and "_line_of" not in s)
+    return f"{__file__}:{n}"
+
+
+def test_explain_and_trace_name_each_launchs_lines(tmp_path):
+    import json
+    x = rand(4, 8)
+    with ae.override(queue_low_threshold=0), ae.adaptive(True):
+        y = x * 2  # line A
+        z = (y + 1).relu()  # line B
+        z.sum().item()  # line C
+    a, b, c = _line_of("# line A"), _line_of("# line B"), _line_of("# line C")
+    g = ae.explain().groups
+    assert len(g) == 1 and g[0]["lines"] == {a: 1, b: 2, c: 1}
+    assert "test_lines.py:%s x2" % b.rsplit(":", 1)[1] in str(ae.explain())
+    ae.save_trace(str(tmp_path / "t.json"))
+    ev = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    launch = [e for e in ev if e.get("cat") == "launch"][-1]
+    assert launch["args"]["lines"] == {a: 1, b: 2, c: 1}
+    # eager: one launch per op, each with its one line
+    ae.reset_metrics()
+    (x * 3).neg().sum().item()  # line D
+    ae.save_trace(str(tmp_path / "e.json"))
+    ev = json.load(open(tmp_path / "e.json"))["traceEvents"]
+    last = [e["args"]["lines"] for e in ev if e.get("cat") == "launch"][-3:]
+    assert last == [{_line_of("# line D"): 1}] * 3
+
+
+def test_profiler_events_carry_lines(tmp_path):
+    import json
+    x = rand(4, 8)
+    with torch.profiler.profile() as prof, ae.adaptive(True):
+        (x * 2 + 1).sum().item()  # line E
+    prof.export_chrome_trace(str(tmp_path / "p.json"))
+    ev = json.load(open(tmp_path / "p.json"))["traceEvents"]
+    ours = [e for e in ev if e.get("cat") == "neuron_launch"]
+    assert ours and ours[-1]["args"]["lines"] == {_line_of("# line E"): 3}
