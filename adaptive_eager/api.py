@@ -31,13 +31,15 @@ from fusion.kernels import Cost, register_cost
 __all__ = [
     "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
     "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
-    "core_metrics", "metrics", "metrics_report", "native_hooks", "override", "reset_metrics", "save_trace",
+    "core_metrics", "line_report", "metrics", "metrics_report", "native_hooks", "override",
+    "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
     "wait_for_compiles",
 ]
 
 _registration.register()
 from .tools import metrics_file as _metrics_file  # noqa: E402
+from .tools import lines as _lines_report  # noqa: E402
 _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 
@@ -66,6 +68,19 @@ def reset_metrics() -> None:
         COUNTERS.reset()
         for eng in _engine.ENGINES:
             eng.device.stats.clear()
+        _lines_report.mark(_engine.ENGINES)
+
+
+def line_report():
+    """Where the device time and the compiles went, by the user's source lines, since the
+    last reset_metrics(): per line, ops, launches, device time (a fused launch's time split
+    by its ops' modeled cost, or evenly), compiles, new-shape compiles, syncs
+    (Note [Line report] in adaptive_eager/tools/lines.py). `.rows` has the figures; str()
+    is a table."""
+    with _engine._LOCK:
+        for eng in list(_engine.ENGINES):
+            eng.flush("line report")
+        return _lines_report.line_report(list(_engine.ENGINES))
 
 
 def metrics_report() -> str:

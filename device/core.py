@@ -51,7 +51,7 @@ class Launch:
     context: Any = None  # what the engine wants back with an error (op name, source line)
     cost_us: float = 0.0  # kind "collective": its time, from device/interconnect.py
     overhead_us: float = 0.0  # fixed time the executable adds (a kernel's declared overhead)
-    sources: Any = None  # its ops' user sources (fusion.ir.Node.source), kept for the trace
+    nodes: Any = None  # its ops (fusion.ir.Node: user source, modeled cost), for the trace
 
 
 class LaunchError(Exception):
@@ -91,9 +91,10 @@ class Device:
         self.free_at_us = 0.0  # when the device finishes everything queued so far
         self._ends: collections.deque[float] = collections.deque()  # end times in flight
         self._errors: list[Launch] = []
-        # (name, kind, start, duration, bytes, flops, sources) per launch: the newest
-        # trace_limit; sources: its ops' Node.source each (None for host events and DMAs),
-        # resolved to lines only when a report or trace asks (adaptive_eager/engine/source.py)
+        # (name, kind, start, duration, bytes, flops, nodes) per launch: the newest
+        # trace_limit; nodes: its ops (fusion.ir.Node; None for host events and DMAs), whose
+        # sources are resolved to lines only when a report or trace asks
+        # (adaptive_eager/engine/source.py `lines`)
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
@@ -161,7 +162,7 @@ class Device:
         if self.realtime:
             _sleep_us(cost)
         self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
-                           launch.flops, launch.sources))
+                           launch.flops, launch.nodes))
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
@@ -247,7 +248,7 @@ class Device:
 
     def chrome_trace(self, pid: int = 0, lines: Callable | None = None) -> dict:
         """The device timeline in Chrome/Perfetto trace-event format (process row `pid`).
-        `lines(sources)`: a launch's source lines for its args (the engine's resolver)."""
+        `lines(nodes)`: a launch's source lines for its args (the engine's resolver)."""
         events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": pid,
                    "tid": TRACKS.get(kind, 0), "args": {"bytes": b, "flops": f}}
                   for name, kind, ts, dur, b, f, _ in self.trace]

@@ -227,7 +227,7 @@ class Runner:
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
                                                                   poisoned, causes),
                                                n.in_bytes + n.out_bytes, n.flops, context=[n],
-                                               sources=(n.source,)))
+                                               nodes=[n]))
                     if launch.error is not None:
                         origin = origin or launch
                         for s in exe.instrs[k].out_slots:
@@ -244,8 +244,7 @@ class Runner:
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",
-                                           overhead_us=gp.overhead_us,
-                                           sources=[n.source for n in members]))
+                                           overhead_us=gp.overhead_us, nodes=members))
                 if launch.error is not None:
                     origin = launch
             for s in gp.outputs:  # (only these leave the group: later groups read them)

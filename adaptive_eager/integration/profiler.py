@@ -99,10 +99,10 @@ def chrome_events(prof, anchor_us: float) -> list[dict]:
         ev += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": pid}}]
         ev += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
                for t, n in enumerate(TRACK_NAMES)]
-    for core, t0, (name, kind, ts, dur, nbytes, flops, sources) in st["events"]:
+    for core, t0, (name, kind, ts, dur, nbytes, flops, nodes) in st["events"]:
         args = {"bytes": nbytes, "flops": flops, "simulated": True}
-        if sources:
-            args["lines"] = lines(sources)
+        if nodes:
+            args["lines"] = lines(nodes)
         ev.append({"name": event_name(name, kind), "cat": "neuron_" + kind, "ph": "X",
                    "pid": f"neuron:{core} (simulated)", "tid": TRACKS.get(kind, 0),
                    "ts": anchor_us + max(0.0, ts - t0), "dur": dur, "args": args})

@@ -31,7 +31,8 @@ def filename(pid: int, rank: int | None) -> str:
 
 
 def collect() -> dict:
-    """Everything the file holds: metrics(), compile-mode counters, process identity."""
+    """Everything the file holds: metrics(), compile-mode counters, process identity, and
+    the 50 lines with the most device time (ae.line_report())."""
     import adaptive_eager as ae
     from ..integration import compile as _compile
     rank = _rank()
@@ -40,6 +41,7 @@ def collect() -> dict:
         "wall_s": time.perf_counter() - _T0,
         "metrics": dataclasses.asdict(ae.metrics()),
         "compile": _compile.STATS.as_dict(),
+        "lines": ae.line_report().rows[:50],
     }
 
 

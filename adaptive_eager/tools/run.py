@@ -1,5 +1,5 @@
 """`python -m adaptive_eager run [--modes eager,graph,matmul,compile] [--json OUT]
-[--trace DIR] SCRIPT [ARGS...]`: run an unchanged script that uses device="neuron" once per
+[--trace DIR] [--lines [N]] SCRIPT [ARGS...]`: run an unchanged script that uses device="neuron" once per
 mode, each in its own process (its output passes through), then compare the modes in one
 table and give advice drawn from the numbers.
 
@@ -45,6 +45,9 @@ def parse(argv):
     p.add_argument("--json", metavar="OUT", help="also write the figures and advice as JSON")
     p.add_argument("--trace", metavar="DIR",
                    help="write each mode's device timeline to DIR/trace_<mode>.json (Perfetto)")
+    p.add_argument("--lines", metavar="N", type=int, nargs="?", const=10, default=0,
+                   help="also print, per mode, the N source lines (default 10) with the most "
+                        "device time: ops, launches, device time, compiles, syncs")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     a = p.parse_args(argv)
@@ -78,7 +81,8 @@ def run_mode(mode: str, script: str, args: list[str], trace_dir: str | None) -> 
 def aggregate(files: list[dict]) -> dict:
     """Sum the counters of every process of one mode (peak HBM: the largest)."""
     s = collections.Counter()
-    flushes, fallbacks, sites, groups = (collections.Counter() for _ in range(4))
+    flushes, fallbacks, sites, groups, causes = (collections.Counter() for _ in range(5))
+    lines: dict = {}
     peak = 0
     for f in files:
         m = f["metrics"]
@@ -89,10 +93,23 @@ def aggregate(files: list[dict]) -> dict:
         fallbacks.update(m["cpu_fallbacks"])
         sites.update(m.get("sync_sites", {}))
         groups.update({int(k): v for k, v in m["group_sizes"].items()})
+        causes.update(m.get("compile_causes", {}))
         peak = max(peak, m["peak_memory_bytes"])
+        for r in f.get("lines", ()):  # the same line in several processes: summed
+            t = lines.setdefault(r["line"], dict(r, split=set()))
+            if t is not r and t.get("_n"):
+                for k in ("ops", "launches", "device_us", "compiles", "new_shapes", "syncs"):
+                    t[k] += r[k]
+            t["_n"] = True
+            t["split"] |= set(r["split"].split("+")) - {"-"}
+    rows = sorted(lines.values(), key=lambda r: (-r["device_us"], -r["compiles"], r["line"]))
+    for r in rows:
+        r.pop("_n", None)
+        r["split"] = "+".join(sorted(r["split"])) or "-"
     n = sum(groups.values())
     return {**s, "flushes": dict(flushes), "cpu_fallbacks": dict(fallbacks),
             "sync_sites": dict(sites), "peak_memory_bytes": peak,
+            "compile_causes": dict(causes), "lines": rows,
             "mean_group_size": sum(k * v for k, v in groups.items()) / n if n else 0.0}
 
 
@@ -181,6 +198,11 @@ def main(argv=None) -> int:
     results = [run_mode(m, a.script, a.args, a.trace) for m in a.modes]
     print("\n=== adaptive_eager run: " + os.path.basename(a.script) + " ===")
     print(table(results))
+    if a.lines:
+        from .lines import table as line_table
+        for r in results:
+            print(f"\n--- {r['mode']}: top {a.lines} lines by device time ---")
+            print(line_table(r.get("lines", []), a.lines))
     tips = advice(results)
     if tips:
         print()

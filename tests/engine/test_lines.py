@@ -104,3 +104,42 @@ def test_profiler_events_carry_lines(tmp_path):
     ev = json.load(open(tmp_path / "p.json"))["traceEvents"]
     ours = [e for e in ev if e.get("cat") == "neuron_launch"]
     assert ours and ours[-1]["args"]["lines"] == {_line_of("# line E"): 3}
+
+
+def test_line_report_splits_device_time_by_line_and_counts_compiles():
+    w = rand(64, 64)
+
+    def loop():
+        for T in (6, 10, 14):
+            x = rand(T, 64)
+            h = x @ w  # line MM
+            (h.cos() * 0.3 + 1).sum().item()  # line PW
+    m = run(loop)
+    rep = ae.line_report()
+    by = {r["line"]: r for r in rep.rows}
+    mm, pw = by[_line_of("# line MM")], by[_line_of("# line PW")]
+    assert (mm["ops"], pw["ops"]) == (3, 12)  # mm; cos, mul, add, sum
+    assert mm["launches"] == pw["launches"] == 3  # fused together, once per length
+    # every launch's time is split among its ops' lines: the lines add up to the device's
+    trace = list(ae.engine.engine.ENGINE.device.trace)
+    launches = [e for e in trace if e[1] == "launch"][-3:]  # the three fused launches
+    assert [len(e[6]) for e in launches] == [5, 5, 5]
+    launched = sum(e[3] for e in launches)
+    assert abs(sum(r["device_us"] for r in rep.rows) - launched) < 1e-9 * launched
+    assert launched < m.device_time_us  # (the copies to the device are DMAs: no line)
+    assert mm["device_us"] > pw["device_us"] / 5 > 0  # mm's FLOPs weigh more per op
+    assert mm["split"] == "cost"
+    assert mm["compiles"] == pw["compiles"] == 3
+    assert mm["new_shapes"] == 2  # the varied input (x, dim 0) is read by mm
+    assert pw["syncs"] == 3
+    text = str(rep)
+    assert "test_lines.py:" in text and "split" in text
+
+
+def test_line_report_window_starts_at_reset_metrics():
+    x = rand(8)
+    (x * 2).sum().item()  # line OLD
+    ae.reset_metrics()
+    (x + 2).sum().item()  # line NEW
+    lines = {r["line"] for r in ae.line_report().rows}
+    assert _line_of("# line NEW") in lines and _line_of("# line OLD") not in lines
