@@ -84,8 +84,11 @@ def line_report():
 
 
 def metrics_report() -> str:
-    """A readable table of metrics()."""
-    return _report(metrics())
+    """A readable table of metrics(), and what causes most new-shape compiles (with what
+    padding that dimension to a bucket would leave)."""
+    text = _report(metrics())
+    why = _lines_report.churn_sentence(_lines_report.churn())
+    return text + ("\n" + why if why else "")
 
 
 def _check_on(on) -> None:

@@ -124,3 +124,49 @@ def table(rows: list[dict], n: int | None = 20) -> str:
     lines.append("device time: each launch's time split among its ops by modeled cost "
                  "(split=cost), evenly where they have none (split=even)")
     return "\n".join(lines)
+
+
+BUCKETS = {"multiple of 16": lambda n: -(-n // 16) * 16,
+           "multiple of 32": lambda n: -(-n // 32) * 32,
+           "multiple of 64": lambda n: -(-n // 64) * 64,
+           "power of two": lambda n: 1 << max(0, (n - 1).bit_length())}
+
+
+def churn(records=None) -> dict | None:
+    """The new-shape compiles' main cause: the (input dim, line reading it) with the most of
+    them, its share of all compiles, its distinct sizes, and a what-if per bucketing: the
+    compiles if that dim were padded up to a bucket, replayed from the records (per op
+    sequence, one compile per distinct bucket instead of per distinct size). None if no
+    compile was a new shape. Sizes are of the group's input as the device sees it (a view
+    folded into it: `x.view(B*T, C)` varies in B*T)."""
+    recs = list(COUNTERS.compile_log if records is None else records)
+    groups: dict = {}
+    for r in recs:
+        if r.dim is not None:
+            k = (r.dim[2], r.dim[0], r.dim[1], where(r.input_source))
+            groups.setdefault(k, []).append(r)
+    if not groups:
+        return None
+    (dim, op, arg, line), rs = max(groups.items(), key=lambda kv: len(kv[1]))
+    per_seq: dict = {}  # op sequence -> sizes of that dim compiled
+    for r in rs:
+        per_seq.setdefault(r.name, set()).update(r.sizes)
+    sizes = sorted(set().union(*per_seq.values()))
+    total = len(recs)
+    compiled = sum(len(s) for s in per_seq.values())  # one compile per size, per sequence
+    whatif = {name: total - compiled + sum(len({b(n) for n in s}) for s in per_seq.values())
+              for name, b in BUCKETS.items()}
+    return {"compiles": total, "new_shapes": len(rs), "share": len(rs) / total, "dim": dim,
+            "op": op, "input": arg, "line": line, "sizes": sizes, "whatif": whatif}
+
+
+def churn_sentence(c: dict | None) -> str:
+    if not c:
+        return ""
+    s = c["sizes"]
+    w = ", ".join(f"{k}: {v}" for k, v in c["whatif"].items())
+    return (f"{100 * c['share']:.0f}% of compiles ({c['new_shapes']} of {c['compiles']}) are "
+            f"new shapes of dim {c['dim']} of input {c['input']} of {c['op']} at "
+            f"{short(c['line'])} ({len(s)} distinct sizes, {s[0]}..{s[-1]}); padding that dim "
+            f"would make the compiles: {w} (replayed from the compile records; the padding's "
+            f"extra device time is not priced)")

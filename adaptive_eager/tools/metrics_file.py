@@ -35,6 +35,7 @@ def collect() -> dict:
     the 50 lines with the most device time (ae.line_report())."""
     import adaptive_eager as ae
     from ..integration import compile as _compile
+    from . import lines as _lines
     rank = _rank()
     return {
         "pid": os.getpid(), "rank": rank, "argv": sys.argv,
@@ -42,6 +43,7 @@ def collect() -> dict:
         "metrics": dataclasses.asdict(ae.metrics()),
         "compile": _compile.STATS.as_dict(),
         "lines": ae.line_report().rows[:50],
+        "churn": _lines.churn(),
     }
 
 

@@ -110,6 +110,7 @@ def aggregate(files: list[dict]) -> dict:
     return {**s, "flushes": dict(flushes), "cpu_fallbacks": dict(fallbacks),
             "sync_sites": dict(sites), "peak_memory_bytes": peak,
             "compile_causes": dict(causes), "lines": rows,
+            "churns": [f.get("churn") for f in files],
             "mean_group_size": sum(k * v for k, v in groups.items()) / n if n else 0.0}
 
 
@@ -179,6 +180,12 @@ def advice(results: list[dict]) -> list[str]:
                 f"{eager['launches']} ({100 * best['launches'] / eager['launches']:.0f}%), "
                 f"simulated device time {best['device_time_us'] / 1e3:.3f} ms against "
                 f"{eager['device_time_us'] / 1e3:.3f} ms.")
+    for r in results:  # the process with the most new-shape compiles speaks for its mode
+        churns = [c for c in r.get("churns", ()) if c]
+        if churns:
+            from .lines import churn_sentence
+            out.append(f"{r['mode']}: " + churn_sentence(max(churns,
+                                                              key=lambda c: c["new_shapes"])))
     comp = by.get("compile")
     if comp and comp["returncode"] == 0 and not comp.get("dynamo_graphs"):
         out.append("compile mode captured no graph: no nn.Module with parameters on neuron "

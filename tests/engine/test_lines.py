@@ -143,3 +143,24 @@ def test_line_report_window_starts_at_reset_metrics():
     (x + 2).sum().item()  # line NEW
     lines = {r["line"] for r in ae.line_report().rows}
     assert _line_of("# line NEW") in lines and _line_of("# line OLD") not in lines
+
+
+def test_shape_churn_sentence_and_bucketing_what_if_match_a_padded_run():
+    w = rand(32, 32)
+    lengths = [8, 13, 21, 30, 37, 45, 50, 64, 70, 8, 13]
+
+    def loop(pad=None):
+        for T in lengths:
+            x = rand(pad(T) if pad else T, 32)
+            ((x @ w).erf() * 2).sum().item()  # line CHURN
+    m = run(loop)
+    from adaptive_eager.tools.lines import BUCKETS, churn
+    c = churn()
+    assert (c["dim"], c["op"], c["input"]) == (0, "mm", 0)
+    assert c["line"] == _line_of("# line CHURN")
+    assert c["sizes"] == sorted(set(lengths)) and c["new_shapes"] == m.compiles - 1
+    assert "89% of compiles (8 of 9) are new shapes of dim 0 of input 0 of mm at " \
+           "test_lines.py:" in ae.metrics_report()
+    for name in ("multiple of 32", "power of two"):  # the prediction, against a real run
+        padded = run(lambda: loop(BUCKETS[name]))
+        assert padded.compiles == c["whatif"][name], name

@@ -213,3 +213,7 @@ def test_run_lines_prints_the_top_lines_per_mode(tmp_path):
     assert lines["5"]["ops"] == 9 and lines["5"]["syncs"] == 3
     assert by["eager"]["compile_causes"].get("new shape", 0) >= 4  # tanh, mul, sum, mm: 4+
     assert by["graph"]["compile_causes"] == {"new op sequence": 1, "new shape": 2}
+    advice = json.loads(out_json.read_text())["advice"]
+    assert any(a.startswith("graph: 67% of compiles (2 of 3) are new shapes of dim 0 of "
+                            "input 0 of mm at s.py:4 (3 distinct sizes, 4..12)")
+               for a in advice), advice
