@@ -69,7 +69,7 @@ def line_report(engines) -> LineReport:
     for eng in engines:
         spec = eng.device.spec
         for name, kind, ts, dur, nbytes, flops, nodes in _window(eng):
-            if not nodes or kind != "launch":
+            if not nodes or kind not in ("launch", "kernel"):
                 continue
             costs = [spec.launch_us(n.in_bytes + n.out_bytes, n.flops)
                      - spec.launch_overhead_us for n in nodes]
