@@ -239,9 +239,13 @@ def save_trace(path: str) -> None:
     for eng in list(_engine.ENGINES):
         eng.sync("trace")
     for eng in _engine.ENGINES:  # one process row per core (pid = core index)
-        events += eng.device.chrome_trace(pid=eng.index, lines=_lines)["traceEvents"]
+        events += eng.device.chrome_trace(pid=eng.index, lines=_launch_lines)["traceEvents"]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _launch_lines(ops) -> dict:
+    return _lines(ops[0])  # (sources, costs): Device.trace
 
 
 @atexit.register

@@ -21,7 +21,7 @@ class Explanation:
         start = 0
         for g in out:
             if nodes is not None:
-                g["lines"] = source_lines(nodes[start:start + g["ops"]])
+                g["lines"] = source_lines(n.source for n in nodes[start:start + g["ops"]])
             start += g["ops"]
         return out
 

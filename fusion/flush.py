@@ -42,6 +42,7 @@ class GroupPlan:
     level: str  # where its executable came from when the plan was built
     kernel: bool = False  # a custom kernel's launch (Note [Custom kernels] in kernels.py)
     overhead_us: float = 0.0  # its declared fixed cost
+    op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
 
 
 @dataclasses.dataclass
@@ -178,7 +179,9 @@ class Runner:
                                    sum(ext_bytes.values()) + out_bytes if cost is None
                                    else cost.hbm_bytes,
                                    sum(n.flops for n in members), low, level,
-                                   cost is not None, cost.overhead_us if cost else 0.0))
+                                   cost is not None, cost.overhead_us if cost else 0.0,
+                                   tuple((n.op.flops, n.in_bytes + n.out_bytes)
+                                         for n in members)))
         return Plan(plans, reasons, graph, skipped)
 
     def _executable(self, program: Program, members=None) -> tuple[Executable, str]:
@@ -227,7 +230,7 @@ class Runner:
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
                                                                   poisoned, causes),
                                                n.in_bytes + n.out_bytes, n.flops, context=[n],
-                                               nodes=[n]))
+                                               nodes=((n.source,), gp.op_costs[k:k + 1])))
                     if launch.error is not None:
                         origin = origin or launch
                         for s in exe.instrs[k].out_slots:
@@ -244,7 +247,9 @@ class Runner:
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",
-                                           overhead_us=gp.overhead_us, nodes=members))
+                                           overhead_us=gp.overhead_us,
+                                           nodes=([n.source for n in members],
+                                                  gp.op_costs)))
                 if launch.error is not None:
                     origin = launch
             for s in gp.outputs:  # (only these leave the group: later groups read them)

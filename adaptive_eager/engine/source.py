@@ -124,12 +124,11 @@ def where(source) -> str:
     return "?" if fl is None else f"{fl[0]}:{fl[1]}"
 
 
-def lines(nodes) -> dict:
-    """{"file:line": ops} of a launch's ops (fusion.ir.Node, as Device.trace keeps them), in
-    first-seen order. Resolved only here, when a report or trace asks: recording keeps the
-    raw sources."""
+def lines(sources) -> dict:
+    """{"file:line": ops} of a launch's ops' sources, in first-seen order. Resolved only here,
+    when a report or trace asks: recording keeps the raw sources."""
     out: dict = {}
-    for n in nodes:
-        k = where(n.source)
+    for s in sources:
+        k = where(s)
         out[k] = out.get(k, 0) + 1
     return out

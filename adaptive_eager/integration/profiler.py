@@ -102,7 +102,7 @@ def chrome_events(prof, anchor_us: float) -> list[dict]:
     for core, t0, (name, kind, ts, dur, nbytes, flops, nodes) in st["events"]:
         args = {"bytes": nbytes, "flops": flops, "simulated": True}
         if nodes:
-            args["lines"] = lines(nodes)
+            args["lines"] = lines(nodes[0])
         ev.append({"name": event_name(name, kind), "cat": "neuron_" + kind, "ph": "X",
                    "pid": f"neuron:{core} (simulated)", "tid": TRACKS.get(kind, 0),
                    "ts": anchor_us + max(0.0, ts - t0), "dur": dur, "args": args})

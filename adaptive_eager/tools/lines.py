@@ -1,8 +1,8 @@
 """`ae.line_report()`: where the device time and the compiles go, by the user's own lines.
 
 Note [Line report]: read from what is kept anyway, only when asked: each core's timeline
-(Device.trace: every launch with its ops, fusion.ir.Node, whose sources are resolved to
-file:line here) since the last `reset_metrics()` (or the oldest event the bounded timeline
+(Device.trace: every launch with its ops' sources, resolved to file:line here, and their
+(FLOPs, bytes), one tuple per plan group) since the last `reset_metrics()` (or the oldest event the bounded timeline
 still holds), the compile records (COUNTERS.compile_log, Note [Compile causes]) and the sync
 sites (COUNTERS.sync_sites). Per line:
   - ops: ops issued there that were launched; launches: launches holding at least one;
@@ -71,16 +71,16 @@ def line_report(engines) -> LineReport:
         for name, kind, ts, dur, nbytes, flops, nodes in _window(eng):
             if not nodes or kind not in ("launch", "kernel"):
                 continue
-            costs = [spec.launch_us(n.in_bytes + n.out_bytes, n.flops)
-                     - spec.launch_overhead_us for n in nodes]
+            costs = [spec.launch_us(nbytes_, flops_) - spec.launch_overhead_us
+                     for flops_, nbytes_ in nodes[1]]
             total = sum(costs)
             split = "cost" if total > 0 else "even"
             seen = set()
-            for n, c in zip(nodes, costs):
-                k = where(n.source)
+            for source, c in zip(nodes[0], costs):
+                k = where(source)
                 r = row(k)
                 r["ops"] += 1
-                r["device_us"] += dur * (c / total if total > 0 else 1 / len(nodes))
+                r["device_us"] += dur * (c / total if total > 0 else 1 / len(costs))
                 r["split"].add(split)
                 if k not in seen:
                     seen.add(k)

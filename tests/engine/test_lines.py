@@ -123,7 +123,7 @@ def test_line_report_splits_device_time_by_line_and_counts_compiles():
     # every launch's time is split among its ops' lines: the lines add up to the device's
     trace = list(ae.engine.engine.ENGINE.device.trace)
     launches = [e for e in trace if e[1] == "launch"][-3:]  # the three fused launches
-    assert [len(e[6]) for e in launches] == [5, 5, 5]
+    assert [len(e[6][0]) for e in launches] == [5, 5, 5]
     launched = sum(e[3] for e in launches)
     assert abs(sum(r["device_us"] for r in rep.rows) - launched) < 1e-9 * launched
     assert launched < m.device_time_us  # (the copies to the device are DMAs: no line)
