@@ -248,7 +248,8 @@ class Runner:
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",
                                            overhead_us=gp.overhead_us,
-                                           nodes=([n.source for n in members],
+                                           nodes=((members[0].source,) if len(members) == 1
+                                                  else tuple([n.source for n in members]),
                                                   gp.op_costs)))
                 if launch.error is not None:
                     origin = launch
