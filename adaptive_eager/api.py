@@ -20,6 +20,7 @@ from .engine.tensor import NeuronTensor, engine_of
 from .config import config
 from .engine.engine import override
 from .explain import Explanation
+from .engine.source import lines as _lines
 # report as _report: importing the `adaptive_eager.tools.report` submodule (the CLI) rebinds the
 # package attribute `report` to that module.
 from .metrics import Snapshot, report as _report, snapshot
@@ -31,13 +32,15 @@ from fusion.kernels import Cost, register_cost
 __all__ = [
     "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
     "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
-    "core_metrics", "metrics", "metrics_report", "native_hooks", "override", "reset_metrics", "save_trace",
+    "core_metrics", "line_report", "metrics", "metrics_report", "native_hooks", "override",
+    "reset_metrics", "save_trace",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
     "wait_for_compiles",
 ]
 
 _registration.register()
 from .tools import metrics_file as _metrics_file  # noqa: E402
+from .tools import lines as _lines_report  # noqa: E402
 _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 
@@ -66,11 +69,27 @@ def reset_metrics() -> None:
         COUNTERS.reset()
         for eng in _engine.ENGINES:
             eng.device.stats.clear()
+        _lines_report.mark(_engine.ENGINES)
+
+
+def line_report():
+    """Where the device time and the compiles went, by the user's source lines, since the
+    last reset_metrics(): per line, ops, launches, device time (a fused launch's time split
+    by its ops' modeled cost, or evenly), compiles, new-shape compiles, syncs
+    (Note [Line report] in adaptive_eager/tools/lines.py). `.rows` has the figures; str()
+    is a table."""
+    with _engine._LOCK:
+        for eng in list(_engine.ENGINES):
+            eng.flush("line report")
+        return _lines_report.line_report(list(_engine.ENGINES))
 
 
 def metrics_report() -> str:
-    """A readable table of metrics()."""
-    return _report(metrics())
+    """A readable table of metrics(), and what causes most new-shape compiles (with what
+    padding that dimension to a bucket would leave)."""
+    text = _report(metrics())
+    why = _lines_report.churn_sentence(_lines_report.churn())
+    return text + ("\n" + why if why else "")
 
 
 def _check_on(on) -> None:
@@ -237,14 +256,19 @@ def explain(device=None) -> Explanation:
 
 
 def save_trace(path: str) -> None:
-    """Write the device timeline as a Chrome / Perfetto trace (JSON)."""
+    """Write the device timeline as a Chrome / Perfetto trace (JSON). Each launch's args
+    name its ops' user lines: {"file:line": ops from it}."""
     events = []
     for eng in list(_engine.ENGINES):
         eng.sync("trace")
     for eng in _engine.ENGINES:  # one process row per core (pid = core index)
-        events += eng.device.chrome_trace(pid=eng.index)["traceEvents"]
+        events += eng.device.chrome_trace(pid=eng.index, lines=_launch_lines)["traceEvents"]
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _launch_lines(ops) -> dict:
+    return _lines(ops[0])  # (sources, costs): Device.trace
 
 
 @atexit.register

@@ -6,6 +6,8 @@ import subprocess
 
 import networkx as nx
 
+from .engine.source import lines as source_lines
+
 
 class Explanation:
     def __init__(self, report):
@@ -13,7 +15,15 @@ class Explanation:
 
     @property
     def groups(self) -> list[dict]:
-        return self.report.groups
+        """Per group: name, ops, bytes, flops, level, compiled, and `lines`: its ops' user
+        lines, {"file:line": ops from it} (resolved now, not when the ops were recorded)."""
+        out, nodes = self.report.groups, self.report.nodes
+        start = 0
+        for g in out:
+            if nodes is not None:
+                g["lines"] = source_lines(n.source for n in nodes[start:start + g["ops"]])
+            start += g["ops"]
+        return out
 
     @property
     def compiled(self) -> list[bool]:
@@ -39,13 +49,18 @@ class Explanation:
                  f"(eager: {r.n_ops}, saved {self.launches_saved}); reason: {r.reason}; "
                  f"strategy: {r.strategy}; plan {'reused' if r.plan_hit else 'built'}; "
                  f"bytes not written back: {r.bytes_saved}"]
-        for i, g in enumerate(r.groups):
+        for i, g in enumerate(self.groups):
             if i:
                 lines.append(f"  -- boundary: {r.boundaries[i - 1]}")
             name = g["name"] if len(g["name"]) <= 70 else g["name"][:67] + "..."
             ran = "  [compiled]" if g.get("compiled") else ""  # TorchInductor's code ran
             ran += "  [custom kernel]" if g.get("kernel") else ""
             lines.append(f"  [{i}] {g['ops']:3d} ops  {g['bytes']:>10d} B  {name}{ran}")
+            if g.get("lines"):
+                lines_ = ", ".join(f"{_short(k)} x{v}" if v > 1 else _short(k)
+                                   for k, v in list(g["lines"].items())[:4])
+                more = len(g["lines"]) - 4
+                lines.append(f"      from {lines_}" + (f" (+{more} lines)" if more > 0 else ""))
             if g.get("bad"):
                 lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")
         return "\n".join(lines)
@@ -95,3 +110,9 @@ class Explanation:
         with open(path, "w") as f:
             f.write(dot)
         return path
+
+
+def _short(where: str) -> str:
+    """"file.py:12" of "/path/to/file.py:12"."""
+    path, _, line = where.rpartition(":")
+    return f"{path.rsplit('/', 1)[-1]}:{line}" if path else where

@@ -56,6 +56,11 @@ class Snapshot:
     kernel_time_us: float = 0.0
     kernel_hbm_bytes: int = 0
     kernels: dict = dataclasses.field(default_factory=dict)
+    # Note [Compile causes] in fusion/causes.py: cause -> compiles ("new op sequence",
+    # "new shape", "new dtype", "new scalar type", "new static argument", "new wiring",
+    # "cache setting", "cache eviction"); for new shapes, "dim D of input I of op" -> compiles
+    compile_causes: dict = dataclasses.field(default_factory=dict)
+    compile_dims: dict = dataclasses.field(default_factory=dict)
 
     @property
     def hidden_collective_us(self) -> float:
@@ -105,7 +110,8 @@ def snapshot(hbms) -> Snapshot:
         collective_us=c.collective_us, exposed_collective_us=c.exposed_collective_us,
         replayed_ops=c.replayed_ops, kernel_launches=c.kernel_launches,
         kernel_time_us=c.kernel_time_us, kernel_hbm_bytes=c.kernel_hbm_bytes,
-        kernels=dict(c.kernels))
+        kernels=dict(c.kernels), compile_causes=dict(c.compile_causes),
+        compile_dims=dict(c.compile_dims))
 
 
 def report(s: Snapshot) -> str:
@@ -119,6 +125,10 @@ def report(s: Snapshot) -> str:
         ("plan reuses", s.plan_hits),
         ("fused executables run op by op", ", ".join(
             f"{k}={v}" for k, v in sorted(s.bad_executables.items())) or "-"),
+        ("compile causes", ", ".join(f"{k}={v}" for k, v in sorted(
+            s.compile_causes.items(), key=lambda kv: -kv[1])) or "-"),
+        ("new shapes by input dim", ", ".join(f"{k}={v}" for k, v in sorted(
+            s.compile_dims.items(), key=lambda kv: -kv[1])[:3]) or "-"),
         ("compile time (modeled)", f"{s.compile_time_us / 1e3:.1f} ms"),
         ("launches compiled / interpreted",
          f"{s.compiled_launches} / {s.interpreted_launches}"),

@@ -82,7 +82,7 @@ def _rank(rank, world, port, steps, bucket_mb, host_us, style, results):
             ae.synchronize()
             m = ae.metrics() - before
             span = (_engine.ENGINE.device.host_us - t0) / steps
-            coll = [(name, dur, nbytes) for name, kind, _, dur, nbytes, _ in list(trace)[mark:]
+            coll = [(name, dur, nbytes) for name, kind, _, dur, nbytes, _, _ in list(trace)[mark:]
                     if kind == "collective"]
             out[mode] = {
                 "launches": m.launches / steps, "collectives": m.collectives / steps,

@@ -51,6 +51,10 @@ class Launch:
     context: Any = None  # what the engine wants back with an error (op name, source line)
     cost_us: float = 0.0  # kind "collective": its time, from device/interconnect.py
     overhead_us: float = 0.0  # fixed time the executable adds (a kernel's declared overhead)
+    # its ops for the trace: ([user source per op], ((FLOPs, bytes) per op, the plan's own
+    # tuple)). Not the nodes themselves: the timeline keeping every launch's nodes alive
+    # (with their runtime values) cost ~7% of host time per op on the 50-op chain (adaptive)
+    nodes: Any = None
 
 
 class LaunchError(Exception):
@@ -90,7 +94,10 @@ class Device:
         self.free_at_us = 0.0  # when the device finishes everything queued so far
         self._ends: collections.deque[float] = collections.deque()  # end times in flight
         self._errors: list[Launch] = []
-        # (name, kind, start, duration, bytes, flops) per launch: the newest trace_limit
+        # (name, kind, start, duration, bytes, flops, nodes) per launch: the newest
+        # trace_limit; nodes: its ops' (sources, costs) (Launch.nodes; None for host events
+        # and DMAs), sources resolved to lines only when a report or trace asks
+        # (adaptive_eager/engine/source.py `lines`)
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
         self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
@@ -158,7 +165,7 @@ class Device:
         if self.realtime:
             _sleep_us(cost)
         self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
-                           launch.flops))
+                           launch.flops, launch.nodes))
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
@@ -225,7 +232,7 @@ class Device:
     def mark(self, name: str, kind: str, duration_us: float, start_us=None) -> None:
         """A host-side event on the timeline (a compile, a sync); starts now by default."""
         start = self.host_us if start_us is None else start_us
-        self.trace.append((name, kind, start, duration_us, 0, 0.0))
+        self.trace.append((name, kind, start, duration_us, 0, 0.0, None))
 
     def synchronize(self) -> None:
         """The host waits for all queued work, then the earliest deferred error is raised."""
@@ -242,11 +249,16 @@ class Device:
         buf.allocate(self.hbm, storage)
         return buf
 
-    def chrome_trace(self, pid: int = 0) -> dict:
-        """The device timeline in Chrome/Perfetto trace-event format (process row `pid`)."""
+    def chrome_trace(self, pid: int = 0, lines: Callable | None = None) -> dict:
+        """The device timeline in Chrome/Perfetto trace-event format (process row `pid`).
+        `lines(nodes)`: a launch's source lines for its args (the engine's resolver)."""
         events = [{"name": name, "cat": kind, "ph": "X", "ts": ts, "dur": dur, "pid": pid,
                    "tid": TRACKS.get(kind, 0), "args": {"bytes": b, "flops": f}}
-                  for name, kind, ts, dur, b, f in self.trace]
+                  for name, kind, ts, dur, b, f, _ in self.trace]
+        if lines is not None:
+            for e, t in zip(events, self.trace):
+                if t[6]:
+                    e["args"]["lines"] = lines(t[6])
         meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
                  "args": {"name": f"NeuronCore {pid}"}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}

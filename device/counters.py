@@ -39,6 +39,13 @@ class Counters:
     cache_evictions: int = 0
     cache_disk_errors: int = 0  # corrupt or foreign cache files ignored
     compiles: int = 0  # executables built
+    # Note [Compile causes] in fusion/causes.py: cause -> compiles; "dim D of input I of op"
+    # -> new-shape compiles; one record per compile (the newest 100,000)
+    compile_causes: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter)
+    compile_dims: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    compile_log: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=100_000))
     compile_time_us: float = 0.0  # modeled compile time
     bad_executables: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)  # fused compiles that failed, by reason

@@ -20,6 +20,7 @@ import torch
 from device import COUNTERS, Device, Launch, LaunchError
 
 from .cache import ExecutableCache
+from .causes import HISTORY
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
 from .program import CompileError, Executable, Program, build_program, run_instr, skip
@@ -41,6 +42,7 @@ class GroupPlan:
     level: str  # where its executable came from when the plan was built
     kernel: bool = False  # a custom kernel's launch (Note [Custom kernels] in kernels.py)
     overhead_us: float = 0.0  # its declared fixed cost
+    op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class FlushReport:
     plan: Plan
     plan_hit: bool
     compiled: list[bool] = None  # per group: ran TorchInductor's code (fusion/executors)
+    nodes: list = None  # the flushed nodes (their sources: explain's lines)
 
     @property
     def groups(self) -> list[dict]:
@@ -95,11 +98,13 @@ class Runner:
         self.compile_hook = None  # tests: called with each Program compiled; may raise
         self.done = 0  # nodes of the running flush whose group has run (an interrupted one)
 
-    def compile(self, program: Program) -> Executable:
+    def compile(self, program: Program, nodes=None) -> Executable:
+        """`nodes`: the group's nodes (their sources name the compile's lines)."""
         if self.compile_hook is not None:
             self.compile_hook(program)
         exe = Executable(program)
         us = self.device.spec.compile_us(len(program.instrs))
+        HISTORY.cause(program, id(self.cache), nodes, us)  # Note [Compile causes]
         log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
                  len(program.instrs), us / 1e3)
         COUNTERS.compiles += 1
@@ -138,7 +143,7 @@ class Runner:
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
         COUNTERS.bytes_saved += plan.skipped_bytes
-        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled)
+        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled, nodes)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -158,7 +163,7 @@ class Runner:
             skipped += sum(n.vbytes[li] for n in members for li in n.writes
                            if n.uids[li] in created and n.uids[li] not in keep)
             program, slot_uids = build_program(members, keep)
-            exe, level = self._executable(program)
+            exe, level = self._executable(program, members)
             slots = slot_uids  # segment buffer indices
             ext_bytes = {}
             for n in members:
@@ -174,15 +179,17 @@ class Runner:
                                    sum(ext_bytes.values()) + out_bytes if cost is None
                                    else cost.hbm_bytes,
                                    sum(n.flops for n in members), low, level,
-                                   cost is not None, cost.overhead_us if cost else 0.0))
+                                   cost is not None, cost.overhead_us if cost else 0.0,
+                                   tuple((n.op.flops, n.in_bytes + n.out_bytes)
+                                         for n in members)))
         return Plan(plans, reasons, graph, skipped)
 
-    def _executable(self, program: Program) -> tuple[Executable, str]:
+    def _executable(self, program: Program, members=None) -> tuple[Executable, str]:
         reason = self.cache.bad.get(program.key)
         if reason is not None:
             return OneByOne(program, reason), "bad"
         try:
-            return self.cache.get(program, self.compile)
+            return self.cache.get(program, functools.partial(self.compile, nodes=members))
         except CompileError as e:  # a fused compile failed: its ops run one by one (reference)
             if len(program.instrs) == 1:
                 raise
@@ -222,7 +229,8 @@ class Runner:
                 for k, n in enumerate(members):
                     launch = dev.submit(Launch(n.name, exe.runner(k, st, inputs, dev.rng,
                                                                   poisoned, causes),
-                                               n.in_bytes + n.out_bytes, n.flops, context=[n]))
+                                               n.in_bytes + n.out_bytes, n.flops, context=[n],
+                                               nodes=((n.source,), gp.op_costs[k:k + 1])))
                     if launch.error is not None:
                         origin = origin or launch
                         for s in exe.instrs[k].out_slots:
@@ -239,7 +247,10 @@ class Runner:
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",
-                                           overhead_us=gp.overhead_us))
+                                           overhead_us=gp.overhead_us,
+                                           nodes=((members[0].source,) if len(members) == 1
+                                                  else tuple([n.source for n in members]),
+                                                  gp.op_costs)))
                 if launch.error is not None:
                     origin = launch
             for s in gp.outputs:  # (only these leave the group: later groups read them)

@@ -117,3 +117,18 @@ def _fx_line(f):
 
 
 
+
+def where(source) -> str:
+    """"file:line" of a source `_source` captured ("?" for none)."""
+    fl = file_line(source)
+    return "?" if fl is None else f"{fl[0]}:{fl[1]}"
+
+
+def lines(sources) -> dict:
+    """{"file:line": ops} of a launch's ops' sources, in first-seen order. Resolved only here,
+    when a report or trace asks: recording keeps the raw sources."""
+    out: dict = {}
+    for s in sources:
+        k = where(s)
+        out[k] = out.get(k, 0) + 1
+    return out

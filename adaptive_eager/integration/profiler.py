@@ -21,6 +21,7 @@ from torch.autograd import profiler as _p
 from torch.autograd.profiler_util import FunctionEvent
 
 from ..engine import engine as _engine
+from ..engine.source import lines
 
 PREFIX = "neuron::"
 _installed = False
@@ -73,7 +74,7 @@ def _function_events(prof) -> list:
     if not st or not st["events"]:
         return []
     out = []
-    for i, (core, t0, (name, kind, ts, dur, nbytes, flops)) in enumerate(st["events"]):
+    for i, (core, t0, (name, kind, ts, dur, nbytes, flops, _)) in enumerate(st["events"]):
         start = max(0.0, ts - t0)
         host = kind in ("compile", "sync")
         fe = FunctionEvent(
@@ -98,11 +99,13 @@ def chrome_events(prof, anchor_us: float) -> list[dict]:
         ev += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": pid}}]
         ev += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": t, "args": {"name": n}}
                for t, n in enumerate(TRACK_NAMES)]
-    for core, t0, (name, kind, ts, dur, nbytes, flops) in st["events"]:
+    for core, t0, (name, kind, ts, dur, nbytes, flops, nodes) in st["events"]:
+        args = {"bytes": nbytes, "flops": flops, "simulated": True}
+        if nodes:
+            args["lines"] = lines(nodes[0])
         ev.append({"name": event_name(name, kind), "cat": "neuron_" + kind, "ph": "X",
                    "pid": f"neuron:{core} (simulated)", "tid": TRACKS.get(kind, 0),
-                   "ts": anchor_us + max(0.0, ts - t0),
-                   "dur": dur, "args": {"bytes": nbytes, "flops": flops, "simulated": True}})
+                   "ts": anchor_us + max(0.0, ts - t0), "dur": dur, "args": args})
     return ev
 
 

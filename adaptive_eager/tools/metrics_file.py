@@ -31,15 +31,19 @@ def filename(pid: int, rank: int | None) -> str:
 
 
 def collect() -> dict:
-    """Everything the file holds: metrics(), compile-mode counters, process identity."""
+    """Everything the file holds: metrics(), compile-mode counters, process identity, and
+    the 50 lines with the most device time (ae.line_report())."""
     import adaptive_eager as ae
     from ..integration import compile as _compile
+    from . import lines as _lines
     rank = _rank()
     return {
         "pid": os.getpid(), "rank": rank, "argv": sys.argv,
         "wall_s": time.perf_counter() - _T0,
         "metrics": dataclasses.asdict(ae.metrics()),
         "compile": _compile.STATS.as_dict(),
+        "lines": ae.line_report().rows[:50],
+        "churn": _lines.churn(),
     }
 
 

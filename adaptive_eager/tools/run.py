@@ -1,5 +1,5 @@
 """`python -m adaptive_eager run [--modes eager,graph,matmul,compile] [--json OUT]
-[--trace DIR] SCRIPT [ARGS...]`: run an unchanged script that uses device="neuron" once per
+[--trace DIR] [--lines [N]] SCRIPT [ARGS...]`: run an unchanged script that uses device="neuron" once per
 mode, each in its own process (its output passes through), then compare the modes in one
 table and give advice drawn from the numbers.
 
@@ -45,6 +45,9 @@ def parse(argv):
     p.add_argument("--json", metavar="OUT", help="also write the figures and advice as JSON")
     p.add_argument("--trace", metavar="DIR",
                    help="write each mode's device timeline to DIR/trace_<mode>.json (Perfetto)")
+    p.add_argument("--lines", metavar="N", type=int, nargs="?", const=10, default=0,
+                   help="also print, per mode, the N source lines (default 10) with the most "
+                        "device time: ops, launches, device time, compiles, syncs")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     a = p.parse_args(argv)
@@ -78,7 +81,8 @@ def run_mode(mode: str, script: str, args: list[str], trace_dir: str | None) -> 
 def aggregate(files: list[dict]) -> dict:
     """Sum the counters of every process of one mode (peak HBM: the largest)."""
     s = collections.Counter()
-    flushes, fallbacks, sites, groups = (collections.Counter() for _ in range(4))
+    flushes, fallbacks, sites, groups, causes = (collections.Counter() for _ in range(5))
+    lines: dict = {}
     peak = 0
     for f in files:
         m = f["metrics"]
@@ -89,10 +93,24 @@ def aggregate(files: list[dict]) -> dict:
         fallbacks.update(m["cpu_fallbacks"])
         sites.update(m.get("sync_sites", {}))
         groups.update({int(k): v for k, v in m["group_sizes"].items()})
+        causes.update(m.get("compile_causes", {}))
         peak = max(peak, m["peak_memory_bytes"])
+        for r in f.get("lines", ()):  # the same line in several processes: summed
+            t = lines.setdefault(r["line"], dict(r, split=set()))
+            if t is not r and t.get("_n"):
+                for k in ("ops", "launches", "device_us", "compiles", "new_shapes", "syncs"):
+                    t[k] += r[k]
+            t["_n"] = True
+            t["split"] |= set(r["split"].split("+")) - {"-"}
+    rows = sorted(lines.values(), key=lambda r: (-r["device_us"], -r["compiles"], r["line"]))
+    for r in rows:
+        r.pop("_n", None)
+        r["split"] = "+".join(sorted(r["split"])) or "-"
     n = sum(groups.values())
     return {**s, "flushes": dict(flushes), "cpu_fallbacks": dict(fallbacks),
             "sync_sites": dict(sites), "peak_memory_bytes": peak,
+            "compile_causes": dict(causes), "lines": rows,
+            "churns": [f.get("churn") for f in files],
             "mean_group_size": sum(k * v for k, v in groups.items()) / n if n else 0.0}
 
 
@@ -162,6 +180,12 @@ def advice(results: list[dict]) -> list[str]:
                 f"{eager['launches']} ({100 * best['launches'] / eager['launches']:.0f}%), "
                 f"simulated device time {best['device_time_us'] / 1e3:.3f} ms against "
                 f"{eager['device_time_us'] / 1e3:.3f} ms.")
+    for r in results:  # the process with the most new-shape compiles speaks for its mode
+        churns = [c for c in r.get("churns", ()) if c]
+        if churns:
+            from .lines import churn_sentence
+            out.append(f"{r['mode']}: " + churn_sentence(max(churns,
+                                                              key=lambda c: c["new_shapes"])))
     comp = by.get("compile")
     if comp and comp["returncode"] == 0 and not comp.get("dynamo_graphs"):
         out.append("compile mode captured no graph: no nn.Module with parameters on neuron "
@@ -181,6 +205,11 @@ def main(argv=None) -> int:
     results = [run_mode(m, a.script, a.args, a.trace) for m in a.modes]
     print("\n=== adaptive_eager run: " + os.path.basename(a.script) + " ===")
     print(table(results))
+    if a.lines:
+        from .lines import table as line_table
+        for r in results:
+            print(f"\n--- {r['mode']}: top {a.lines} lines by device time ---")
+            print(line_table(r.get("lines", []), a.lines))
     tips = advice(results)
     if tips:
         print()

@@ -199,3 +199,28 @@ def test_report_on_another_json_says_what_it_needs(tmp_path, capsys):
         report.main([str(path), "--md", str(tmp_path / "r.md"), "--png", str(tmp_path / "r.png")])
     assert e.value.code == 2
     assert "is not pytest-benchmark's JSON" in capsys.readouterr().err
+
+
+def test_run_lines_prints_the_top_lines_per_mode(tmp_path):
+    (tmp_path / "s.py").write_text(
+        "import torch\n"
+        "w = torch.randn(32, 32).to('neuron')\n"
+        "for T in (4, 8, 12):\n"
+        "    h = torch.randn(T, 32).to('neuron') @ w\n"  # line 4
+        "    (h.tanh() * 2).sum().item()\n")  # line 5
+    out_json = tmp_path / "o.json"
+    r = cli("run", "--modes", "eager,graph", "--lines", "3", "--json", str(out_json), "s.py",
+            cwd=tmp_path, env=dict(ENV, TORCH_NEURONX_NEFF_CACHE_DIR=str(tmp_path / "c")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    for mode in ("eager", "graph"):
+        assert f"--- {mode}: top 3 lines by device time ---" in r.stdout
+    by = {m["mode"]: m for m in json.loads(out_json.read_text())["modes"]}
+    lines = {x["line"].rsplit(":", 1)[1]: x for x in by["graph"]["lines"]}
+    assert lines["4"]["launches"] == lines["5"]["launches"] == 3
+    assert lines["5"]["ops"] == 9 and lines["5"]["syncs"] == 3
+    assert by["eager"]["compile_causes"].get("new shape", 0) >= 4  # tanh, mul, sum, mm: 4+
+    assert by["graph"]["compile_causes"] == {"new op sequence": 1, "new shape": 2}
+    advice = json.loads(out_json.read_text())["advice"]
+    assert any(a.startswith("graph: 67% of compiles (2 of 3) are new shapes of dim 0 of "
+                            "input 0 of mm at s.py:4 (3 distinct sizes, 4..12)")
+               for a in advice), advice

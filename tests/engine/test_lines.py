@@ -1,0 +1,166 @@
+"""Issue 28: compile causes (Note [Compile causes] in fusion/causes.py), launches' source
+lines, the per-line report."""
+import torch
+
+import adaptive_eager as ae
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype).to("neuron")
+
+
+def run(fn, adaptive=True, **settings):
+    """fn() under a fresh memory cache and no disk cache, lazily; the metrics of the run."""
+    with ae.override(disable_disk_cache=True, queue_low_threshold=0, **settings), \
+            ae.adaptive(adaptive):
+        ae.reset_metrics()
+        fn()
+        torch.neuron.synchronize()
+        return ae.metrics()
+
+
+def test_new_shapes_are_counted_with_the_dim_that_varied():
+    def loop():
+        for T in (5, 9, 13, 17, 21):  # 5 sequence lengths: 1 new sequence, 4 new shapes
+            x = rand(4, T)
+            ((x * 2 + 1).asinh() * 0.5).sum().item()
+    m = run(loop)
+    assert m.compiles == 5
+    assert m.compile_causes == {"new op sequence": 1, "new shape": 4}
+    assert m.compile_dims == {"dim 1 of input 0 of mul.Tensor": 4}
+    assert "new shape=4" in ae.metrics_report()
+    assert "dim 1 of input 0 of mul.Tensor=4" in ae.metrics_report()
+
+
+def test_new_shapes_in_eager_mode_too():
+    def loop():
+        for n in (3, 7, 11):
+            (rand(2, n).acosh() * 3).sum()
+    m = run(loop, adaptive=False)
+    # acosh and mul of each new width: new shapes of dim 1 (sum too); the first of each op
+    # may have been compiled by an earlier test, so only the later ones are pinned
+    assert m.compile_causes.get("new shape", 0) >= 4
+    assert m.compile_dims.get("dim 1 of input 0 of acosh", 0) >= 2
+
+
+def test_new_scalar_type_and_dtype():
+    x = rand(6, 5)
+    m = run(lambda: [(x.expm1() * 2).sum().item(), (x.expm1() * 2.5).sum().item()])
+    assert m.compile_causes.get("new scalar type") == 1
+    xh = rand(6, 5, dtype=torch.bfloat16)
+    m = run(lambda: [(x.log1p() * 2.5).sum().item(), (xh.log1p() * 2.5).sum().item()])
+    assert m.compile_causes.get("new dtype") == 1
+
+
+def test_same_key_again_after_a_cache_setting_change():
+    x = rand(3, 4)
+
+    def f():
+        (x.sinh() - 0.25).abs().sum().item()
+    run(f)
+    # each settings change (in and out of the override) makes another cache, whose memory
+    # level starts empty: the same key compiles again, for that cause
+    m = run(f, cache_max_entries=500)
+    assert m.compile_causes == {"cache setting": 1}
+
+
+def _line_of(text):
+    """"this file:N" of the first line of this file containing `text`."""
+    with open(__file__) as f:
+        n = next(i for i, s in enumerate(f, 1) if text in s and "_line_of" not in s)
+    return f"{__file__}:{n}"
+
+
+def test_explain_and_trace_name_each_launchs_lines(tmp_path):
+    import json
+    x = rand(4, 8)
+    with ae.override(queue_low_threshold=0), ae.adaptive(True):
+        y = x * 2  # line A
+        z = (y + 1).relu()  # line B
+        z.sum().item()  # line C
+    a, b, c = _line_of("# line A"), _line_of("# line B"), _line_of("# line C")
+    g = ae.explain().groups
+    assert len(g) == 1 and g[0]["lines"] == {a: 1, b: 2, c: 1}
+    assert "test_lines.py:%s x2" % b.rsplit(":", 1)[1] in str(ae.explain())
+    ae.save_trace(str(tmp_path / "t.json"))
+    ev = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    launch = [e for e in ev if e.get("cat") == "launch"][-1]
+    assert launch["args"]["lines"] == {a: 1, b: 2, c: 1}
+    # eager: one launch per op, each with its one line
+    ae.reset_metrics()
+    (x * 3).neg().sum().item()  # line D
+    ae.save_trace(str(tmp_path / "e.json"))
+    ev = json.load(open(tmp_path / "e.json"))["traceEvents"]
+    last = [e["args"]["lines"] for e in ev if e.get("cat") == "launch"][-3:]
+    assert last == [{_line_of("# line D"): 1}] * 3
+
+
+def test_profiler_events_carry_lines(tmp_path):
+    import json
+    x = rand(4, 8)
+    with torch.profiler.profile() as prof, ae.adaptive(True):
+        (x * 2 + 1).sum().item()  # line E
+    prof.export_chrome_trace(str(tmp_path / "p.json"))
+    ev = json.load(open(tmp_path / "p.json"))["traceEvents"]
+    ours = [e for e in ev if e.get("cat") == "neuron_launch"]
+    assert ours and ours[-1]["args"]["lines"] == {_line_of("# line E"): 3}
+
+
+def test_line_report_splits_device_time_by_line_and_counts_compiles():
+    w = rand(64, 64)
+
+    def loop():
+        for T in (6, 10, 14):
+            x = rand(T, 64)
+            h = x @ w  # line MM
+            (h.cos() * 0.3 + 1).sum().item()  # line PW
+    m = run(loop)
+    rep = ae.line_report()
+    by = {r["line"]: r for r in rep.rows}
+    mm, pw = by[_line_of("# line MM")], by[_line_of("# line PW")]
+    assert (mm["ops"], pw["ops"]) == (3, 12)  # mm; cos, mul, add, sum
+    assert mm["launches"] == pw["launches"] == 3  # fused together, once per length
+    # every launch's time is split among its ops' lines: the lines add up to the device's
+    trace = list(ae.engine.engine.ENGINE.device.trace)
+    launches = [e for e in trace if e[1] == "launch"][-3:]  # the three fused launches
+    assert [len(e[6][0]) for e in launches] == [5, 5, 5]
+    launched = sum(e[3] for e in launches)
+    assert abs(sum(r["device_us"] for r in rep.rows) - launched) < 1e-9 * launched
+    assert launched < m.device_time_us  # (the copies to the device are DMAs: no line)
+    assert mm["device_us"] > pw["device_us"] / 5 > 0  # mm's FLOPs weigh more per op
+    assert mm["split"] == "cost"
+    assert mm["compiles"] == pw["compiles"] == 3
+    assert mm["new_shapes"] == 2  # the varied input (x, dim 0) is read by mm
+    assert pw["syncs"] == 3
+    text = str(rep)
+    assert "test_lines.py:" in text and "split" in text
+
+
+def test_line_report_window_starts_at_reset_metrics():
+    x = rand(8)
+    (x * 2).sum().item()  # line OLD
+    ae.reset_metrics()
+    (x + 2).sum().item()  # line NEW
+    lines = {r["line"] for r in ae.line_report().rows}
+    assert _line_of("# line NEW") in lines and _line_of("# line OLD") not in lines
+
+
+def test_shape_churn_sentence_and_bucketing_what_if_match_a_padded_run():
+    w = rand(32, 32)
+    lengths = [8, 13, 21, 30, 37, 45, 50, 64, 70, 8, 13]
+
+    def loop(pad=None):
+        for T in lengths:
+            x = rand(pad(T) if pad else T, 32)
+            ((x @ w).erf() * 2).sum().item()  # line CHURN
+    m = run(loop)
+    from adaptive_eager.tools.lines import BUCKETS, churn
+    c = churn()
+    assert (c["dim"], c["op"], c["input"]) == (0, "mm", 0)
+    assert c["line"] == _line_of("# line CHURN")
+    assert c["sizes"] == sorted(set(lengths)) and c["new_shapes"] == m.compiles - 1
+    assert "89% of compiles (8 of 9) are new shapes of dim 0 of input 0 of mm at " \
+           "test_lines.py:" in ae.metrics_report()
+    for name in ("multiple of 32", "power of two"):  # the prediction, against a real run
+        padded = run(lambda: loop(BUCKETS[name]))
+        assert padded.compiles == c["whatif"][name], name
