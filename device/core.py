@@ -33,6 +33,9 @@ from .memory import HBM, Buffer
 from .spec import DeviceSpec
 
 
+SOURCE_BUDGET = 8192  # ops whose source lines the timeline keeps (`Device._trace`): ~0.6 MB
+
+
 @dataclasses.dataclass(slots=True)
 class Launch:
     """One executable launch (or DMA) on the hardware queue."""
@@ -99,6 +102,7 @@ class Device:
         # and DMAs), sources resolved to lines only when a report or trace asks
         # (adaptive_eager/engine/source.py `lines`)
         self.trace: collections.deque[tuple] = collections.deque(maxlen=trace_limit)
+        self._kept_ops = 0  # ops whose sources the trace holds (bounded: `_trace`)
         self.rng = DeviceRNG()
         self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
         self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
@@ -164,8 +168,7 @@ class Device:
                 self._errors.append(launch)
         if self.realtime:
             _sleep_us(cost)
-        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
-                           launch.flops, launch.nodes))
+        self._trace(launch, cost)
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
@@ -178,8 +181,7 @@ class Device:
         COUNTERS.device_time_us += cost
         COUNTERS.collective_us += cost
         self.stats["device_time_us"] += cost
-        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
-                           launch.flops))
+        self._trace(launch, cost)
         if self.blocking:
             self.join(launch.end_us)
             self.host_us = max(self.host_us, launch.end_us)
@@ -248,6 +250,25 @@ class Device:
         buf = Buffer(nbytes)
         buf.allocate(self.hbm, storage)
         return buf
+
+    def _trace(self, launch: Launch, cost: float) -> None:
+        """The launch on the timeline. The sources its ops keep (for their lines) are bounded
+        apart: past SOURCE_BUDGET ops kept, the oldest launches lose theirs (down to half the
+        budget), so a long run keeps flat memory even with large fused launches."""
+        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
+                           launch.flops, launch.nodes))
+        if launch.nodes:
+            self._kept_ops += len(launch.nodes[0])
+            if self._kept_ops > SOURCE_BUDGET:
+                trace, kept = self.trace, sum(len(t[6][0]) for t in self.trace if t[6])
+                for i in range(len(trace)):
+                    if kept <= SOURCE_BUDGET // 2:
+                        break
+                    t = trace[i]
+                    if t[6]:
+                        kept -= len(t[6][0])
+                        trace[i] = t[:6] + (None,)
+                self._kept_ops = kept
 
     def chrome_trace(self, pid: int = 0, lines: Callable | None = None) -> dict:
         """The device timeline in Chrome/Perfetto trace-event format (process row `pid`).

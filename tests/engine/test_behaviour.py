@@ -417,24 +417,6 @@ def test_cost_model_launch_overhead_bandwidth_and_low_precision_peak():
     assert times[torch.bfloat16] < times[torch.float32]
 
 
-def test_report_turns_benchmark_json_into_table_and_chart(tmp_path):
-    from adaptive_eager.tools.report import main
-    runs = []
-    for mode, launches, dev in (("cpu", None, None), ("eager", 10.0, 200.0),
-                                ("graph", 2.0, 40.0)):
-        info = {"mode": mode, "workload": "w", "host_us_per_op": 5.0 if mode == "cpu" else 20.0}
-        if launches:
-            info.update(launches_per_step=launches, device_us_per_step=dev, mean_group_size=5.0,
-                        hbm_bytes_per_step=2048, bytes_saved_per_step=1024)
-        runs.append({"extra_info": info, "stats": {"mean": 1e-3}})
-    (tmp_path / "b.json").write_text(json.dumps({"benchmarks": runs}))
-    md, png = tmp_path / "r.md", tmp_path / "r.png"
-    assert main([str(tmp_path / "b.json"), "--md", str(md), "--png", str(png)]) == 0
-    table = md.read_text()
-    assert "| w | graph | 2.0 | 20.0% | 5.0 | 40.0 | 20.0% | 20.0 | 4.0x |" in table
-    assert png.stat().st_size > 1000
-
-
 def _sync_interrupted_at_launch(n, monkeypatch):
     """torch.neuron.synchronize(), with Ctrl-C landing as the flush submits its n-th launch."""
     from device import Device

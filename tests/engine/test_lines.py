@@ -35,7 +35,7 @@ def test_new_shapes_are_counted_with_the_dim_that_varied():
 def test_new_shapes_in_eager_mode_too():
     def loop():
         for n in (3, 7, 11):
-            (rand(2, n).acosh() * 3).sum()
+            (rand(37, n).acosh() * 3).sum()  # 37 rows: shapes no other test compiles
     m = run(loop, adaptive=False)
     # acosh and mul of each new width: new shapes of dim 1 (sum too); the first of each op
     # may have been compiled by an earlier test, so only the later ones are pinned
@@ -91,7 +91,7 @@ def test_explain_and_trace_name_each_launchs_lines(tmp_path):
     (x * 3).neg().sum().item()  # line D
     ae.save_trace(str(tmp_path / "e.json"))
     ev = json.load(open(tmp_path / "e.json"))["traceEvents"]
-    last = [e["args"]["lines"] for e in ev if e.get("cat") == "launch"][-3:]
+    last = [e["args"].get("lines") for e in ev if e.get("cat") == "launch"][-3:]
     assert last == [{_line_of("# line D"): 1}] * 3
 
 

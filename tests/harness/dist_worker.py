@@ -447,8 +447,8 @@ def _overlap(build, steps=2, host_us=0.0):
         events = list(_engine.ENGINE.device.trace)[mark:]
     finally:
         ae.set_device_spec(old)
-    colls = [(s, s + d) for _, kind, s, d, _, _ in events if kind == "collective"]
-    launches = [(s, s + d) for _, kind, s, d, _, _ in events if kind in ("launch", "dma")]
+    colls = [(s, s + d) for _, kind, s, d, *_ in events if kind == "collective"]
+    launches = [(s, s + d) for _, kind, s, d, *_ in events if kind in ("launch", "dma")]
     crossed = sum(1 for a, b in colls if any(s < b and a < e for s, e in launches))
     return {"collectives": m.collectives, "collective_us": m.collective_us,
             "exposed_us": m.exposed_collective_us, "hidden_us": m.hidden_collective_us,
