@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 import weakref
 
@@ -101,7 +102,16 @@ def register() -> None:
 # (`dist.get_backend()` says "neuron"): collectives on neuron tensors are device ops as with
 # gloo (Note [Collectives]). The default for neuron tensors in a group made with no backend
 # stays gloo itself.
+# Under torchrun, making the default group makes core LOCAL_RANK the current one (of the
+# calling thread), if this process sees it: accelerate's PartialState takes the process's
+# device as `torch.neuron.current_device()` right after `init_process_group("neuron")`, and
+# gives DDP `device_ids=[local_rank]` (accelerate 1.15, state.py and accelerator.py). Left on
+# core 0, rank 1's Trainer put its model on neuron:0 and DDP its batches on neuron:1 (issue 25).
+# A `set_device` after it wins, as always.
 def _neuron_backend(opts, backend_options):
+    local = os.environ.get("LOCAL_RANK", "")
+    if not dist.is_initialized() and local.isdigit() and int(local) < _engine.visible_cores():
+        _engine.set_current(int(local))  # the default group is being made (WORLD is unset)
     pg = dist.ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, timeout=opts.timeout)
     pg.options.global_ranks_in_group = opts.global_ranks_in_group
     pg.options.group_name = opts.group_id
