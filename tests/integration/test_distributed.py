@@ -174,7 +174,8 @@ def test_neuron_backend_is_gloo_under_accelerate(ranks):
         got = ranks[r]["neuron_backend"]
         assert "error" not in got, f"rank {r} failed:\n{got['error']}"
         assert got["backend"] == "neuron" and got["backend_class"] == "ProcessGroupGloo"
-        assert got["accelerate"] == ("MULTI_NEURON", "neuron:0")
+        # its device is current_device(), made LOCAL_RANK's core by the group (issue 25)
+        assert got["accelerate"] == ("MULTI_NEURON", f"neuron:{r}")
         assert got["object"] == "from 1"
         assert got["cpu_fallbacks"] == {}
 

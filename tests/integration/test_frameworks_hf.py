@@ -231,6 +231,42 @@ def test_model_moved_by_hand_then_trained_by_a_default_trainer(tmp_path):
     _same_everywhere(run)
 
 
+# -- Trainer under torchrun (issue 25) --------------------------------------------------------
+@pytest.mark.skipif(not ae.native_hooks(), reason="the native hooks are off: DDP's "
+                    "find_unused_parameters (Trainer's default) needs their pinned allocator")
+def test_trainer_under_torchrun_matches_one_cpu_process(tmp_path):
+    """A stock Trainer under `torchrun --nproc-per-node 2` (tests/harness/trainer_torchrun.py):
+    each rank on neuron:LOCAL_RANK, DDP with Trainer's find_unused_parameters=True; losses and
+    parameters equal one CPU process on the global batch, in eager and adaptive mode. Rank 1
+    put its model on neuron:0 and DDP its batches on neuron:1 ("Expected all tensors to be on
+    the same device") until the neuron process group made core LOCAL_RANK current (Note [The
+    neuron backend] in integration/distributed.py)."""
+    import json
+    from tests.harness import trainer_torchrun as T
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         os.path.join(root, "tests", "harness", "trainer_torchrun.py"), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, "\n".join(
+        line for line in proc.stderr.splitlines() if "Error" in line)[-3000:]
+    ref = T.train("cpu", str(tmp_path / "cpu"), 2 * T.PER_RANK, use_cpu=True)
+    assert len(ref["losses"]) == T.STEPS and ref["losses"][0] != ref["losses"][-1]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        for mode in ("eager", "adaptive"):
+            run = got[mode]
+            assert run["args_device"] == f"neuron:{rank}" and run["current_device"] == rank
+            assert run["param_devices"] == [f"neuron:{rank}"]
+            assert run["wrapper"] == "DistributedDataParallel" and run["find_unused_parameters"]
+            assert run["cpu_fallbacks"] == {}
+            torch.testing.assert_close(run["losses"], ref["losses"])
+            for p, q in zip(run["params"], ref["params"]):
+                torch.testing.assert_close(torch.tensor(p), torch.tensor(q))
+
+
 # -- .cpu() of a tied model -------------------------------------------------------------
 def test_tied_gpt2_round_trip_keeps_the_tie_and_the_optimizer():
     """neuron -> cpu -> neuron: lm_head stays wte (one Parameter object), the optimizer built
