@@ -60,13 +60,34 @@ def _load():
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ('{cxx}' is not on PATH; install g++ or set CXX)")
-    print(f"adaptive_eager: building the native hooks for torch {torch.__version__} (once; "
-          f"15-60 s) in {where}", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    mod = cpp_extension.load(name=name, sources=[_SOURCE], build_directory=where,
-                             extra_cflags=["-O2"], verbose=False)
+    path = os.environ.get("PATH", "")
+    try:
+        os.environ["PATH"] = _with_ninja(path)
+        print(f"adaptive_eager: building the native hooks for torch {torch.__version__} (once; "
+              f"15-60 s) in {where}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        mod = cpp_extension.load(name=name, sources=[_SOURCE], build_directory=where,
+                                 extra_cflags=["-O2"], verbose=False)
+    finally:
+        os.environ["PATH"] = path
     mod._build_seconds = time.perf_counter() - t0
     return mod
+
+
+def _with_ninja(path: str) -> str:
+    """`path` with a `ninja` on it: torch's build runs `ninja` from PATH. The `ninja` package
+    (a dependency) puts one beside the interpreter, which is not on PATH when a venv's python
+    runs unactivated: then its directory goes first, for the build only."""
+    if shutil.which("ninja", path=path) is not None:
+        return path
+    try:
+        import ninja
+    except ImportError:
+        ninja = None
+    if ninja is not None and shutil.which("ninja", path=ninja.BIN_DIR) is not None:
+        return ninja.BIN_DIR + os.pathsep + path
+    raise RuntimeError("no ninja, which torch's C++ build needs (`pip install ninja`, or the "
+                       "system's ninja-build package)")
 
 
 def install(count: int, sync, rng) -> bool:

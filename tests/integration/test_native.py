@@ -277,3 +277,23 @@ def test_no_compiler_works_with_one_warning(tmp_path):
     why = "the native hooks could not be built or loaded: no C++ compiler ('no-such-compiler-xyz'"
     assert len(out) == 2 and out[0].startswith(f"WARNING adaptive_eager: {why}"), out
     assert out[1].startswith(f"OK {why}"), out
+
+
+def test_the_build_finds_ninja_or_names_it(tmp_path, monkeypatch):
+    """torch's build runs `ninja` from PATH. The `ninja` package's, beside an unactivated
+    venv's python, is put first for the build; with none anywhere the error names ninja
+    (the warning above then carries it)."""
+    if shutil.which("ninja") is not None:  # on PATH: used as it is
+        assert native._with_ninja(os.environ["PATH"]) == os.environ["PATH"]
+    empty = str(tmp_path)  # a PATH with no ninja on it
+    pkg = tmp_path / "pkg"
+    (pkg / "bin").mkdir(parents=True)
+    (pkg / "bin" / "ninja").write_text("#!/bin/sh\n")
+    (pkg / "bin" / "ninja").chmod(0o755)
+    fake = type(sys)("ninja")
+    fake.BIN_DIR = str(pkg / "bin")
+    monkeypatch.setitem(sys.modules, "ninja", fake)
+    assert native._with_ninja(empty) == str(pkg / "bin") + os.pathsep + empty
+    monkeypatch.setitem(sys.modules, "ninja", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"no ninja, which torch's C\+\+ build needs"):
+        native._with_ninja(empty)
