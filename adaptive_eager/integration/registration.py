@@ -41,6 +41,9 @@ def register() -> None:
         _lib.impl(op, _host_factory(op), "PrivateUse1")
     _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
     _lib.impl("as_strided", _as_strided, "PrivateUse1")
+    # FSDP1 calls it under no_dispatch(), past the Python key: the kernel is needed here too
+    _lib.impl("record_stream", lambda t, s: neuron.record_stream(None, None, (t, s), {}),
+              "PrivateUse1")
     autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
     _register_undecomposed()

@@ -384,6 +384,46 @@ def sync_batch_norm(rank, world):
     return bn_train(model, rank, world, "neuron")
 
 
+def fsdp1(rank, world, use_orig_params):
+    """FSDP1 (FullyShardedDataParallel), one unit per Linear and one at the root, this rank
+    on neuron:rank. With `use_orig_params=False` the module is built on the CPU and FSDP1
+    moves it (`device_id`). Returns losses, full parameters, and whether every unit freed
+    its unsharded flat parameter after the step (`_typed_storage()._resize_(0)`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    device = torch.device("neuron", rank)
+    torch.neuron.set_device(rank)  # FSDP1's root unit (no parameters of its own) asks for it
+    try:
+        module = make_model() if not use_orig_params else make_model().to(device)
+        model = FSDP(module, use_orig_params=use_orig_params, device_id=device,
+                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+        return _train_fsdp1(model, rank, world, device)
+    finally:
+        torch.neuron.set_device(0)
+
+
+def _train_fsdp1(model, rank, world, device):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = GLOBAL_BATCH // world
+    losses = []
+    for x, y in make_data():
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    handles = model._all_handles
+    freed = len(handles) == 2 and all(
+        h.flat_param._full_param_padded.untyped_storage().nbytes() == 0 for h in handles)
+    with FSDP.summon_full_params(model):
+        params = [p.detach().cpu() for p in model.parameters()]
+    return losses, params, freed
+
+
 def run_rest(rank, world, port, path, results):
     """One rank of tests/test_distributed_rest.py: issue 30's paths, per mode."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -407,6 +447,8 @@ def run_rest(rank, world, port, path, results):
                     mine[("async_checkpoint", mode)] = async_checkpoint(
                         rank, world, mesh, os.path.join(path, mode))
                     mine[("sync_batch_norm", mode)] = sync_batch_norm(rank, world)
+                    for orig in (True, False):
+                        mine[("fsdp1", orig, mode)] = fsdp1(rank, world, orig)
             for mode in REST_MODES:
                 with _mode(mode):
                     mine[("ddp_overlap", mode)] = ddp_overlap(rank, world)

@@ -492,6 +492,25 @@ def test_record_stream_with_every_neuron_stream(mode):
     assert ae.metrics().cpu_fallbacks == {}
 
 
+def test_record_stream_under_no_dispatch(mode):
+    """FSDP1 frees its unsharded flat parameter after `record_stream` under `no_dispatch()`
+    (fsdp._common_utils._no_dispatch_record_stream), past the Python key: PyTorch raised
+    "Could not run 'aten::record_stream' with arguments from the 'neuron' backend" from
+    FSDP1's post-backward hook. The PrivateUse1 kernel does what the Python one does."""
+    from torch.distributed.fsdp._common_utils import _no_dispatch_record_stream
+    from torch.utils._mode_utils import no_dispatch
+    x = torch.arange(4.0).to("neuron") + 1
+    before = ae.metrics()
+    _no_dispatch_record_stream(x, torch.neuron.current_stream())
+    with no_dispatch():
+        assert x.record_stream(torch.neuron.Stream()) is None
+        with pytest.raises(RuntimeError, match="expected a neuron stream"):
+            x.record_stream(torch.Stream(stream_id=0, device_index=0, device_type=0))
+    m = ae.metrics() - before
+    assert m.cpu_fallbacks == {} and m.flushes == {}
+    assert x.cpu().tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_a_neuron_stream_is_a_torch_stream():
     """torch.accelerator's stream API reaches torch.neuron's (the C++ device guard of a Python
     backend has one stream, of neuron:0)."""

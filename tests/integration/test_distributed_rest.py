@@ -1,5 +1,5 @@
 """torch.distributed on neuron, the rest of the reference's list (issue 30): pipeline() stages,
-fully_shard of a CPU-built module, async checkpoints of sharded state, SyncBatchNorm. Two
+fully_shard of a CPU-built module, async checkpoints of sharded state, SyncBatchNorm, FSDP1. Two
 spawned ranks (gloo) run every scenario in eager and adaptive mode; each is compared with
 one CPU process on the global batch."""
 from __future__ import annotations
@@ -71,6 +71,20 @@ def test_sync_batch_norm_matches_one_cpu_process(ranks, mode):
         losses, state = ranks[r][("sync_batch_norm", mode)]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         _close(state, ref_state)  # parameters, running mean and variance, batches seen
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+@pytest.mark.parametrize("mode", W.REST_MODES)
+def test_fsdp1_matches_one_cpu_process(ranks, mode, use_orig_params):
+    """FullyShardedDataParallel, a unit per Linear, rank r on neuron:r (built on the CPU and
+    moved by FSDP1 when use_orig_params=False): its post-backward hook frees the unsharded
+    flat parameter after `record_stream` under no_dispatch (which had no neuron kernel)."""
+    ref_losses, ref_params = W.cpu_losses()
+    for r in range(WORLD):
+        losses, params, freed = ranks[r][("fsdp1", use_orig_params, mode)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        _close(params, ref_params)
+        assert freed  # the unsharded parameters were resharded (storage resized to 0)
 
 
 @pytest.mark.parametrize("style", ["ddp_overlap", "fsdp2_overlap"])
