@@ -248,11 +248,13 @@ def wait_for_compiles() -> None:
 
 def explain(device=None) -> Explanation:
     """What the last flush on a core (the current one by default) did: groups, boundary
-    reasons, launches and bytes saved."""
-    r = _engine.core(_neuron._check(device)).last_report
+    reasons, launches and bytes saved; and the last training step's communication, exposed
+    and hidden (`communication`)."""
+    eng = _engine.core(_neuron._check(device))
+    r = eng.last_report
     if r is None:
         raise RuntimeError("nothing has been flushed yet: run some ops on a neuron tensor")
-    return Explanation(r)
+    return Explanation(r, eng.device.step_communication())
 
 
 def save_trace(path: str) -> None:

@@ -10,8 +10,18 @@ from .engine.source import lines as source_lines
 
 
 class Explanation:
-    def __init__(self, report):
+    def __init__(self, report, communication: dict | None = None):
         self.report = report
+        self._communication = communication
+
+    @property
+    def communication(self) -> dict | None:
+        """The last training step's collectives (steps end at optimizer steps; before the
+        first, the collectives so far): `collectives`, `bytes`, `collective_us`,
+        `exposed_us` (the compute stream waited for them), `hidden_us` (they ran under
+        compute or host work), `pending` (still running: their exposure may grow), `step`,
+        `complete`. Note [Collective stream] in device/core.py."""
+        return self._communication
 
     @property
     def groups(self) -> list[dict]:
@@ -63,6 +73,15 @@ class Explanation:
                 lines.append(f"      from {lines_}" + (f" (+{more} lines)" if more > 0 else ""))
             if g.get("bad"):
                 lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")
+        c = self._communication
+        if c and c["collectives"]:
+            when = "last step" if c["complete"] else "so far (no optimizer step yet)"
+            hidden = c["hidden_us"] / c["collective_us"] if c["collective_us"] else 0.0
+            lines.append(f"communication, {when}: {c['collectives']} collectives, "
+                         f"{c['bytes']} B, {c['collective_us']:.1f} us; exposed "
+                         f"{c['exposed_us']:.1f} us, hidden {c['hidden_us']:.1f} us ({hidden:.0%})"
+                         + (f"; {c['pending']} still running (exposure may grow)"
+                            if c["pending"] else ""))
         return "\n".join(lines)
 
     __repr__ = __str__

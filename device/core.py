@@ -17,6 +17,12 @@ writes one of its buffers (`join_buffers`: a C++ caller's wait, DDP's reducer, t
 cannot see), and at a sync. The time a join makes the compute stream wait (past both its
 own queued work and the host) is the collective's *exposed* time; the rest of its time ran
 under compute or host work: *hidden*. A sync's join counts as exposed too.
+Per step (`ae.explain()`): the device counts the steps it is told of (`new_step`, at each
+optimizer step) and files each collective under the step it was issued in; a join's wait is
+given to the collectives running during it (the stream runs one at a time), whenever the
+join comes, so a step's figures are its own collectives' even when adaptive mode joins them
+at a later flush. A collective the compute stream or the host has passed can take no more
+wait: it is final (the others are *pending*).
 """
 from __future__ import annotations
 
@@ -108,6 +114,9 @@ class Device:
         self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
         self.coll_free_at_us = 0.0  # when the collective stream is done (Note [Collective stream])
         self._pending: dict[int, tuple] = {}  # id(buffer) -> (buffer, end, wait for the bytes)
+        self.step = 0  # optimizer steps seen (`new_step`)
+        self._colls: collections.deque[list] = collections.deque()  # [start, end, step], unfinal
+        self._steps: dict[int, list] = {}  # step -> [collectives, bytes, us, exposed us]
 
     def respec(self, spec: DeviceSpec) -> None:
         """New figures for this core, in place: its memory, clock, trace, generator and
@@ -182,6 +191,12 @@ class Device:
         COUNTERS.collective_us += cost
         self.stats["device_time_us"] += cost
         self._trace(launch, cost)
+        figures = self._steps.setdefault(self.step, [0, 0, 0.0, 0.0])
+        figures[0] += 1
+        figures[1] += launch.dma_bytes
+        figures[2] += cost
+        self._colls.append([launch.start_us, launch.end_us, self.step])
+        self._finalize()
         if self.blocking:
             self.join(launch.end_us)
             self.host_us = max(self.host_us, launch.end_us)
@@ -198,7 +213,33 @@ class Device:
         if end_us > base:
             COUNTERS.exposed_collective_us += end_us - base
             self.stats["exposed_collective_us"] += end_us - base
+            for start, end, step in self._colls:  # the wait, given to what ran during it
+                wait = min(end_us, end) - max(base, start)
+                if wait > 0 and step in self._steps:
+                    self._steps[step][3] += wait
             self.free_at_us = end_us
+        self._finalize()
+
+    def _finalize(self) -> None:
+        """Collectives that ended before both streams' present take no more wait."""
+        now = max(self.free_at_us, self.host_us)
+        while self._colls and self._colls[0][1] <= now:
+            self._colls.popleft()
+
+    def new_step(self) -> None:
+        """An optimizer step: later collectives belong to the next step (the last two kept)."""
+        self.step += 1
+        self._steps.pop(self.step - 2, None)
+
+    def step_communication(self) -> dict:
+        """The last complete step's collectives (the current one's before any step):
+        count, bytes, time, exposed and hidden time (us), and how many are pending."""
+        step = max(self.step - 1, 0)
+        n, nbytes, us, exposed = self._steps.get(step, [0, 0, 0.0, 0.0])
+        self._finalize()
+        return {"step": step, "complete": self.step > 0, "collectives": n, "bytes": nbytes,
+                "collective_us": us, "exposed_us": exposed, "hidden_us": us - exposed,
+                "pending": sum(1 for c in self._colls if c[2] == step)}
 
     def join_buffers(self, buffers) -> None:
         """A launch about to use `buffers`: the collectives writing them finish first (their

@@ -92,7 +92,15 @@ def register() -> None:
         _engine._SPECIAL[op] = _functional(kernel)
     _after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
     _after_import("torch.distributed.checkpoint._state_dict_stager", _patch_stager)
+    # the step `ae.explain()` reports communication for (Note [Collective stream])
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(_new_step)
     _done = True
+
+
+def _new_step(optimizer, args, kwargs) -> None:
+    for eng in _engine.ENGINES:
+        eng.device.new_step()
 
 
 # Note [The neuron backend]: `init_process_group("neuron")` (accelerate's multi-process neuron

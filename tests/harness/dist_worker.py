@@ -487,6 +487,7 @@ def _overlap(build, steps=2, host_us=0.0):
         ae.synchronize()
         m = ae.metrics() - before
         events = list(_engine.ENGINE.device.trace)[mark:]
+        step = ae.explain().communication  # the last step's, as explain() reports it
     finally:
         ae.set_device_spec(old)
     colls = [(s, s + d) for _, kind, s, d, *_ in events if kind == "collective"]
@@ -494,7 +495,7 @@ def _overlap(build, steps=2, host_us=0.0):
     crossed = sum(1 for a, b in colls if any(s < b and a < e for s, e in launches))
     return {"collectives": m.collectives, "collective_us": m.collective_us,
             "exposed_us": m.exposed_collective_us, "hidden_us": m.hidden_collective_us,
-            "crossing": crossed}
+            "crossing": crossed, "explain": step}
 
 
 def _mlp():

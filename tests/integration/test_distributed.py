@@ -354,6 +354,25 @@ def test_projection_grows_past_one_instance():
         spec, RING_ALL_REDUCE, n, per)
 
 
+def test_pipeline_step_time_adds_the_bubble():
+    """Note [Pipeline step time] (benchmarks/pp_llama.py): each rank's clock leaves out the
+    wait for its peer; the reconstruction pairs the k-th send with the peer's k-th receive."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import pp_llama
+    send, recv = "c10d::send", "c10d::recv_"
+    stage0 = [("fwd", "launch", 0.0, 10.0, 0), (send, "collective", 10.0, 2.0, 8),
+              (recv, "collective", 12.0, 2.0, 8), ("bwd", "launch", 14.0, 10.0, 0)]
+    stage1 = [(recv, "collective", 0.0, 2.0, 8), ("fwd", "launch", 2.0, 10.0, 0),
+              (send, "collective", 12.0, 2.0, 8), ("opt", "launch", 14.0, 5.0, 0)]
+    delays = pp_llama.pipeline_delays({0: stage0, 1: stage1}, lambda r: 1 - r)
+    # stage 1 waits until stage 0's send is done (12 us) instead of its own 2 us: 10 us; its
+    # send then starts at 22 and stage 0's receive ends at 24 instead of 14: 10 us
+    assert delays[1] == [0.0, 10.0, 10.0, 10.0, 10.0]
+    assert delays[0] == [0.0, 0.0, 0.0, 10.0, 10.0]
+
+
 # -- storage resize (FSDP2 frees and re-allocates unsharded parameters) ----------------------
 @pytest.mark.parametrize("mode", W.MODES)
 def test_storage_resize_frees_and_reallocates(mode):
@@ -483,6 +502,71 @@ def test_collectives_queue_on_their_own_stream(world_of_one):
     assert c2[2] >= c1[2] + c1[3]
     first = [e for e in events if e[1] == "launch"][0]
     assert first[2] < c2[2] + c2[3]  # compute started before the collectives were done
+
+
+def _step(opt, work=None):
+    """An optimizer step (where explain()'s steps end): `work` waited for first, if given."""
+    if work is not None:
+        work.wait()
+    opt.step()
+
+
+def test_explain_reports_the_steps_communication(world_of_one, mode):
+    """`ae.explain().communication`: the last optimizer step's collectives, exposed and hidden
+    (Note [Collective stream]); the figures of the step alone, equal to the metrics' for it."""
+    w = torch.nn.Parameter(torch.ones(4, device="neuron"))
+    w.grad = torch.zeros(4, device="neuron")
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.ones(1024, device="neuron")
+    _compute(2)
+    opt.step()  # compiled once; a step before: this test's steps start here
+    before = _comm()
+    work = dist.all_reduce(x, async_op=True)  # step 1: hidden under compute, then waited
+    _compute()
+    _step(opt, work)
+    m1 = _comm() - before
+    c = ae.explain().communication
+    assert c["complete"] and c["collectives"] == 1 and c["bytes"] == 4096 and not c["pending"]
+    assert c["collective_us"] == pytest.approx(m1.collective_us)
+    assert c["exposed_us"] == pytest.approx(0.0) and c["hidden_us"] == pytest.approx(
+        m1.collective_us)
+    assert "communication, last step: 1 collectives, 4096 B" in str(ae.explain())
+    before = _comm()
+    dist.all_reduce(x)  # step 2: synchronous, all exposed
+    dist.all_reduce(x)
+    _step(opt)
+    m2 = _comm() - before
+    c = ae.explain().communication
+    assert c["collectives"] == 2 and c["collective_us"] == pytest.approx(m2.collective_us)
+    assert c["exposed_us"] == pytest.approx(m2.exposed_collective_us) == pytest.approx(
+        m2.collective_us)
+    assert "hidden 0.0 us (0%)" in str(ae.explain())
+    assert x.cpu().tolist() == [1.0] * 1024
+
+
+def test_explain_gives_a_late_join_to_the_step_that_issued_it(world_of_one, mode):
+    """A collective waited for after the optimizer step (its first use, in the next step) is
+    still its own step's: the wait counts there, not in the step it happened in."""
+    w = torch.nn.Parameter(torch.ones(4, device="neuron"))
+    opt = torch.optim.SGD([w], lr=0.1)  # no gradient: its steps launch nothing
+    x = torch.full((4096,), 2.0, device="neuron")
+    x * 3
+    opt.step()
+    before = _comm()
+    dist.all_reduce(x, async_op=True)
+    opt.step()  # the step ends with the collective still running
+    c = ae.explain().communication
+    assert c["collectives"] == 1 and c["pending"] == 1
+    y = x * 3  # the join, in the next step
+    ae.synchronize()
+    m = ae.metrics() - before
+    c = ae.explain().communication
+    assert c["pending"] == 0 and c["exposed_us"] > 0
+    assert c["exposed_us"] == pytest.approx(m.exposed_collective_us)
+    assert y.cpu().tolist() == [6.0] * 4096
+    opt.step()  # the step that joined it issued no collective: nothing to report
+    assert ae.explain().communication["collectives"] == 0
+    assert "communication" not in str(ae.explain())
 
 
 def test_setting_data_across_devices_keeps_the_object():

@@ -93,7 +93,8 @@ def test_communication_hides_under_compute(ranks, style, mode):
     """Note [Overlap]: DDP's bucket all-reduces run while backward computes; FSDP2's
     prefetched all-gathers and its reduce-scatters too. With a host that costs nothing per
     op, only compute can hide them: the timeline shows it (a collective's span crosses a
-    launch's or a copy's) and the metrics split the collectives' time into exposed and hidden."""
+    launch's or a copy's) and the metrics split the collectives' time into exposed and hidden;
+    `ae.explain()` gives the step's own figures."""
     for r in range(WORLD):
         got = ranks[r][(style, mode)]
         assert got["collectives"] >= 4, got
@@ -101,6 +102,10 @@ def test_communication_hides_under_compute(ranks, style, mode):
         assert got["hidden_us"] > 0.3 * got["collective_us"], got
         assert got["exposed_us"] >= 0
         assert got["hidden_us"] + got["exposed_us"] == pytest.approx(got["collective_us"])
+        step = got["explain"]  # ae.explain(): the same step's figures
+        assert step["complete"] and step["collectives"] == got["collectives"], step
+        assert step["collective_us"] == pytest.approx(got["collective_us"])
+        assert step["exposed_us"] == pytest.approx(got["exposed_us"])
 
 
 def test_no_cpu_fallback(ranks):
