@@ -113,7 +113,7 @@ def _rank(rank, world, port, steps, host_us, results):
                 loss.item()
             ae.synchronize()
             m = ae.metrics() - before
-            coll = [(n, b) for n, kind, _, _, b, _ in list(dev.trace)[mark:]
+            coll = [(n, b) for n, kind, _, _, b, *_ in list(dev.trace)[mark:]
                     if kind == "collective"]
             out[mode] = {"launches": m.launches / steps, "collectives": m.collectives / steps,
                          "bytes": m.collective_bytes / steps, "coll_us": m.collective_us / steps,
