@@ -170,7 +170,9 @@ def _rank(rank, world, port, a, results):
                          "exposed_us": m.exposed_collective_us / a.steps,
                          "span_us": (dev.host_us - t0) / a.steps, "total_us": dev.host_us - t0,
                          "events": events, "losses": losses,
-                         "fallbacks": sum(m.cpu_fallbacks.values())}
+                         "fallbacks": sum(m.cpu_fallbacks.values()),
+                         "compiles": m.compiles / a.steps, "causes": m.compile_causes,
+                         "dims": m.compile_dims}
     dist.destroy_process_group()
     results[rank] = out
 
@@ -228,9 +230,9 @@ def main():
                     and results[q]["inner"] == results[r]["inner"]) for r in ranks}
     lines = ["| mode | rank | stage | launches | collectives | collective bytes | P2P "
              "| P2P bytes | collectives + P2P (us) | exposed (us) | hidden "
-             "| own step time (us) | waits for its peer (us) | CPU fallbacks |",
-             "|---" * 14 + "|"]
-    summary = []
+             "| own step time (us) | waits for its peer (us) | compiles | CPU fallbacks |",
+             "|---" * 15 + "|"]
+    summary, causes = [], []
     for mode in MODES:
         delays = pipeline_delays({r: results[r][mode]["events"] for r in ranks}, peer.get)
         step = max((results[r][mode]["total_us"] + delays[r][-1]) / a.steps for r in ranks)
@@ -245,11 +247,15 @@ def main():
                          f"{f['p2p_bytes']:.0f} | {f['coll_us']:.1f} | {f['exposed_us']:.1f} | "
                          f"{max(0.0, 1 - f['exposed_us'] / max(f['coll_us'], 1e-9)):.0%} | "
                          f"{f['span_us']:.1f} | {delays[r][-1] / a.steps:.1f} | "
-                         f"{f['fallbacks']} |")
+                         f"{f['compiles']:.0f} | {f['fallbacks']} |")
+            if f["causes"]:  # a compile in the steady state: why (Note [Compile causes])
+                causes.append(f"{mode}, rank {r}: {f['causes']} {f['dims']}")
     lines += ["", "Pipeline step time (Note [Pipeline step time]) and the last step's loss "
               "against one CPU process on the global batch:", "",
               "| mode | pipeline step time (us) | loss | CPU loss | difference |",
               "|---|---|---|---|---|", *summary]
+    if causes:
+        lines += ["", "Compiles in the measured steps, by cause:", ""] + [f"- {c}" for c in causes]
     text = "\n".join(lines)
     print(text)
     if a.out:
