@@ -406,7 +406,15 @@ _BASE_DATA = torch._C.TensorBase.data
 
 def _set_data(self, new):
     if not isinstance(new, NeuronTensor) or type(self) not in (torch.Tensor, torch.nn.Parameter):
-        return _BASE_DATA.__set__(self, new)
+        try:
+            return _BASE_DATA.__set__(self, new)
+        except RuntimeError as e:  # the other way, a neuron tensor given another device's
+            if not isinstance(self, NeuronTensor) or "incompatible tensor type" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{e} A neuron tensor cannot take a {new.device} tensor's data (`.data =`): "
+                f"C++ set_data refuses it for a Python backend's tensors (pytorch#196975). "
+                f"FSDP1's CPUOffload does this; move with `.to()` instead.") from None
     grad, self.grad = self.grad, None
     with torch.no_grad():
         alias = new.detach()

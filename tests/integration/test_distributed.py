@@ -586,3 +586,7 @@ def test_setting_data_across_devices_keeps_the_object():
     cpu = torch.zeros(2)
     cpu.data = torch.ones(3)  # PyTorch's own path, unchanged
     assert cpu.tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(RuntimeError, match="A neuron tensor cannot take a cpu tensor's data"):
+        w.data = torch.zeros(2, 3)  # the other way (FSDP1's CPU offload): named, not done
+    assert w.device.type == "neuron"
+    torch.testing.assert_close(w.cpu(), want)
