@@ -138,6 +138,11 @@ class Config:
     max_pending_mb: float = _setting(
         "ADAPTIVE_EAGER_MAX_PENDING_MB", 1024.0, float,
         "flush when queued (not yet written) values exceed this many MiB", least=0)
+    substitute: bool = _setting(
+        "ADAPTIVE_EAGER_SUBSTITUTE", False, _flag_exact_1,
+        "'1': adaptive mode launches the kernel library's flash_attention / rms_norm for "
+        "hand-written attention and RMSNorm whose intermediates nothing else needs, and for "
+        "scaled_dot_product_attention (Note [Substitution])")
     realtime: bool = _setting(
         "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,
         "each launch also takes its modeled time on the wall clock (wall-clock benchmarks)")

@@ -73,6 +73,7 @@ class Explanation:
                 lines.append(f"      from {lines_}" + (f" (+{more} lines)" if more > 0 else ""))
             if g.get("bad"):
                 lines.append(f"      ran op by op: its fused compile failed ({g['bad'][:100]})")
+        lines += self._substitutions()
         c = self._communication
         if c and c["collectives"]:
             when = "last step" if c["complete"] else "so far (no optimizer step yet)"
@@ -83,6 +84,42 @@ class Explanation:
                          + (f"; {c['pending']} still running (exposure may grow)"
                             if c["pending"] else ""))
         return "\n".join(lines)
+
+    @property
+    def substitutions(self) -> list[dict]:
+        """Note [Substitution]: per pattern found in this flush, the kernel, the ops, the
+        user's line, whether it was replaced, and what replacing it saves in this flush
+        (launches, modeled device time in us, HBM bytes; negative: what it would cost, the
+        reason a pattern is declined)."""
+        r = self.report
+        out = []
+        for s in list(r.substitutions) + list(r.declined):
+            row = {"kernel": s.kernel, "ops": list(s.ops), "line": source_lines([s.source]),
+                   "replaced": s in r.substitutions}
+            if s.saved is not None:
+                row.update(launches_saved=s.saved[0], device_us_saved=s.saved[1],
+                           hbm_bytes_saved=s.saved[2])
+            out.append(row)
+        return out
+
+    def _substitutions(self) -> list[str]:
+        r = self.report
+        if not r.substitutions and not r.declined:
+            return []
+        lines = [f"  substitution (ADAPTIVE_EAGER_SUBSTITUTE): {len(r.substitutions)} "
+                 f"pattern(s) replaced, {len(r.declined)} declined"]
+        for s in self.substitutions:
+            where = ", ".join(_short(k) for k in s["line"])
+            saved = ("" if "launches_saved" not in s else
+                     f": saves {s['launches_saved']} launches, {s['device_us_saved']:.1f} us, "
+                     f"{s['hbm_bytes_saved']} B")
+            what = "replaced" if s["replaced"] else "declined (the flush costs less without)"
+            lines.append(f"    {s['kernel']} for {'|'.join(s['ops'])} ({where}) {what}{saved}")
+        if r.unsubstituted is not None:
+            t, u = r.plan.totals, r.unsubstituted
+            lines.append(f"    this flush: {t[0]} launches, {t[1]:.1f} us, {t[2]} B; with no "
+                         f"pattern replaced: {u[0]} launches, {u[1]:.1f} us, {u[2]} B")
+        return lines
 
     __repr__ = __str__
 

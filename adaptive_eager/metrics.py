@@ -56,6 +56,7 @@ class Snapshot:
     kernel_time_us: float = 0.0
     kernel_hbm_bytes: int = 0
     kernels: dict = dataclasses.field(default_factory=dict)
+    substitutions: dict = dataclasses.field(default_factory=dict)  # Note [Substitution]
     # Note [Compile causes] in fusion/causes.py: cause -> compiles ("new op sequence",
     # "new shape", "new dtype", "new scalar type", "new static argument", "new wiring",
     # "cache setting", "cache eviction"); for new shapes, "dim D of input I of op" -> compiles
@@ -110,7 +111,8 @@ def snapshot(hbms) -> Snapshot:
         collective_us=c.collective_us, exposed_collective_us=c.exposed_collective_us,
         replayed_ops=c.replayed_ops, kernel_launches=c.kernel_launches,
         kernel_time_us=c.kernel_time_us, kernel_hbm_bytes=c.kernel_hbm_bytes,
-        kernels=dict(c.kernels), compile_causes=dict(c.compile_causes),
+        kernels=dict(c.kernels), substitutions=dict(c.substitutions),
+        compile_causes=dict(c.compile_causes),
         compile_dims=dict(c.compile_dims))
 
 
@@ -142,6 +144,8 @@ def report(s: Snapshot) -> str:
          f"{s.kernel_launches} ({s.kernel_time_us / 1e3:.3f} ms, {s.kernel_hbm_bytes} B)"
          + (": " + ", ".join(f"{k}={v}" for k, v in sorted(s.kernels.items()))
             if s.kernels else "")),
+        ("patterns substituted", ", ".join(f"{k}={v}" for k, v in
+                                           sorted(s.substitutions.items())) or "-"),
         ("CPU fallbacks", ", ".join(f"{k}={v}" for k, v in sorted(s.cpu_fallbacks.items()))
          or "-"),
         ("collectives (bytes)", f"{s.collectives} ({s.collective_bytes} B)"),

@@ -25,6 +25,8 @@ class Counters:
     kernel_time_us: float = 0.0
     kernel_hbm_bytes: int = 0
     kernels: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # Note [Substitution] (fusion/substitute.py): queued patterns replaced, by kernel
+    substitutions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     d2d_bytes: int = 0  # core to core

@@ -24,6 +24,7 @@ from .causes import HISTORY
 from .ir import Handle, Node
 from .partition import Strategy, dependency_graph, partition
 from .program import CompileError, Executable, Program, build_program, run_instr, skip
+from . import substitute as substitution
 
 log = logging.getLogger("adaptive_eager.fusion")
 _LOW_PRECISION = ("bfloat16", "float16")
@@ -53,6 +54,8 @@ class Plan:
     skipped_bytes: int  # bytes of created values never written back (freed before flush)
     launches: int = 0
     sizes: collections.Counter = None  # group size -> count, for the metrics
+    # (launches, device us, HBM bytes) of this flush as planned
+    totals: tuple = None
 
     def __post_init__(self):
         self.launches = sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
@@ -71,6 +74,9 @@ class FlushReport:
     plan_hit: bool
     compiled: list[bool] = None  # per group: ran TorchInductor's code (fusion/executors)
     nodes: list = None  # the flushed nodes (their sources: explain's lines)
+    substitutions: list = ()  # Note [Substitution]: fusion.substitute.Substitution each
+    declined: list = ()  # patterns found but not replaced: the flush costs less without
+    unsubstituted: tuple = None  # (launches, device us, HBM bytes) with no pattern replaced
 
     @property
     def groups(self) -> list[dict]:
@@ -97,6 +103,8 @@ class Runner:
         self.max_plans = max_plans
         self.compile_hook = None  # tests: called with each Program compiled; may raise
         self.done = 0  # nodes of the running flush whose group has run (an interrupted one)
+        self.origin = None  # Note [Substitution]: original index + 1 of each planned node
+        self.choices: dict = {}  # Note [Substitution]: flush signature -> what to replace
 
     def compile(self, program: Program, nodes=None) -> Executable:
         """`nodes`: the group's nodes (their sources name the compile's lines)."""
@@ -113,13 +121,27 @@ class Runner:
         self.device.advance_host(us)  # the host waits for the compiler
         return exe
 
-    def run(self, nodes: list[Node], refs: list, reason: str, strategy: Strategy
-            ) -> FlushReport:
+    def run(self, nodes: list[Node], refs: list, reason: str, strategy: Strategy,
+            substitute: bool = False) -> FlushReport:
         """Run a queued segment: its nodes, and its buffers by index (Node.uids: numbered by
         first use, so equal segments have equal numbers), each a handle or a weakref to a
-        pending one (None once its tensors are gone: never written back)."""
+        pending one (None once its tensors are gone: never written back). `substitute`:
+        recognized patterns become library kernels (Note [Substitution])."""
         self.done = 0
+        self.origin = None
         handles: list[Handle | None] = [r() if type(r) is weakref.ref else r for r in refs]
+        n_ops, subs, declined = len(nodes), [], []
+        self.unsubstituted = None
+        if substitute:
+            found = substitution.find(nodes, handles)
+            if found:
+                subs, declined = self._choose(nodes, found, handles, strategy)
+                queued, nodes = nodes, substitution.apply(nodes, subs)
+                if subs:
+                    self.origin = [0]  # original index + 1 of each node (a kernel: its last op's)
+                    kept = iter(i for i in range(n_ops)
+                                if i not in {k for s in subs for k in s.replaced[:-1]})
+                    self.origin += [next(kept) + 1 for _ in nodes]
         live = tuple([h is not None for h in handles])
         # Nodes of one signature share one OpSig object (the engine caches it): identity
         # stands for the whole signature and hashes in O(1).
@@ -143,46 +165,81 @@ class Runner:
             for i, why in enumerate(plan.reasons):
                 log.debug("  boundary before group %d: %s", i + 1, why)
         COUNTERS.bytes_saved += plan.skipped_bytes
-        return FlushReport(reason, strategy.name, len(nodes), plan, hit, compiled, nodes)
+        if subs:
+            COUNTERS.substitutions.update(s.kernel for s in subs)
+        return FlushReport(reason, strategy.name, n_ops, plan, hit, compiled, nodes, subs,
+                           declined, self.unsubstituted)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
         groups, reasons = partition(nodes, graph, strategy)
-        last_read = {}
-        for gi, g in enumerate(groups):
-            for i in g:
-                n = nodes[i]
-                for li in n.reads:
-                    last_read[n.uids[li]] = gi
         plans, skipped = [], 0
-        for gi, g in enumerate(groups):
-            members = [nodes[i] for i in g]
-            created = {n.uids[li] for n in members for li in n.writes if n.is_new(li)}
-            keep = {u for u in created
-                    if handles[u] is not None or last_read.get(u, -1) > gi}
-            skipped += sum(n.vbytes[li] for n in members for li in n.writes
-                           if n.uids[li] in created and n.uids[li] not in keep)
+        for gi, members, keep, nbytes, low, cost, dropped in _groups(nodes, groups, handles):
+            g = groups[gi]
+            skipped += dropped
             program, slot_uids = build_program(members, keep)
             exe, level = self._executable(program, members)
             slots = slot_uids  # segment buffer indices
-            ext_bytes = {}
-            for n in members:
-                for li in n.reads:
-                    u = n.uids[li]
-                    if u not in created:
-                        ext_bytes[u] = max(ext_bytes.get(u, 0), n.vbytes[li])
-            out_bytes = sum(n.vbytes[li] for n in members for li in n.writes
-                            if n.uids[li] in keep or n.uids[li] not in created)
-            low = any(o is not None and o[4] in _LOW_PRECISION for n in members for o in n.outs)
-            cost = members[0].op.cost  # a custom kernel, alone in its group: its own cost
             plans.append(GroupPlan(g[0], g[-1] + 1, exe, slots, list(program.outputs),
-                                   sum(ext_bytes.values()) + out_bytes if cost is None
-                                   else cost.hbm_bytes,
-                                   sum(n.flops for n in members), low, level,
+                                   nbytes, sum(n.flops for n in members), low, level,
                                    cost is not None, cost.overhead_us if cost else 0.0,
                                    tuple((n.op.flops, n.in_bytes + n.out_bytes)
                                          for n in members)))
-        return Plan(plans, reasons, graph, skipped)
+        plan = Plan(plans, reasons, graph, skipped)
+        spec = self.device.spec
+        plan.totals = (plan.launches, sum(spec.launch_us(g.nbytes, g.flops, g.low_precision)
+                                          + g.overhead_us for g in plans),
+                       sum(g.nbytes for g in plans))
+        return plan
+
+    def _choose(self, nodes, found, handles, strategy):
+        """Note [Substitution]: which found patterns to replace: those that lower the flush's
+        modeled device time (greedy: all, then each dropped if the flush costs less without
+        it), each with what it saves. Cached per flush signature and kernels (runtime scalars
+        the match read are static arguments of the kernels' signatures)."""
+        key = (strategy.key, tuple([n.op for n in nodes]), tuple([n.uids for n in nodes]),
+               tuple([h is not None for h in handles]), tuple([s.node.op for s in found]))
+        known = self.choices.get(key)
+        if known is None:
+            cost = functools.partial(self._cost, handles=handles, strategy=strategy)
+            chosen = list(found)
+            best = cost(substitution.apply(nodes, chosen))
+            better = True
+            while better and chosen:
+                better = False
+                for s in list(chosen):
+                    trial = [t for t in chosen if t is not s]
+                    c = cost(substitution.apply(nodes, trial))
+                    if c[1] < best[1] - 1e-6:
+                        chosen, best, better = trial, c, True
+            none = cost(nodes)
+            if none[1] <= best[1] + 1e-6:  # no gain: nothing replaced
+                chosen, best = [], none
+            saved = []
+            for s in found:
+                other = [t for t in chosen if t is not s] if s in chosen else chosen + [s]
+                c = cost(substitution.apply(nodes, sorted(other, key=found.index)))
+                saved.append(tuple(a - b for a, b in zip(c, best)) if s in chosen
+                             else tuple(b - a for a, b in zip(c, best)))
+            known = self.choices[key] = ([found.index(s) for s in chosen], saved, none, best)
+            if len(self.choices) > self.max_plans:
+                self.choices.pop(next(iter(self.choices)))
+        picked, saved, _, _ = known
+        for s, v in zip(found, saved):
+            s.saved = v
+        subs = [found[i] for i in picked]
+        self.unsubstituted = known[2]
+        return subs, [s for s in found if s not in subs]
+
+    def _cost(self, nodes, handles, strategy) -> tuple:
+        """(launches, device us, HBM bytes) of `nodes` as one flush, planned but not built."""
+        groups, _ = partition(nodes, dependency_graph(nodes), strategy)
+        spec, us, hbm = self.device.spec, 0.0, 0
+        for gi, members, keep, nbytes, low, cost, dropped in _groups(nodes, groups, handles):
+            us += spec.launch_us(nbytes, sum(n.flops for n in members), low) + (
+                cost.overhead_us if cost else 0.0)
+            hbm += nbytes
+        return len(groups), us, hbm
 
     def _executable(self, program: Program, members=None) -> tuple[Executable, str]:
         reason = self.cache.bad.get(program.key)
@@ -278,8 +335,38 @@ class Runner:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
                     h.poison = bad.get(gp.slots[s])
-            self.done = gp.end
+            self.done = gp.end if self.origin is None else self.origin[gp.end]
         return compiled
+
+
+def _groups(nodes, groups, handles):
+    """Per group: (index, members, the values it keeps, its HBM bytes, low precision?, its
+    custom kernel's cost or None, bytes of values it makes and drops)."""
+    last_read = {}
+    for gi, g in enumerate(groups):
+        for i in g:
+            n = nodes[i]
+            for li in n.reads:
+                last_read[n.uids[li]] = gi
+    for gi, g in enumerate(groups):
+        members = [nodes[i] for i in g]
+        created = {n.uids[li] for n in members for li in n.writes if n.is_new(li)}
+        keep = {u for u in created
+                if handles[u] is not None or last_read.get(u, -1) > gi}
+        dropped = sum(n.vbytes[li] for n in members for li in n.writes
+                      if n.uids[li] in created and n.uids[li] not in keep)
+        ext_bytes = {}
+        for n in members:
+            for li in n.reads:
+                u = n.uids[li]
+                if u not in created:
+                    ext_bytes[u] = max(ext_bytes.get(u, 0), n.vbytes[li])
+        out_bytes = sum(n.vbytes[li] for n in members for li in n.writes
+                        if n.uids[li] in keep or n.uids[li] not in created)
+        low = any(o is not None and o[4] in _LOW_PRECISION for n in members for o in n.outs)
+        cost = members[0].op.cost  # a custom kernel, alone in its group: its own cost
+        nbytes = sum(ext_bytes.values()) + out_bytes if cost is None else cost.hbm_bytes
+        yield gi, members, keep, nbytes, low, cost, dropped
 
 
 class OneByOne(Executable):

@@ -132,11 +132,14 @@ FLASH_RESIDENT_BYTES = 16 * 2**20  # assumption: the SBUF share K and V may keep
 
 
 def flash_attention_cost(b: int, h: int, s_q: int, s_k: int, d: int, dv: int, itemsize: int,
-                         causal: bool, backward: bool = False) -> Cost:
+                         causal: bool, backward: bool = False, mask: tuple = (0, 1)) -> Cost:
     """Flash attention, tiled: per (batch, head), query blocks of FLASH_BLOCK rows stay in
     SBUF while K and V stream through in blocks; scores and probabilities never leave SBUF.
     HBM: Q, K, V read, O and the row log-sum-exp (float32) written: O(seq * d). K and V are
-    read once per query block only if they do not fit in SBUF beside the query block."""
+    read once per query block only if they do not fit in SBUF beside the query block.
+    `mask`: (bytes, sharers) of an additive mask shared by `sharers` (batch, head) pairs: read
+    once if it fits in SBUF beside K and V (FLASH_RESIDENT_BYTES, assumption), else once per
+    pair (an explicit seq x seq mask costs what it weighs; a causal flag costs nothing)."""
     bh = b * h
     q_blocks = math.ceil(s_q / FLASH_BLOCK)
     kv_bytes = s_k * (d + dv) * itemsize
@@ -146,6 +149,9 @@ def flash_attention_cost(b: int, h: int, s_q: int, s_k: int, d: int, dv: int, it
     sbuf = kv_bytes + tile if resident else tile + 2 * FLASH_BLOCK * (d + dv) * itemsize
     kv_passes = 1 if resident else q_blocks  # else streamed once per query block
     pairs = s_q * s_k / (2 if causal else 1)
+    mask_bytes, sharers = mask
+    mask_read = mask_bytes if mask_bytes + kv_bytes + tile <= FLASH_RESIDENT_BYTES \
+        else mask_bytes * sharers
     if not backward:
         flops = bh * pairs * 2 * (d + dv) + bh * pairs * 5  # QK^T, PV; scale, max, exp, sum
         read = bh * (s_q * d * itemsize + kv_passes * kv_bytes)
@@ -154,7 +160,7 @@ def flash_attention_cost(b: int, h: int, s_q: int, s_k: int, d: int, dv: int, it
         flops = bh * pairs * 2 * (2 * d + 2 * dv + d) + bh * pairs * 8
         read = bh * (s_q * (d + 2 * dv) * itemsize + s_q * 4 * 2 + kv_passes * kv_bytes)
         written = bh * (s_q * d + s_k * (d + dv)) * itemsize
-    return Cost(flops=float(flops), bytes_read=int(read), bytes_written=int(written),
+    return Cost(flops=float(flops), bytes_read=int(read + mask_read), bytes_written=int(written),
                 sbuf_bytes=int(sbuf))
 
 

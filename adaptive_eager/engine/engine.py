@@ -444,7 +444,8 @@ class Engine:
         try:
             with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.seg.ftz):
                 report = self.runner.run(nodes, refs, reason, self.strategy if lazy
-                                         else self.eager_strategy)
+                                         else self.eager_strategy,
+                                         lazy and _config.config.substitute)
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
             self.traces.forget()

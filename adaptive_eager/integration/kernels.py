@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fusion import substitute
 from fusion.kernels import (FLASH_BLOCK, flash_attention_cost, moe_cost, register_cost,
                             rms_norm_cost)
 
@@ -43,11 +44,18 @@ def _causal_block(i0: int, rows: int, s_k: int, device) -> torch.Tensor:
     return torch.arange(s_k, device=device)[None, :] > q
 
 
+def _mask_block(mask, q, s_k, sl):
+    """Rows `sl` of an additive mask broadcast to the scores' shape (..., s_q, s_k), float32."""
+    return mask.expand(q.shape[:-1] + (s_k,))[..., sl, :].float()
+
+
 @_kernel("flash_attention_fwd")
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of FLASH_BLOCK query rows: scores against every key, softmax, times V; the
-    row log-sum-exp is kept for the backward. Nothing of size seq x seq is written."""
+               scale: float, mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of FLASH_BLOCK query rows: scores against every key (plus the additive
+    `mask`'s rows, broadcast), softmax, times V; the row log-sum-exp is kept for the
+    backward. Nothing of size seq x seq is written."""
     s_q, s_k = q.shape[-2], k.shape[-2]
     out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -55,6 +63,8 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     for i0 in range(0, s_q, FLASH_BLOCK):
         qb = q[..., i0:i0 + FLASH_BLOCK, :].float()
         s = torch.matmul(qb, kf.transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s + _mask_block(mask, q, s_k, slice(i0, i0 + FLASH_BLOCK))
         if causal:
             s = s.masked_fill(_causal_block(i0, qb.shape[-2], s_k, q.device), float("-inf"))
         m = s.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
@@ -66,7 +76,7 @@ def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, mask=None):
     torch._check(q.dim() >= 2 and q.dim() == k.dim() == v.dim(),
                  lambda: "flash_attention: q, k and v must have the same number of dims (>= 2)")
     torch._check(q.shape[:-2] == k.shape[:-2] == v.shape[:-2],
@@ -75,14 +85,18 @@ def _(q, k, v, causal, scale):
     torch._check(q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2],
                  lambda: f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and "
                          f"v {tuple(v.shape)} do not fit (q·kᵀ·v)")
+    scores = q.shape[:-1] + (k.shape[-2],)
+    torch._check(mask is None or torch.broadcast_shapes(mask.shape, scores) == scores,
+                 lambda: f"flash_attention: mask of shape {tuple(mask.shape)} does not "
+                         f"broadcast to the scores' shape {tuple(scores)}")
     return (q.new_empty(q.shape[:-1] + (v.shape[-1],)),
             q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 @_kernel("flash_attention_bwd")
 def _flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per query block: P recomputed from the saved log-sum-exp, dV and dK accumulated,
     dQ written (FlashAttention-2's backward, blocked over queries)."""
     s_q, s_k = q.shape[-2], k.shape[-2]
@@ -95,6 +109,8 @@ def _flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         sl = slice(i0, i0 + FLASH_BLOCK)
         qb, dob = q[..., sl, :].float(), dout[..., sl, :].float()
         s = torch.matmul(qb, kf.transpose(-2, -1)) * scale
+        if mask is not None:
+            s = s + _mask_block(mask, q, s_k, sl)
         if causal:
             s = s.masked_fill(_causal_block(i0, qb.shape[-2], s_k, q.device), float("-inf"))
         p = torch.exp(s - lse[..., sl, None])
@@ -107,21 +123,22 @@ def _flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @_flash_bwd.register_fake
-def _(dout, q, k, v, out, lse, causal, scale):
+def _(dout, q, k, v, out, lse, causal, scale, mask=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, mask)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _flash_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    """The mask gets no gradient: callers pass one that does not require it."""
+    q, k, v, out, lse, mask = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale, mask)
+    return dq, dk, dv, None, None, None
 
 
 _flash_fwd.register_autograd(_flash_backward, setup_context=_flash_setup)
@@ -133,26 +150,43 @@ def _attn_shape(q, k, v):
     return b, h, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 
 
+def _mask_bytes(mask, q) -> tuple[int, int]:
+    """(bytes of the mask as stored, how many (batch, head) pairs share it)."""
+    if mask is None:
+        return 0, 1
+    lead = mask.shape[:-2] if mask.dim() > 2 else ()
+    own = math.prod(lead) if lead else 1
+    return mask.numel() * mask.element_size(), max(1, math.prod(q.shape[:-2]) // max(own, 1))
+
+
 @register_cost(_flash_fwd)
-def _(q, k, v, causal, scale):
-    return flash_attention_cost(*_attn_shape(q, k, v), q.element_size(), causal)
+def _(q, k, v, causal, scale, mask=None):
+    return flash_attention_cost(*_attn_shape(q, k, v), q.element_size(), causal,
+                                mask=_mask_bytes(mask, q))
 
 
 @register_cost(_flash_bwd)
-def _(dout, q, k, v, out, lse, causal, scale):
+def _(dout, q, k, v, out, lse, causal, scale, mask=None):
     return flash_attention_cost(*_attn_shape(q, k, v), q.element_size(), causal,
-                                backward=True)
+                                backward=True, mask=_mask_bytes(mask, q))
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: float | None = None) -> torch.Tensor:
-    """softmax(q·kᵀ·scale [+ causal mask])·v, as `F.scaled_dot_product_attention(q, k, v,
-    is_causal=causal, scale=scale)`, tiled (Note [Kernel tiling]): one launch forward, one
-    backward, HBM traffic O(seq·d). q, k, v: (..., seq, head_dim), the same leading dims."""
+                    scale: float | None = None, attn_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [+ attn_mask] [+ causal mask])·v, as
+    `F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale)`,
+    tiled (Note [Kernel tiling]): one launch forward, one backward, HBM traffic O(seq·d)
+    (plus the mask's bytes, if one is given). q, k, v: (..., seq, head_dim), the same
+    leading dims; `attn_mask`: additive (float), broadcast to (..., seq_q, seq_k), no
+    gradient (one that requires grad is refused)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise ValueError("flash_attention: attn_mask must not require grad (the kernel "
+                         "computes no gradient for it)")
     return _flash_fwd(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal),
-                      float(scale))[0]
+                      float(scale), attn_mask)[0]
 
 
 # -- RMSNorm --------------------------------------------------------------------------------
@@ -355,3 +389,9 @@ def moe_reference(x, router_logits, w_gate, w_up, w_down, top_k=2):
     h = F.silu(torch.einsum("td,efd->etf", x, w_gate)) * torch.einsum("td,efd->etf", x, w_up)
     y = torch.einsum("etf,edf->etd", h, w_down)
     return torch.einsum("etd,te->td", y, dense.to(x.dtype))
+
+
+# Note [Substitution] (fusion/substitute.py): the kernels adaptive mode may launch in place of
+# the ATen ops they replace
+substitute.LIBRARY.update(flash_attention=_flash_fwd._opoverload,
+                          rms_norm=_rms_fwd._opoverload)

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 
 import torch
 
+from fusion import substitute as _substitute
 from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
@@ -46,6 +48,8 @@ def register() -> None:
               "PrivateUse1")
     autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
+    # Note [Substitution]: the kernel library is imported when a flush first looks for it
+    _substitute.LOADER = lambda: importlib.import_module("adaptive_eager.integration.kernels")
     _register_undecomposed()
     _wrap_backward()
     from multiprocessing.reduction import ForkingPickler
