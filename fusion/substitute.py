@@ -290,6 +290,18 @@ def _rms_norm(f: _Flush, r: int):
 
 
 _MATCHERS = {"_softmax": _attention, "rsqrt": _rms_norm}
+# The patterns' ops: the adaptive policy's idle flush does not cut between two of them while
+# substitution is on (a pattern cut in two flushes is never matched)
+_CHAIN = frozenset({"bmm", "mul.Tensor", "div.Tensor", "add.Tensor", "_softmax",
+                    "pow.Tensor_Scalar", "mean.dim", "rsqrt"})
+
+
+def holds(queued: list, node: Node) -> bool:
+    """Note [Substitution]: would an idle flush before `node` (after the `queued` nodes) cut a
+    pattern? A pattern's op, or a copy (matmul's operand made contiguous), after one of the
+    last three queued ops is a pattern's."""
+    return (node.name in _CHAIN or node.name == "clone") and any(
+        n.name in _CHAIN for n in queued[-3:])
 
 
 def _kernel_node(f: _Flush, kernel: str, tensors, static, with_mask, outs, at) -> Node:

@@ -246,9 +246,18 @@ def _twin(v, t, bufs, device, fill=None):
 
 
 
+# Ops torch's flop counter has no formula for, counted by a sibling's (same arguments first):
+# CPU's flash attention (what scaled_dot_product_attention runs on neuron) as CUDA's.
+_FLOPS_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_flash_attention_for_cpu_backward":
+             "_scaled_dot_product_flash_attention_backward"}
+
+
 def _flops(func, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry
-    f = flop_registry.get(func.overloadpacket)
+    name = _FLOPS_AS.get(func.overloadpacket.__name__)
+    f = flop_registry.get(func.overloadpacket if name is None
+                          else getattr(torch.ops.aten, name))
     if f is not None:
         try:
             return float(f(*args, **kwargs, out_val=out))

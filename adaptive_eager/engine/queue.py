@@ -17,6 +17,7 @@ import weakref
 
 from device import HOST_CHECK_BYTES
 from fusion.ir import Handle, Node
+from fusion import substitute
 from fusion.partition import OnlineGroup
 
 from .. import config as _config
@@ -126,7 +127,8 @@ def record(eng, meta, handles, inputs, vbytes):
     if lazy:  # eager flushes every op: no open group to track
         ids = [h.uid for h in handles] + [h.uid for h in new]
         cut = seg.online.cut(eng.strategy, node, ids) if seg.nodes else "start"
-        if seg.idle_at(eng.device, cut):
+        if seg.idle_at(eng.device, cut) and not (  # Note [Substitution]
+                _config.config.substitute and substitute.holds(seg.nodes, node)):
             eng.flush("device idle")
         seg.online.add(node, cut, ids)
     # Only now (a flush above may have started a new segment and written pending inputs

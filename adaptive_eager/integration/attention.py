@@ -20,6 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from device import COUNTERS
+
+from ..config import config
 from ..engine.tensor import NeuronTensor
 from ..engine.source import DEVICE_TYPE
 
@@ -70,8 +73,42 @@ def _stand_in(t):
     return s.requires_grad_() if t.requires_grad else s
 
 
+def _substitutable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
+    """Note [Substitution] in fusion/substitute.py, above autograd: in adaptive mode with
+    ADAPTIVE_EAGER_SUBSTITUTE=1, sdpa runs as the kernel library's flash_attention (its own
+    backward) where CPU would take the math path (composed ATen ops; where it takes its flash
+    kernel the device already runs one fused op of the same modeled traffic, and a kernel's
+    launch of its own would only cost) and the kernel computes the same: neuron tensors (not torch.compile's), float32,
+    no dropout, no GQA, the same leading dims, a mask (float or bool) needing no grad and not
+    combined with is_causal (SDPA refuses that)."""
+    if not config.substitute or type(query) is not NeuronTensor:
+        return False
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    return (query._engine.is_lazy() and all(type(t) is NeuronTensor for t in tensors)
+            and dropout_p == 0.0 and not enable_gqa and query.dim() >= 2
+            and all(t.dtype == torch.float32 and t.device == query.device
+                    for t in (query, key, value))
+            and query.dim() == key.dim() == value.dim()
+            and query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
+            and query.shape[-1] == key.shape[-1] and key.shape[-2] == value.shape[-2]
+            and (attn_mask is None or (not is_causal and not attn_mask.requires_grad
+                                       and attn_mask.dtype in (torch.bool, torch.float32)
+                                       and attn_mask.device == query.device)))
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
          enable_gqa=False):
+    args = (query, key, value, attn_mask, dropout_p, is_causal)
+    kwargs = {"scale": scale, "enable_gqa": enable_gqa}
+    if _substitutable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) and (
+            _cpu_choice(args, kwargs) != _FLASH):
+        from . import kernels
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # CPU's conversion
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
+                attn_mask.logical_not(), float("-inf"))
+        COUNTERS.substitutions["aelib::flash_attention_fwd (sdpa)"] += 1
+        return kernels.flash_attention(query, key, value, causal=is_causal, scale=scale,
+                                       attn_mask=attn_mask)
     args = (query, key, value, attn_mask, dropout_p, is_causal)
     kwargs = {"scale": scale, "enable_gqa": enable_gqa}
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)

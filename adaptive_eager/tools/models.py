@@ -90,6 +90,70 @@ class Block(nn.Module):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 
 
+class RMSNorm(nn.Module):
+    """LLaMA's RMSNorm, written out as Transformers' LlamaRMSNorm writes it."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Llama(nn.Module):
+    """A tiny LLaMA-style decoder (no rotary embedding): RMSNorm, causal attention and a SwiGLU
+    MLP per block. `sdpa`: attention through F.scaled_dot_product_attention; else written
+    out as Transformers' eager attention (matmul, scale, additive mask, float32 softmax,
+    matmul)."""
+
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, seq=16, sdpa=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads, sdpa) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx)
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.norm(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, sdpa=False):
+        super().__init__()
+        self.heads, self.sdpa = heads, sdpa
+        self.ln1, self.ln2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate = nn.Linear(d, 2 * d, bias=False)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            w = torch.matmul(q, k.transpose(2, 3)) * (d // self.heads) ** -0.5 + mask
+            w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+            y = torch.matmul(w, v)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, d))
+        h = self.ln2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
 def batches(kind, n, seed=0, seq=16):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -102,13 +166,13 @@ def batches(kind, n, seed=0, seq=16):
         elif kind == "encoder":
             out.append((torch.randn(4, 8, 32, generator=g),
                         torch.randint(0, 10, (4,), generator=g)))
-        elif kind == "gpt":
+        elif kind in ("gpt", "llama"):
             x = torch.randint(0, 64, (4, seq), generator=g)
             out.append((x, torch.roll(x, -1, 1)))
     return out
 
 
-MODELS = {"mlp": MLP, "cnn": CNN, "encoder": Encoder, "gpt": GPT}
+MODELS = {"mlp": MLP, "cnn": CNN, "encoder": Encoder, "gpt": GPT, "llama": Llama}
 
 
 def train(kind, device, steps=3, seed=0, foreach=None, dropout=None, compile=False, **kw):
