@@ -43,3 +43,18 @@ def test_kernel_device_time_below_eager_ops(name):
         pair = (K.moe_reference, K.moe_mlp)
     aten, kern = (measure(f, ins, "eager") for f in pair)
     assert kern["device_us"] < aten["device_us"] and kern["launches"] == 1
+
+
+def test_substitution_lowers_the_gpt_and_llama_inference_steps():
+    """Note [Substitution]: at sequence 1024, purely lazy, the hand-written attention of both
+    steps becomes flash_attention: less device time, the same values within float32
+    tolerance (`python benchmarks/substitution.py` has the table, training included)."""
+    from substitution import step_metrics
+    for model in ("GPT", "LLaMA"):
+        off = step_metrics(model, 1024, False, False, 0)
+        on = step_metrics(model, 1024, False, True, 0)
+        print(f"{model} inference, seq 1024: {off[2]:.1f} -> {on[2]:.1f} us, "
+              f"{off[3]} -> {on[3]} B, {on[4]}")
+        assert on[4] == {"aelib::flash_attention_fwd": 2}
+        assert on[2] < 0.2 * off[2] and on[3] < off[3] / 10
+        assert abs(on[0] - off[0]) <= 1e-5 * abs(off[0]) + 1e-4

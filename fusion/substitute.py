@@ -21,7 +21,7 @@ static arguments (its signature, and so the plan's key). Patterns:
   rms_norm   pow(X, 2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul(X, .) -> mul(., W)
              (HF's LlamaRMSNorm in float32: `x * torch.rsqrt(x.pow(2).mean(-1, True) + eps)
              * w`)
-Not matched (named in LIMITS.md): masked_fill / boolean masks, dropout between softmax and
+Not matched (named in adaptive_eager/LIMITS.md): masked_fill / boolean masks, dropout between softmax and
 the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts in two.
 """
 from __future__ import annotations
