@@ -21,8 +21,8 @@ static arguments (its signature, and so the plan's key). Patterns:
   rms_norm   pow(X, 2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul(X, .) -> mul(., W)
              (HF's LlamaRMSNorm in float32: `x * torch.rsqrt(x.pow(2).mean(-1, True) + eps)
              * w`)
-Not matched (named in adaptive_eager/LIMITS.md): masked_fill / boolean masks, dropout between softmax and
-the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts in two.
+Not matched (named in adaptive_eager/LIMITS.md): masked_fill / boolean masks, dropout between
+softmax and the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts in two.
 """
 from __future__ import annotations
 
@@ -136,6 +136,10 @@ class _Flush:
         return not any(w for u in uids for w in self.writers.get(u, ())
                        if first < w < last and w not in skip)
 
+    def plain(self, i, n_args) -> bool:
+        """Node i has `n_args` positional arguments and no keyword ones (no alpha, no dtype)."""
+        return len(self.nodes[i].sig[2]) == n_args and not self.nodes[i].sig[3]
+
     def name(self, i):
         return self.nodes[i].name
 
@@ -154,7 +158,7 @@ def _attention(f: _Flush, sm: int):
     scale, mask = 1.0, None
     # backwards: [add(mask)], [mul/div by a scalar], then bmm
     p = f.producer(cur)
-    if p is not None and f.name(p) == "add.Tensor" and len(f.nodes[p].sig[2]) == 2 and (
+    if p is not None and f.name(p) == "add.Tensor" and f.plain(p, 2) and (
             f.whole(view, cur, size) and f.private(cur, p, chain[-1])):
         a, b = f.tensor(p, 0), f.tensor(p, 1)
         for mine, other in ((a, b), (b, a)):  # the scores' side: made by mul, div or bmm
@@ -168,7 +172,7 @@ def _attention(f: _Flush, sm: int):
                 mask, cur, view = other, mine[0], mine
                 p = pm
                 break
-    if p is not None and f.name(p) in ("mul.Tensor", "div.Tensor"):
+    if p is not None and f.name(p) in ("mul.Tensor", "div.Tensor") and f.plain(p, 2):
         t, s = f.tensor(p, 0), f.scalar(p, 1)
         if t is not None and s is not None and s != 0 and f.whole(view, cur, size) and (
                 f.private(cur, p, chain[-1])):
@@ -176,7 +180,7 @@ def _attention(f: _Flush, sm: int):
             scale = float(s) if f.name(p) == "mul.Tensor" else 1.0 / float(s)
             cur, view = t[0], t
             p = f.producer(cur)
-    if p is None or f.name(p) != "bmm" or not f.private(cur, p, chain[-1]):
+    if p is None or f.name(p) != "bmm" or not f.private(cur, p, chain[-1]) or not f.plain(p, 2):
         return None
     qv, ktv = f.tensor(p, 0), f.tensor(p, 1)
     bo = f.out(p)
@@ -189,7 +193,8 @@ def _attention(f: _Flush, sm: int):
     chain.append(p)
     # forwards: the softmax output read by one bmm, as (bh, s_q, s_k)
     pv = f.readers.get(o[0], ())
-    if len(pv) != 1 or f.name(pv[0]) != "bmm" or not f.private(o[0], sm, pv[0]):
+    if len(pv) != 1 or f.name(pv[0]) != "bmm" or not f.private(o[0], sm, pv[0]) or (
+            not f.plain(pv[0], 2)):
         return None
     e = pv[0]
     if not f.whole(f.tensor(e, 0), o[0], (bh, s_q, s_k)) or not _contiguous(o[1], o[2]):
@@ -229,7 +234,7 @@ def _rms_norm(f: _Flush, r: int):
     if ro is None or rv is None or ro[3] != _F32:
         return None
     a = f.producer(rv[0])  # add(mean, eps)
-    if a is None or f.name(a) != "add.Tensor" or len(f.nodes[a].sig[2]) != 2:
+    if a is None or f.name(a) != "add.Tensor" or not f.plain(a, 2):
         return None
     eps = f.scalar(a, 1)
     mv = f.tensor(a, 0)
@@ -241,22 +246,22 @@ def _rms_norm(f: _Flush, r: int):
         return None
     margs = f.nodes[m].sig[2]
     pvw = f.tensor(m, 0)
-    if pvw is None or len(margs) < 3 or margs[2] is not True or (len(margs) > 3 and margs[3]
-                                                                 is not None):
+    if pvw is None or len(margs) != 3 or margs[2] is not True or not f.plain(m, 3):
         return None
     nd = len(pvw[1])
     if margs[1] not in (("L", -1), ("L", nd - 1)):
         return None
     p = f.producer(pvw[0])  # pow(X, 2)
     if p is None or f.name(p) != "pow.Tensor_Scalar" or f.scalar(p, 1) != 2 or (
-            not f.private(pvw[0], p, m)) or not f.whole(pvw, pvw[0]):
+            not f.plain(p, 2) or not f.private(pvw[0], p, m) or not f.whole(pvw, pvw[0])):
         return None
     x = f.tensor(p, 0)
     if x is None or x[4] != _F32:
         return None
     # forwards: mul(X, rstd) then mul(., W) (either order)
     m1s = f.readers.get(ro[0], ())
-    if len(m1s) != 1 or f.name(m1s[0]) != "mul.Tensor" or not f.private(ro[0], r, m1s[0]):
+    if len(m1s) != 1 or f.name(m1s[0]) != "mul.Tensor" or not f.private(ro[0], r, m1s[0]) or (
+            not f.plain(m1s[0], 2)):
         return None
     m1 = m1s[0]
     a0, a1 = f.tensor(m1, 0), f.tensor(m1, 1)
@@ -269,7 +274,8 @@ def _rms_norm(f: _Flush, r: int):
     if h is None or h[3] != _F32 or tuple(h[1]) != tuple(x[1]):
         return None
     m2s = f.readers.get(h[0], ())
-    if len(m2s) != 1 or f.name(m2s[0]) != "mul.Tensor" or not f.private(h[0], m1, m2s[0]):
+    if len(m2s) != 1 or f.name(m2s[0]) != "mul.Tensor" or not f.private(h[0], m1, m2s[0]) or (
+            not f.plain(m2s[0], 2)):
         return None
     m2 = m2s[0]
     b0, b1 = f.tensor(m2, 0), f.tensor(m2, 1)

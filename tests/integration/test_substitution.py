@@ -92,7 +92,7 @@ def test_no_substitution_where_an_intermediate_escapes():
 
 def test_training_is_not_substituted_below_autograd_and_grads_match_cpu():
     """Autograd saves the softmax output (and rsqrt's): they escape, so nothing is replaced."""
-    q, k, v, mask, x, w = _inputs(seq=512, rows=512, n=512)
+    q, k, v, mask, x, w = _inputs()  # sizes where substitution would pay
     cpu = [t.clone().requires_grad_() for t in (q, k, v, x, w)]
     (attention(cpu[0], cpu[1], cpu[2], mask).sum() + rms(cpu[3], cpu[4]).sum()).backward()
     dev = [t.detach().to("neuron").requires_grad_() for t in (q, k, v, x, w)]
@@ -100,6 +100,7 @@ def test_training_is_not_substituted_below_autograd_and_grads_match_cpu():
         ae.reset_metrics()
         loss = attention(dev[0], dev[1], dev[2], mask.to("neuron")).sum() + rms(dev[3],
                                                                                  dev[4]).sum()
+        loss.item()  # the forward's flush alone: only the saved tensors' liveness protects
         loss.backward()
         torch.neuron.synchronize()
         assert ae.metrics().substitutions == {}
@@ -168,3 +169,27 @@ def test_sdpa_flash_path_is_left_alone():
         assert ae.metrics().kernels == {}
     torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q, k, v,
                                                                          is_causal=True), **TOL)
+
+
+def test_no_substitution_when_an_input_changes_inside_the_pattern_or_alpha_is_given():
+    """The kernel runs at the pattern's last op: a write to q in between forbids it; so does
+    add's alpha (the pattern's add is a plain one)."""
+    cpu = _inputs(rows=64, n=64)
+
+    def written(q, k, v, mask, x, w):
+        s = (q @ k.transpose(-2, -1)) * 0.125 + mask
+        q.mul_(2)  # after the scores are made, before the pattern's last op
+        p = s.softmax(-1)
+        del s
+        return p @ v, q
+
+    def alpha(q, k, v, mask, x, w):
+        return torch.add((q @ k.transpose(-2, -1)) * 0.125, mask, alpha=0.5).softmax(-1) @ v,
+
+    for fn in (written, alpha):
+        on, m_on, _ = _run(fn, cpu, True)
+        off, _, _ = _run(fn, cpu, False)
+        assert m_on.substitutions == {}, fn.__name__
+        for a, b, c in zip(on, off, fn(*[t.clone() for t in cpu])):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, c, **TOL)
