@@ -136,12 +136,10 @@ class Runner:
             found = substitution.find(nodes, handles)
             if found:
                 subs, declined = self._choose(nodes, found, handles, strategy)
-                queued, nodes = nodes, substitution.apply(nodes, subs)
-                if subs:
-                    self.origin = [0]  # original index + 1 of each node (a kernel: its last op's)
-                    kept = iter(i for i in range(n_ops)
-                                if i not in {k for s in subs for k in s.replaced[:-1]})
-                    self.origin += [next(kept) + 1 for _ in nodes]
+                nodes = substitution.apply(nodes, subs)
+                if subs:  # original index + 1 of each node (a kernel: its last op's)
+                    gone = {k for s in subs for k in s.replaced[:-1]}
+                    self.origin = [0] + [i + 1 for i in range(n_ops) if i not in gone]
         live = tuple([h is not None for h in handles])
         # Nodes of one signature share one OpSig object (the engine caches it): identity
         # stands for the whole signature and hashes in O(1).
