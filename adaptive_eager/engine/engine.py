@@ -36,7 +36,7 @@ from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
-                   give_warnings, infer)
+                   give_warnings, infer, infer_view)
 from .queue import Segment, record
 from .replay import MISS, MISSED
 from .source import DEVICE_TYPE, _user_stacklevel
@@ -406,7 +406,9 @@ class Engine:
         key = (func._op, args_t, kwargs_t, _global_state())  # (OpOverload hashes in Python)
         meta = self.meta_cache.get(key)
         if meta is None:
-            meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
+            meta = cls == VIEW and infer_view(func, args, kwargs, args_t, kwargs_t,
+                                              handles) or infer(func, args, kwargs, args_t,
+                                                                kwargs_t, handles)
             if meta is not _RUN_NOW:
                 meta.gstate = key[3]
                 if route.special is not None or route.composite is not None:

@@ -259,6 +259,41 @@ def _flops(func, args, kwargs, out) -> float:
 
 
 
+# Note [View inference]: a view op (select, slice, view, as_strided...) makes no value, only a
+# layout over its input's buffer, and its meta kernel is CPU's own code (views are computed
+# the same on every backend). Each new index or offset is a new signature (`a[i]` for every
+# row i), so the full inference (a CPU probe twice, FLOPs, aliasing per schema) cost ~0.3 ms
+# per row of a row loop. A view whose meta run succeeds with no warning and returns only
+# views of its arguments' buffers is answered from that run alone; anything else (an error:
+# CPU's probe decides it; a warning; a non-view leaf) takes the full inference.
+def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | None:
+    """Note [View inference]: the meta result of view op `func`, or None (use `infer`)."""
+    with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metas = _meta_buffers(handles)
+        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
+        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
+                                                                       kwargs_t)}
+        try:
+            out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
+        except Exception:
+            return None
+    if caught:
+        return None
+    storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
+    leaves, spec = tree_flatten(out)
+    out_leaves = []
+    for leaf in leaves:
+        li = storage_li.get(leaf.untyped_storage()._cdata) \
+            if isinstance(leaf, torch.Tensor) else None
+        if li is None or leaf.dtype in _QUANTIZED:
+            return None
+        size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
+        out_leaves.append(("view", li, size, stride, off, leaf.dtype,
+                           _info(size, stride, off, leaf)))
+    return MetaResult(tuple(out_leaves), spec, None)
+
+
 def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
     (shapes, dtypes) propagate with PyTorch's own message."""
