@@ -9,7 +9,9 @@ from device import Launch
 
 from .tensor import NeuronTensor
 from ..errors import _generator_error, _out_of_bounds, _raise_launch_error, user_error
+from .meta import _global_state
 from .source import DEVICE_TYPE, _source, file_line
+from .templates import template
 
 aten = torch.ops.aten
 
@@ -106,8 +108,13 @@ def copy_(eng, func, args, kwargs):
             eng.metrics.ops += 1
             core_to_core(src, dst)
             return dst
-        if _direct(eng, dst, src) and (not kwargs or set(kwargs) == {"non_blocking"}):
-            return device_copy(eng, dst, src)
+        if not kwargs or set(kwargs) == {"non_blocking"}:
+            if _direct(eng, dst, src):
+                return device_copy(eng, dst, src)
+            if eng.is_lazy() and _first_sight(eng, func, args, kwargs):
+                eng.flush("copy")  # Note [Direct copies]: a new layout pair, not compiled
+                if _direct(eng, dst, src):
+                    return device_copy(eng, dst, src)
         return eng.dispatch_plain(func, args, kwargs)
     eng.metrics.ops += 1
     if isinstance(dst, NeuronTensor):  # host -> device
@@ -137,6 +144,12 @@ def copy_(eng, func, args, kwargs):
 # what needs it: a copy_ among queued work (adaptive mode fuses it there), pending or
 # poisoned values, float64 (Note [float64 policy]), complex into real (CPU's warning),
 # buffers a collective is writing.
+# In adaptive mode a copy_ whose buffers are queued is a node like any other, fused with
+# them, except the first time its signature is seen: then what is queued is flushed and the
+# copy done at the call. So a row loop (`a = torch.zeros(n, d); for i: a[i] = src[i]`)
+# compiles no executable per row, while a copy_ a steady loop repeats is fused from its
+# second time on (its signature is in the meta cache then).
+_SEEN: set = set()  # copy_ signatures seen once (bounded as the meta cache is)
 _WIDE = (torch.float64, torch.complex128)
 
 
@@ -151,6 +164,18 @@ def _direct(eng, dst, src) -> bool:
     if seg.nodes and (hd.seg is seg.token or hs.seg is seg.token):
         return False
     return not eng.device._pending  # (Note [Collective stream] in device/core.py)
+
+
+def _first_sight(eng, func, args, kwargs) -> bool:
+    """Is this the first time this copy_'s signature is seen (Note [Direct copies])?"""
+    args_t, kwargs_t = template(eng, func, args, kwargs)[:2]
+    key = (func._op, args_t, kwargs_t, _global_state())
+    if key in eng.meta_cache or key in _SEEN:
+        return False
+    if len(_SEEN) >= 100_000:
+        _SEEN.clear()
+    _SEEN.add(key)
+    return True
 
 
 def device_copy(eng, dst, src):
@@ -175,7 +200,7 @@ def device_copy(eng, dst, src):
     eng.device.submit(Launch("copy_", None, nbytes, flops, context=None,
                              nodes=((_source(),), ((flops, nbytes),))))
     m = eng.metrics
-    m.flushes["eager" if not eng.is_lazy() else "copy"] += 1
+    m.flushes["eager" if not eng.is_lazy() else "direct copy"] += 1
     m.group_sizes[1] += 1
     if eng.device.blocking:
         eng.synchronize()
