@@ -270,17 +270,17 @@ def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | No
     """Note [View inference]: the meta result of view op `func`, or None (use `infer`)."""
     with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metas = _meta_buffers(handles)
-        m_args = [_to_meta(v, t, metas) for v, t in zip(args, args_t)]
-        m_kwargs = {k: _to_meta(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
-                                                                       kwargs_t)}
+        metas = [torch.UntypedStorage(h.nbytes, device="meta") for h in handles]
         try:
+            m_args = [_view_twin(v, t, metas) for v, t in zip(args, args_t)]
+            m_kwargs = {k: _view_twin(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
+                                                                              kwargs_t)}
             out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
         except Exception:
             return None
     if caught:
         return None
-    storage_li = {m.untyped_storage()._cdata: li for li, m in enumerate(metas)}
+    storage_li = {m._cdata: li for li, m in enumerate(metas)}
     leaves, spec = tree_flatten(out)
     out_leaves = []
     for leaf in leaves:
@@ -292,6 +292,20 @@ def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | No
         out_leaves.append(("view", li, size, stride, off, leaf.dtype,
                            _info(size, stride, off, leaf)))
     return MetaResult(tuple(out_leaves), spec, None)
+
+
+def _view_twin(v, t, storages):
+    """_to_meta for infer_view: a tensor's meta twin straight over its buffer's meta storage;
+    a tensor list raises (the full inference takes it)."""
+    if type(t) is tuple and t:
+        if t[0] == "T":
+            return torch.empty(0, dtype=getattr(torch, t[5]), device="meta").set_(
+                storages[t[1]], t[4], t[2], t[3])
+        if t[0] == "L":
+            raise TypeError("a list argument")
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
+        return torch.device("meta")
+    return v
 
 
 def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
