@@ -401,6 +401,10 @@ class Engine:
             return run_now(self, func, args, kwargs, fallback=False)
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
+        if func._op is _SELECT and not kwargs:  # Note [View inference]: `a[i]`
+            out = results.select_at(self, func, args, route)
+            if out is not None:
+                return out
         args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs,
                                                              route.scalars)
         key = (func._op, args_t, kwargs_t, _global_state())  # (OpOverload hashes in Python)
@@ -691,6 +695,9 @@ class _Route(NamedTuple):
     composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
     cls: str | None  # fusion.ops.op_class
     scalars: tuple  # fusion.ir.scalar_positions
+
+
+_SELECT = aten.select.int._op
 
 
 # keyed by `func._op`, the C++ operator behind an OpOverload: an OpOverload hashes through a

@@ -66,6 +66,31 @@ def _view(eng, leaf, handles, args):
         return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
 
 
+def select_at(eng, func, args, route):
+    """Note [View inference]: `x.select(dim, i)` (`a[i]`) is the view at index 0 shifted by
+    i strides: its index is a runtime value, as an op's runtime scalars are, not a new
+    signature per row. The view at 0 comes from the meta cache (inferred once per layout);
+    None where the op path decides (an index out of range or a bad dim: CPU's error)."""
+    if len(args) != 3:
+        return None
+    x, dim, index = args
+    if type(x) is not NeuronTensor or type(dim) is not int or type(index) is not int \
+            or not index:
+        return None
+    shape = x.shape
+    d = dim + len(shape) if dim < 0 else dim
+    if not 0 <= d < len(shape) or not -shape[d] <= index < shape[d]:
+        return None
+    first = eng.dispatch_plain(func, (x, dim, 0), {}, route, counted=True)
+    if type(first) is not NeuronTensor or first._handle is not x._handle:
+        return None
+    step = (index + shape[d] if index < 0 else index) * x.stride(d)
+    (size, stride, off, dt), nbytes, extent = first._info
+    info = ((size, stride, off + step, dt), nbytes, extent + step * x.element_size())
+    return _view(eng, ("view", 0, size, stride, off + step, first.dtype, info),
+                 [x._handle], args)
+
+
 def inplace_view(eng, func, args, kwargs):
     """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
     over the same buffer; resize_ past the buffer moves the tensor to a larger one."""

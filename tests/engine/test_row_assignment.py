@@ -204,3 +204,31 @@ def test_a_direct_copy_counts_as_an_eager_op():
     assert m1.hbm_bytes - m0.hbm_bytes == 16 * 3  # dst read and written, src read
     assert (m1.compiles, m1.cache_memory_hits, m1.cache_disk_hits) == (
         m0.compiles, m0.cache_memory_hits, m0.cache_disk_hits)
+
+
+def test_select_at_any_index_is_cpus_view(mode):
+    """Note [View inference]: `x.select(dim, i)` is the view at 0 shifted by i strides: every
+    dim (negative too), index (negative too), base offset, stride (0 of an expanded tensor),
+    and inference mode, as CPU's; out of range, CPU's error."""
+    base = torch.randn(4, 5, 6, generator=_g())
+    xs = [lambda t: t, lambda t: t[1:, 2:].transpose(0, 2), lambda t: t[:, :1].expand(4, 3, 6),
+          lambda t: t[::2, 1::2]]
+    for f in xs:
+        c, n = f(base), f(base.to(N))
+        for dim in range(-c.dim(), c.dim()):
+            for i in range(-c.shape[dim], c.shape[dim]):
+                got, want = n.select(dim, i), c.select(dim, i)
+                assert (got.shape, got.stride(), got.storage_offset()) == (
+                    want.shape, want.stride(), want.storage_offset())
+                assert torch.equal(got.cpu(), want)
+            for bad in (c.shape[dim], -c.shape[dim] - 1):
+                with pytest.raises(IndexError) as e_cpu:
+                    c.select(dim, bad)
+                with pytest.raises(IndexError) as e_dev:
+                    n.select(dim, bad)
+                assert str(e_dev.value) == str(e_cpu.value)
+    t = base.to(N)
+    with torch.inference_mode():
+        assert not t[2].is_inference() and t[2].equal(t[2])
+        inf = torch.ones(3, 2, device=N)
+    assert inf[1].is_inference() and inf[-1].tolist() == [1., 1.]
