@@ -29,7 +29,7 @@ _ENUMS = ((torch.dtype, "dt"), (torch.device, "dev"), (torch.layout, "lay"),
 _SHAPE_SCALARS = frozenset({"aten::arange", "aten::range"})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=1 << 16)  # (bounded: a row loop makes a new offset per row)
 def extent_bytes(size, stride, offset, itemsize) -> int:
     """Bytes from a buffer's start to one past the last element a layout reaches."""
     if any(s == 0 for s in size):

@@ -36,7 +36,7 @@ from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
 from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
-                   give_warnings, infer)
+                   give_warnings, infer, infer_view)
 from .queue import Segment, record
 from .replay import MISS, MISSED
 from .source import DEVICE_TYPE, _user_stacklevel
@@ -401,12 +401,18 @@ class Engine:
             return run_now(self, func, args, kwargs, fallback=False)
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
+        if func._op is _SELECT and not kwargs:  # Note [View inference]: `a[i]`
+            out = results.select_at(self, func, args, route)
+            if out is not None:
+                return out
         args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs,
                                                              route.scalars)
         key = (func._op, args_t, kwargs_t, _global_state())  # (OpOverload hashes in Python)
         meta = self.meta_cache.get(key)
         if meta is None:
-            meta = infer(func, args, kwargs, args_t, kwargs_t, handles)
+            meta = cls == VIEW and infer_view(func, args, kwargs, args_t, kwargs_t,
+                                              handles) or infer(func, args, kwargs, args_t,
+                                                                kwargs_t, handles)
             if meta is not _RUN_NOW:
                 meta.gstate = key[3]
                 if route.special is not None or route.composite is not None:
@@ -690,6 +696,9 @@ class _Route(NamedTuple):
     composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
     cls: str | None  # fusion.ops.op_class
     scalars: tuple  # fusion.ir.scalar_positions
+
+
+_SELECT = aten.select.int._op
 
 
 # keyed by `func._op`, the C++ operator behind an OpOverload: an OpOverload hashes through a

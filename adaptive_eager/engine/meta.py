@@ -268,6 +268,58 @@ def _flops(func, args, kwargs, out) -> float:
 
 
 
+# Note [View inference]: a view op (select, slice, view, as_strided...) makes no value, only a
+# layout over its input's buffer, and its meta kernel is CPU's own code (views are computed
+# the same on every backend). Each new index or offset is a new signature (`a[i]` for every
+# row i), so the full inference (a CPU probe twice, FLOPs, aliasing per schema) cost ~0.3 ms
+# per row of a row loop. A view whose meta run succeeds with no warning and returns only
+# views of its arguments' buffers is answered from that run alone; anything else (an error:
+# CPU's probe decides it; a warning; a non-view leaf) takes the full inference. And
+# `select(dim, i)`, the view of `a[i]`, takes its index as a runtime value: it is the view at
+# index 0 (one signature per layout) shifted by i strides (results.select_at); an index out
+# of range or a bad dim takes the op path, which raises CPU's error.
+def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | None:
+    """Note [View inference]: the meta result of view op `func`, or None (use `infer`)."""
+    with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metas = [torch.UntypedStorage(h.nbytes, device="meta") for h in handles]
+        try:
+            m_args = [_view_twin(v, t, metas) for v, t in zip(args, args_t)]
+            m_kwargs = {k: _view_twin(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
+                                                                              kwargs_t)}
+            out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
+        except Exception:
+            return None
+    if caught:
+        return None
+    storage_li = {m._cdata: li for li, m in enumerate(metas)}
+    leaves, spec = tree_flatten(out)
+    out_leaves = []
+    for leaf in leaves:
+        li = storage_li.get(leaf.untyped_storage()._cdata) \
+            if isinstance(leaf, torch.Tensor) else None
+        if li is None or leaf.dtype in _QUANTIZED:
+            return None
+        size, stride, off = tuple(leaf.shape), leaf.stride(), leaf.storage_offset()
+        out_leaves.append(("view", li, size, stride, off, leaf.dtype,
+                           _info(size, stride, off, leaf)))
+    return MetaResult(tuple(out_leaves), spec, None)
+
+
+def _view_twin(v, t, storages):
+    """_to_meta for infer_view: a tensor's meta twin straight over its buffer's meta storage;
+    a tensor list raises (the full inference takes it)."""
+    if type(t) is tuple and t:
+        if t[0] == "T":
+            return torch.empty(0, dtype=getattr(torch, t[5]), device="meta").set_(
+                storages[t[1]], t[4], t[2], t[3])
+        if t[0] == "L":
+            raise TypeError("a list argument")
+    if isinstance(v, torch.device) and v.type == DEVICE_TYPE:
+        return torch.device("meta")
+    return v
+
+
 def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     """Meta execution: output shapes/dtypes/strides, aliasing, FLOPs. User errors
     (shapes, dtypes) propagate with PyTorch's own message."""

@@ -13,7 +13,7 @@ from fusion.ir import extent_bytes
 
 from .tensor import NeuronTensor, fresh
 from ..errors import _out_of_bounds, user_error
-from .meta import _meta_buffers, _to_meta
+from .meta import _global_state, _meta_buffers, _to_meta
 from .source import _user_stacklevel
 from .templates import template
 
@@ -64,6 +64,36 @@ def _view(eng, leaf, handles, args):
         return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
     with torch.inference_mode(inference):
         return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
+
+
+def select_at(eng, func, args, route):
+    """Note [View inference]: `x.select(dim, i)` (`a[i]`) is the view at index 0 shifted by
+    i strides: its index is a runtime value, as an op's runtime scalars are, not a new
+    signature per row. The view at 0 comes from the meta cache (inferred once per layout);
+    None where the op path decides (an index out of range or a bad dim: CPU's error)."""
+    if len(args) != 3:
+        return None
+    x, dim, index = args
+    if type(x) is not NeuronTensor or type(dim) is not int or type(index) is not int \
+            or not index:
+        return None
+    shape = x.shape
+    d = dim + len(shape) if dim < 0 else dim
+    if not 0 <= d < len(shape) or not -shape[d] <= index < shape[d]:
+        return None
+    step = (index + shape[d] if index < 0 else index) * x.stride(d)
+    args_t, kwargs_t = template(eng, func, (x, dim, 0), {}, route.scalars)[:2]
+    meta = eng.meta_cache.get((func._op, args_t, kwargs_t, _global_state()))
+    if meta is not None and meta.single and not meta.warns and meta.leaves[0][0] == "view":
+        _, li, size, stride, off, dtype, ((_, _, _, dt), nbytes, extent) = meta.leaves[0]
+    else:  # the view at 0 through the op path, which infers and caches it
+        first = eng.dispatch_plain(func, (x, dim, 0), {}, route, counted=True)
+        if type(first) is not NeuronTensor or first._handle is not x._handle:
+            return None
+        (size, stride, off, dt), nbytes, extent = first._info
+        dtype = first.dtype
+    info = ((size, stride, off + step, dt), nbytes, extent + step * x.element_size())
+    return _view(eng, ("view", 0, size, stride, off + step, dtype, info), [x._handle], args)
 
 
 def inplace_view(eng, func, args, kwargs):

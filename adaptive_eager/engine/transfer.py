@@ -8,8 +8,10 @@ from torch.nn.parameter import UninitializedTensorMixin
 from device import Launch
 
 from .tensor import NeuronTensor
-from ..errors import _generator_error, _raise_launch_error
+from ..errors import _generator_error, _out_of_bounds, _raise_launch_error, user_error
+from .meta import _global_state
 from .source import DEVICE_TYPE, _source, file_line
+from .templates import template
 
 aten = torch.ops.aten
 
@@ -106,6 +108,13 @@ def copy_(eng, func, args, kwargs):
             eng.metrics.ops += 1
             core_to_core(src, dst)
             return dst
+        if not kwargs or set(kwargs) == {"non_blocking"}:
+            if _direct(eng, dst, src):
+                return device_copy(eng, dst, src)
+            if eng.is_lazy() and _first_sight(eng, func, args, kwargs):
+                eng.flush("copy")  # Note [Direct copies]: a new layout pair, not compiled
+                if _direct(eng, dst, src):
+                    return device_copy(eng, dst, src)
         return eng.dispatch_plain(func, args, kwargs)
     eng.metrics.ops += 1
     if isinstance(dst, NeuronTensor):  # host -> device
@@ -117,6 +126,84 @@ def copy_(eng, func, args, kwargs):
         return dst
     with torch._C._DisableTorchDispatch():  # device -> host
         dst.copy_(eng.read(src, "d2h"))
+    return dst
+
+
+# Note [Direct copies]: `dst.copy_(src)` between two neuron tensors of one core is a copy
+# on the device (a memcpy, with a cast if the dtypes differ). Through the op path each new
+# pair of layouts is a new signature: the storage offset of a view is in the key, so the
+# reference loop for index_copy (`for i in range(n): a[i] = src[i]`, `a[i] = row`) inferred,
+# probed and compiled an executable for every row (~500-900x CPU per assignment in eager).
+# When nothing queued touches either buffer (always, in eager mode) and both values are in
+# HBM, the copy is done at the call instead, as a host write is (`write`): CPU's copy_ on
+# host views of the two buffers (its broadcast, casts, overlap checks and errors, at the
+# call, word for word), then one launch of the op on the device queue, costed as the
+# op's one-op executable is (bytes of both views read, of dst written; one FLOP per
+# element), and counted as eager counts an op (one op, one flush, a group of one). No
+# executable is looked up or compiled: the cache counters do not move. The op path keeps
+# what needs it: a copy_ among queued work (adaptive mode fuses it there), pending or
+# poisoned values, float64 (Note [float64 policy]), complex into real (CPU's warning),
+# buffers a collective is writing.
+# In adaptive mode a copy_ whose buffers are queued is a node like any other, fused with
+# them, except the first time its signature is seen: then what is queued is flushed and the
+# copy done at the call. So a row loop (`a = torch.zeros(n, d); for i: a[i] = src[i]`)
+# compiles no executable per row, while a copy_ a steady loop repeats is fused from its
+# second time on (its signature is in the meta cache then).
+_SEEN: set = set()  # copy_ signatures seen once (bounded as the meta cache is)
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _direct(eng, dst, src) -> bool:
+    """Can `dst.copy_(src)` (one core) be done at the call (Note [Direct copies])?"""
+    hd, hs = dst._handle, src._handle
+    if hd.pending or hs.pending or hd.poison is not None or hs.poison is not None:
+        return False
+    if dst.dtype in _WIDE or src.dtype in _WIDE or (src.is_complex() and not dst.is_complex()):
+        return False
+    seg = eng.seg
+    if seg.nodes and (hd.seg is seg.token or hs.seg is seg.token):
+        return False
+    return not eng.device._pending  # (Note [Collective stream] in device/core.py)
+
+
+def _first_sight(eng, func, args, kwargs) -> bool:
+    """Is this the first time this copy_'s signature is seen (Note [Direct copies])?"""
+    args_t, kwargs_t = template(eng, func, args, kwargs)[:2]
+    key = (func._op, args_t, kwargs_t, _global_state())
+    if key in eng.meta_cache or key in _SEEN:
+        return False
+    if len(_SEEN) >= 100_000:
+        _SEEN.clear()
+    _SEEN.add(key)
+    return True
+
+
+def device_copy(eng, dst, src):
+    """Note [Direct copies]: `dst.copy_(src)` on one core, done at the call."""
+    eng.count_op()
+    hd, hs = dst._handle, src._handle
+    (dl, dn, dext), (sl, sn, sext) = dst._info, src._info
+    if dext > hd.nbytes:  # its storage was resized smaller (FSDP2's free): CPU's error
+        _out_of_bounds(dl[0], dl[1], dl[2], dst.dtype, hd.nbytes)
+    if sext > hs.nbytes:
+        _out_of_bounds(sl[0], sl[1], sl[2], src.dtype, hs.nbytes)
+    with torch._C._DisableTorchDispatch():
+        d = buffer_view(dst)
+        s = d if src is dst else buffer_view(src)  # (one tensor twice: CPU's is_same)
+        try:
+            d.copy_(s)
+        except Exception as e:  # CPU refuses it: CPU's error, at the call
+            raise user_error(e).with_traceback(None) from None
+    vd, vs = min(hd.nbytes, dn), min(hs.nbytes, sn)
+    nbytes = 2 * max(vd, vs) if hd is hs else 2 * vd + vs  # (as the op's executable)
+    flops = float(dst.numel())
+    eng.device.submit(Launch("copy_", None, nbytes, flops, context=None,
+                             nodes=((_source(),), ((flops, nbytes),))))
+    m = eng.metrics
+    m.flushes["eager" if not eng.is_lazy() else "direct copy"] += 1
+    m.group_sizes[1] += 1
+    if eng.device.blocking:
+        eng.synchronize()
     return dst
 
 
