@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fusion.ir import extent_bytes
-from .engine.source import DEVICE_TYPE, file_line
+from .engine.source import BACKWARD, DEVICE_TYPE, file_line
 
 
 class NeuronRuntimeError(RuntimeError):
@@ -18,8 +18,11 @@ class NeuronRuntimeError(RuntimeError):
 
     def __init__(self, op: str, message: str, source):
         self.op = op
+        backward = source is not None and source[0] is BACKWARD  # Note [Backward lines]
         self.source = source = file_line(source)  # (file, line, stack)
         where = f'File "{source[0]}", line {source[1]}' if source else "unknown"
+        if backward:
+            where += " (the forward op this backward op differentiates)"
         if source and source[2]:
             where += "\n" + source[2]
         super().__init__(f"An error occurred on Neuron for operation={op}; "

@@ -62,9 +62,10 @@ _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 def _source(ours: int = 1):
     """Where the user's code that issued the op is: `(code, lasti, stack)`, or for a
     compiled graph's generated code `(file, line, stack)` (`file_line` makes either a file
-    and line: the line is looked up only if an error names it). `ours`: how many frames
-    above the caller are known to be ours (skipped without looking: Python 3.11 makes a
-    frame object for every frame a walk steps through, and this runs per op)."""
+    and line: the line is looked up only if an error names it), or for an op autograd runs
+    in backward `(BACKWARD, the forward op's source)` (Note [Backward lines]). `ours`: how
+    many frames above the caller are known to be ours (skipped without looking: Python 3.11
+    makes a frame object for every frame a walk steps through, and this runs per op)."""
     f = sys._getframe(1 + ours)
     while f is not None:  # (_kind, inlined: this runs per op)
         code = f.f_code
@@ -74,17 +75,62 @@ def _source(ours: int = 1):
             break
         f = f.f_back
     if f is None:
-        return None
-    stack = "".join(traceback.format_stack(f)) if _config.config.stack_trace else None
-    if kind == _FX_CODE:  # a compiled graph's generated code: the line it was traced at
-        where = _fx_line(f)
-        if where is not None:
-            return where + (stack,)
-    return (code, f.f_lasti, stack)
+        source = None
+    else:
+        stack = "".join(traceback.format_stack(f)) if _config.config.stack_trace else None
+        source = (code, f.f_lasti, stack)
+        if kind == _FX_CODE:  # a compiled graph's generated code: the line it was traced at
+            where = _fx_line(f)  # (in forward or backward: kept)
+            if where is not None:
+                source = where + (stack,)
+    if kind != _FX_CODE:
+        grad = _current_autograd_node()
+        if grad is not None:  # in backward: the forward line (Note [Backward lines])
+            fwd = _GRAD_LINES.get(grad._sequence_nr())
+            if fwd is not None:
+                return (BACKWARD, fwd)
+    seq = _sequence_nr()
+    if seq != _LAST_SEQ[0]:  # this op made an autograd node (Note [Backward lines])
+        _made_node(seq, source)
+    return source
+
+
+def _made_node(seq: int, source):
+    """Note `source` as the forward line of autograd node number `seq - 1`."""
+    _LAST_SEQ[0] = seq
+    if len(_GRAD_LINES) >= _GRAD_LIMIT:  # bounded: the newest half stays
+        keep = list(_GRAD_LINES.items())[_GRAD_LIMIT // 2:]
+        _GRAD_LINES.clear()
+        _GRAD_LINES.update(keep)
+    _GRAD_LINES[seq - 1] = source
+
+
+# Note [Backward lines]: an op autograd runs in backward is attributed to the forward op it
+# differentiates, as anomaly mode does, but without a traceback per node. Autograd numbers
+# each node it makes (a thread's sequence number, taken when the node is made, before its
+# forward op is dispatched to us); an op that sees the counter moved since the last op
+# made that node, and notes its source under the number (`_GRAD_LINES`; the first op after
+# the node wins: a node's forward may issue several ops, of one line). In backward,
+# `torch._C._current_autograd_node()` is the node being run; its `_sequence_nr()` finds the
+# forward line. Such a source is `(BACKWARD, forward source)`: `where` names it
+# "file:line (backward)", errors name the forward line. Costs per op: two C calls and a
+# compare; per node made, a dict store. Limits: an op not issued from a node's forward (a
+# CPU op made the node) may be noted for it; forward on several threads shares the table
+# (numbers are per thread); the table keeps the newest 32k..64k nodes; a compiled graph's
+# backward keeps its own traced lines (checked first).
+BACKWARD = object()
+_GRAD_LINES: dict = {}  # autograd node's sequence number -> the source of the op that made it
+_GRAD_LIMIT = 65536
+_LAST_SEQ = [-1]
+_current_autograd_node = torch._C._current_autograd_node
+_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 def file_line(source):
-    """`(file, line, stack)` of a source `_source` captured (None stays None)."""
+    """`(file, line, stack)` of a source `_source` captured (None stays None; a backward
+    op's: its forward op's)."""
+    if source is not None and source[0] is BACKWARD:
+        source = source[1]
     if source is None or type(source[0]) is str:
         return source
     code, lasti, stack = source
@@ -121,7 +167,9 @@ def _fx_line(f):
 def where(source) -> str:
     """"file:line" of a source `_source` captured ("?" for none)."""
     fl = file_line(source)
-    return "?" if fl is None else f"{fl[0]}:{fl[1]}"
+    if fl is None:
+        return "?"
+    return f"{fl[0]}:{fl[1]} (backward)" if source[0] is BACKWARD else f"{fl[0]}:{fl[1]}"
 
 
 def lines(sources) -> dict:
