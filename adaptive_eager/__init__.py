@@ -7,8 +7,8 @@ about the device), tools/ (demo, run, report); see README.md beside this file.""
 from .api import (  # noqa: F401
     Cost, DeviceSpec, Explanation, FlushInterrupted, NeuronFallbackError, NeuronInductorError,
     NeuronOutOfMemoryError, NeuronRuntimeError, Snapshot, adaptive, config, core_metrics,
-    explain, is_adaptive, line_report, metrics, metrics_report, native_hooks, override,
-    register_cost, reset_metrics, save_trace, set_adaptive, set_device_spec, set_strategy,
+    bucketing_collate, explain, is_adaptive, line_report, metrics, metrics_report, native_hooks, override,
+    pad_to_bucket, register_cost, reset_metrics, save_trace, set_adaptive, set_device_spec, set_strategy,
     strategy, synchronize, wait_for_compiles)
 from .api import __all__, __getattr__  # noqa: F401  (ae.kernels, on first use)
 

@@ -33,7 +33,7 @@ __all__ = [
     "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted", "NeuronFallbackError",
     "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError", "Snapshot", "adaptive", "config", "explain", "is_adaptive",
     "core_metrics", "line_report", "metrics", "metrics_report", "native_hooks", "override",
-    "reset_metrics", "save_trace",
+    "reset_metrics", "save_trace", "pad_to_bucket", "bucketing_collate",
     "set_adaptive", "set_device_spec", "set_strategy", "strategy", "synchronize",
     "wait_for_compiles",
 ]
@@ -41,6 +41,7 @@ __all__ = [
 _registration.register()
 from .tools import metrics_file as _metrics_file  # noqa: E402
 from .tools import lines as _lines_report  # noqa: E402
+from .tools.bucketing import bucketing_collate, pad_to_bucket  # noqa: E402,F401
 _metrics_file.install()  # TORCH_NEURONX_METRICS_ENABLED=1: a JSON file at exit
 
 

@@ -49,6 +49,13 @@ class Counters:
     compile_log: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=100_000))
     compile_time_us: float = 0.0  # modeled compile time
+    # Tensors entering the device (host-to-device copies: `.to("neuron")`, copy_ from the
+    # host): (number, the user's source, shape), the newest 10,000; a compile record keeps
+    # the number of the last one, so the line whose sizes its new shape follows can be
+    # found (churn in adaptive_eager/tools/lines.py)
+    entries: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=10_000))
+    n_entries: int = 0
     bad_executables: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)  # fused compiles that failed, by reason
     bytes_saved: int = 0  # bytes of values freed before their flush, never written back

@@ -34,7 +34,7 @@ class Record:
     """One compile: its cause, the varied input dimension if a new shape, its ops' sources."""
 
     __slots__ = ("cause", "name", "n_ops", "us", "sources", "dim", "sizes", "input_source",
-                 "detail")
+                 "detail", "entry")
 
     def __init__(self, cause, name, n_ops, us, sources):
         self.cause = cause
@@ -46,6 +46,7 @@ class Record:
         self.sizes = None  # (earlier size, this size) of that dim
         self.input_source = None  # Node.source of the op reading that input
         self.detail = ""
+        self.entry = COUNTERS.n_entries  # tensors that had entered the device by then
 
 
 class History:

@@ -50,6 +50,9 @@ def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
     eng.device.submit(Launch(dma, None, n, 0.0, kind="dma", dma_bytes=n))
     if dma == "h2d":
         eng.metrics.h2d_bytes += n
+        c = eng.metrics  # where the tensor entered the device (churn in tools/lines.py)
+        c.n_entries += 1
+        c.entries.append((c.n_entries, _source(), tuple(dst.shape)))
     with torch._C._DisableTorchDispatch():
         torch.empty(0, dtype=dst.dtype, device="cpu").set_(
             h.buffer.storage, dst.storage_offset(), dst.shape, dst.stride()).copy_(src)

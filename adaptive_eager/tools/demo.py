@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import adaptive_eager as ae
+from adaptive_eager.tools import steps
 from adaptive_eager.tools.models import GPT, batches
 
 
@@ -26,6 +27,7 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
     data = [(x.to("neuron"), y.to("neuron")) for x, y in batches("gpt", steps, seed, seq=seq or 16)]
     losses, per_step = [], []
+    steps.install()  # Note [Time to steady state]: from this mode's first step
     scope = ae.adaptive(strategy=strategy) if strategy else ae.adaptive(False)
     if compiled:
         scope = _process_wide(strategy)
@@ -43,6 +45,8 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
             per_step.append((ae.metrics() - before, wall))
     warm = per_step[1:] or per_step  # step 0 pays the compiles
     total = ae.metrics()
+    steady = steps.summary()
+    steps.uninstall()
     return {
         "mode": name, "losses": losses,
         "launches": sum(m.launches for m, _ in warm) / len(warm),
@@ -55,7 +59,7 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
         "group": (sum(m.mean_group_size for m, _ in warm) / len(warm)),
         "hbm_mb": sum(m.hbm_bytes for m, _ in warm) / len(warm) / 1e6,
         "kernel_launches": sum(m.kernel_launches for m, _ in warm) / len(warm),
-        "total": total,
+        "total": total, "steady": steady,
     }
 
 
@@ -150,6 +154,9 @@ def main(argv=None) -> int:
         inexact = [w for w, on in (("compile", args.compile), ("kernels", args.kernels)) if on]
         if inexact:
             verdict += f"; {' and '.join(inexact)} within float32 tolerance"
+    print("\ntime to steady state (modeled: compiles, host overhead and device time):")
+    for r in rows:
+        print(f"  {r['mode']}: {steps.sentence(r['steady'])}")
     print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} ({verdict})")
     print("launches, device time: simulated NeuronCore (see device/spec.py for the figures); "
           "host us/op: this machine's wall clock.")

@@ -16,6 +16,7 @@ Ops that never reach a launch (CPU fallbacks, ops run at once on the host) are n
 """
 from __future__ import annotations
 
+import bisect
 import os
 
 from device import COUNTERS
@@ -132,21 +133,25 @@ BUCKETS = {"multiple of 16": lambda n: -(-n // 16) * 16,
            "power of two": lambda n: 1 << max(0, (n - 1).bit_length())}
 
 
-def churn(records=None) -> dict | None:
-    """The new-shape compiles' main cause: the (input dim, line reading it) with the most of
-    them, its share of all compiles, its distinct sizes, and a what-if per bucketing: the
-    compiles if that dim were padded up to a bucket, replayed from the records (per op
-    sequence, one compile per distinct bucket instead of per distinct size). None if no
-    compile was a new shape. Sizes are of the group's input as the device sees it (a view
-    folded into it: `x.view(B*T, C)` varies in B*T)."""
+def churn(records=None, entries=None) -> dict | None:
+    """The new-shape compiles' main cause and a what-if per bucketing (Note [Shape churn]).
+    None if no compile was a new shape."""
     recs = list(COUNTERS.compile_log if records is None else records)
-    groups: dict = {}
+    if not any(r.dim is not None for r in recs):
+        return None
+    root = _root(recs, list(COUNTERS.entries if entries is None else entries))
+    if root is not None:
+        line, dim, sizes_at, explained = root
+        sizes = sorted({n for n in sizes_at.values() if n is not None})
+        whatif = {name: _whatif(recs, sizes_at, b) for name, b in BUCKETS.items()}
+        return {"compiles": len(recs), "new_shapes": explained, "share": explained / len(recs),
+                "dim": dim, "op": None, "input": None, "line": line, "entered": True,
+                "sizes": sizes, "whatif": whatif}
+    groups: dict = {}  # no tensor entered the device with those sizes: the group inputs'
     for r in recs:
         if r.dim is not None:
             k = (r.dim[2], r.dim[0], r.dim[1], where(r.input_source))
             groups.setdefault(k, []).append(r)
-    if not groups:
-        return None
     (dim, op, arg, line), rs = max(groups.items(), key=lambda kv: len(kv[1]))
     per_seq: dict = {}  # op sequence -> sizes of that dim compiled
     for r in rs:
@@ -157,7 +162,66 @@ def churn(records=None) -> dict | None:
     whatif = {name: total - compiled + sum(len({b(n) for n in s}) for s in per_seq.values())
               for name, b in BUCKETS.items()}
     return {"compiles": total, "new_shapes": len(rs), "share": len(rs) / total, "dim": dim,
-            "op": op, "input": arg, "line": line, "sizes": sizes, "whatif": whatif}
+            "op": op, "input": arg, "line": line, "entered": False, "sizes": sizes,
+            "whatif": whatif}
+
+
+# Note [Shape churn]: the compiles' varied sizes are traced back to the tensor they come
+# from, where it entered the device (COUNTERS.entries: each host-to-device copy's line and
+# shape; each compile record keeps the number of the last entry before it). For each line
+# and dimension whose size varied, the size current at each compile (that line's last entry
+# before it) is its root size; a new-shape compile follows it if its new size is a multiple
+# of that root size (B*T of a view, 4*T of a projection). A line and dim whose root size was
+# the same at every compile is no cause (a model's parameters, moved by one line). The (line, dim) that the most
+# new-shape compiles follow is the cause named ("dim 1 of the tensor from train.py:9").
+# The what-if replays every compile record, under each bucketing of that root size: per op
+# sequence, the compiles made while the root size was T count once per bucket (the most
+# made at any one T of that bucket); records from before the first entry count as they
+# are. This assumes the op sequences' compiles depend on the root size only (a flush whose
+# partition moved with the size counts in the bucket of the sizes it was seen at). Without
+# an entry to follow (tensors made on the device), the group input dim with the most
+# new-shape compiles is named, with a what-if over its own sizes only.
+def _root(recs, entries):
+    """(line, dim, {record index: root size}, new-shape compiles following it), or None."""
+    series: dict = {}  # (line, dim) -> [(entry number, size)]
+    for n, source, shape in entries:
+        k = where(source)
+        for d, size in enumerate(shape):
+            series.setdefault((k, d), []).append((n, size))
+    best = None
+    for (line, dim), s in series.items():
+        if len({size for _, size in s}) < 2:
+            continue  # a dim that never varied is no cause
+        nums = [n for n, _ in s]
+        at, follow = {}, 0
+        for i, r in enumerate(recs):
+            j = bisect.bisect_right(nums, r.entry) - 1
+            at[i] = s[j][1] if j >= 0 else None
+            if r.sizes is not None and at[i] and r.sizes[1] % at[i] == 0:
+                follow += 1
+        seen = len({t for t in at.values() if t is not None})
+        if seen < 2:
+            continue  # the same size at every compile (tensors of one line, before them)
+        rank = (follow, seen)
+        if follow and (best is None or rank > best[0]):
+            best = (rank, (line, dim, at, follow))
+    return best[1] if best else None
+
+
+def _whatif(recs, sizes_at, bucket) -> int:
+    made: dict = {}  # (op sequence, root size) -> compiles
+    out = 0
+    for i, r in enumerate(recs):
+        t = sizes_at[i]
+        if t is None:
+            out += 1
+        else:
+            made[(r.name, t)] = made.get((r.name, t), 0) + 1
+    most: dict = {}  # (op sequence, bucket) -> the most compiles at one size of it
+    for (name, t), n in made.items():
+        k = (name, bucket(t))
+        most[k] = max(most.get(k, 0), n)
+    return out + sum(most.values())
 
 
 def churn_sentence(c: dict | None) -> str:
@@ -165,8 +229,9 @@ def churn_sentence(c: dict | None) -> str:
         return ""
     s = c["sizes"]
     w = ", ".join(f"{k}: {v}" for k, v in c["whatif"].items())
+    what = (f"dim {c['dim']} of the tensor from {short(c['line'])}" if c.get("entered") else
+            f"dim {c['dim']} of input {c['input']} of {c['op']} at {short(c['line'])}")
     return (f"{100 * c['share']:.0f}% of compiles ({c['new_shapes']} of {c['compiles']}) are "
-            f"new shapes of dim {c['dim']} of input {c['input']} of {c['op']} at "
-            f"{short(c['line'])} ({len(s)} distinct sizes, {s[0]}..{s[-1]}); padding that dim "
+            f"new shapes of {what} ({len(s)} distinct sizes, {s[0]}..{s[-1]}); padding that dim "
             f"would make the compiles: {w} (replayed from the compile records; the padding's "
             f"extra device time is not priced)")

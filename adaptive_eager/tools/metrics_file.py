@@ -31,11 +31,13 @@ def filename(pid: int, rank: int | None) -> str:
 
 
 def collect() -> dict:
-    """Everything the file holds: metrics(), compile-mode counters, process identity, and
-    the 50 lines with the most device time (ae.line_report())."""
+    """Everything the file holds: metrics(), compile-mode counters, process identity, the
+    50 lines with the most device time (ae.line_report()), the shape churn and the time to
+    steady state."""
     import adaptive_eager as ae
     from ..integration import compile as _compile
     from . import lines as _lines
+    from . import steps as _steps
     rank = _rank()
     return {
         "pid": os.getpid(), "rank": rank, "argv": sys.argv,
@@ -44,6 +46,7 @@ def collect() -> dict:
         "compile": _compile.STATS.as_dict(),
         "lines": ae.line_report().rows[:50],
         "churn": _lines.churn(),
+        "steps": _steps.summary(),
     }
 
 
@@ -87,3 +90,5 @@ def install() -> None:
     from ..config import config
     if config.metrics_enabled:
         atexit.register(_at_exit)
+        from . import steps
+        steps.install()  # Note [Time to steady state]

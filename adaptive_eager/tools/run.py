@@ -111,6 +111,7 @@ def aggregate(files: list[dict]) -> dict:
             "sync_sites": dict(sites), "peak_memory_bytes": peak,
             "compile_causes": dict(causes), "lines": rows,
             "churns": [f.get("churn") for f in files],
+            "steps": [f.get("steps") for f in files],
             "mean_group_size": sum(k * v for k, v in groups.items()) / n if n else 0.0}
 
 
@@ -186,6 +187,11 @@ def advice(results: list[dict]) -> list[str]:
             from .lines import churn_sentence
             out.append(f"{r['mode']}: " + churn_sentence(max(churns,
                                                               key=lambda c: c["new_shapes"])))
+    from .steps import sentence
+    for r in results:  # the process with the most steps speaks for its mode
+        steps = [s for s in r.get("steps", ()) if s]
+        if steps:
+            out.append(f"{r['mode']}: " + sentence(max(steps, key=lambda s: s["steps"])))
     comp = by.get("compile")
     if comp and comp["returncode"] == 0 and not comp.get("dynamo_graphs"):
         out.append("compile mode captured no graph: no nn.Module with parameters on neuron "

@@ -169,3 +169,52 @@ def test_shape_churn_sentence_and_bucketing_what_if_match_a_padded_run():
     for name in ("multiple of 32", "power of two"):  # the prediction, against a real run
         padded = run(lambda: loop(BUCKETS[name]))
         assert padded.compiles == c["whatif"][name], name
+
+
+def test_backward_ops_name_the_forward_lines_they_differentiate(tmp_path):
+    """Note [Backward lines]: in a training step, each backward op names the forward line of
+    the op it differentiates ("file:line (backward)"), in line_report, explain, save_trace."""
+    import json
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to("neuron")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = rand(5, 8)
+    fwd = {}
+    for adaptive in (False, True):
+        with ae.override(queue_low_threshold=0), ae.adaptive(adaptive):
+            ae.reset_metrics()
+            h = lin(x)  # line LIN
+            loss = (h.tanh() * 3).sum()  # line ACT
+            loss.backward()  # line BWD
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+        lin_b = _line_of("# line LIN") + " (backward)"
+        act_b = _line_of("# line ACT") + " (backward)"
+        rows = {r["line"]: r for r in ae.line_report().rows}
+        # addmm's backward: mm (grad of the weight) and sum (grad of the bias; the input
+        # needs none); tanh's backward (tanh_backward) and mul's (mul by 3)
+        assert rows[lin_b]["ops"] == 2, rows
+        assert rows[act_b]["ops"] == 2, rows
+        assert rows[lin_b]["device_us"] > 0
+        fwd[adaptive] = rows
+        ae.save_trace(str(tmp_path / "t.json"))
+        ev = json.load(open(tmp_path / "t.json"))["traceEvents"]
+        named = set().union(*(e["args"].get("lines", {}) for e in ev if e.get("cat") == "launch"))
+        assert {lin_b, act_b} <= named
+    # adaptive: the step's last flush; explain names the backward lines of its groups
+    text = str(ae.explain())
+    assert "test_lines.py:%s (backward) x2" % act_b.split(":")[-1].split(" ")[0] in text
+    groups = ae.explain().groups
+    assert any(lin_b in g["lines"] for g in groups)
+    # the forward lines keep their own rows (forward ops only)
+    assert fwd[True][_line_of("# line LIN")]["ops"] == 1  # addmm
+
+
+def test_backward_error_names_the_forward_line():
+    from adaptive_eager.engine.source import BACKWARD
+    src = ("t.py", 7, None)
+    assert ae.engine.source.where((BACKWARD, src)) == "t.py:7 (backward)"
+    e = ae.NeuronRuntimeError("mm", "boom", (BACKWARD, src))
+    assert 'File "t.py", line 7 (the forward op this backward op differentiates)' in str(e)
+    assert e.source == src
