@@ -151,24 +151,50 @@ def test_line_report_window_starts_at_reset_metrics():
 
 
 def test_shape_churn_sentence_and_bucketing_what_if_match_a_padded_run():
+    """Note [Shape churn]: the new shapes are traced to the line where the varied tensor
+    entered the device (through a view: the group reads B*T rows), and the what-if's
+    compiles are a padded run's (padded by ae.pad_to_bucket)."""
+    from fusion.causes import HISTORY
+    HISTORY.clear()
     w = rand(32, 32)
     lengths = [8, 13, 21, 30, 37, 45, 50, 64, 70, 8, 13]
 
-    def loop(pad=None):
+    def loop(**bucket):
         for T in lengths:
-            x = rand(pad(T) if pad else T, 32)
-            ((x @ w).erf() * 2).sum().item()  # line CHURN
+            x = torch.randn(2, T, 32)
+            if bucket:
+                x = ae.pad_to_bucket(x, 1, **bucket)
+            x = x.to("neuron")  # line ENTERS
+            h = x.view(-1, 32) @ w  # 2*T rows
+            (h.erf() * 2).sum().item()
     m = run(loop)
-    from adaptive_eager.tools.lines import BUCKETS, churn
+    from adaptive_eager.tools.lines import churn
     c = churn()
-    assert (c["dim"], c["op"], c["input"]) == (0, "mm", 0)
-    assert c["line"] == _line_of("# line CHURN")
-    assert c["sizes"] == sorted(set(lengths)) and c["new_shapes"] == m.compiles - 1
-    assert "89% of compiles (8 of 9) are new shapes of dim 0 of input 0 of mm at " \
-           "test_lines.py:" in ae.metrics_report()
-    for name in ("multiple of 32", "power of two"):  # the prediction, against a real run
-        padded = run(lambda: loop(BUCKETS[name]))
+    assert (c["dim"], c["line"]) == (1, _line_of("# line ENTERS"))
+    assert c["sizes"] == sorted(set(lengths)) and c["new_shapes"] == m.compiles - 1 == 8
+    n = c["line"].rsplit(":", 1)[1]
+    assert "89% of compiles (8 of 9) are new shapes of dim 1 of the tensor from " \
+           f"test_lines.py:{n} (9 distinct sizes, 8..70)" in ae.metrics_report()
+    for name, bucket in (("multiple of 32", {"multiple": 32}),
+                         ("power of two", {"buckets": "power of two"})):
+        padded = run(lambda: loop(**bucket))  # the prediction, against a real padded run
         assert padded.compiles == c["whatif"][name], name
+    assert c["whatif"]["multiple of 32"] == 3  # 32, 64, 96
+
+
+def test_shape_churn_without_an_entry_names_the_group_input():
+    """Tensors made on the device (no host copy): the group input dim, as before."""
+    from fusion.causes import HISTORY
+    HISTORY.clear()
+
+    def loop():
+        for T in (9, 17, 25):
+            torch.ones(T, 6, device="neuron").cosh().sum().item()  # line MADE
+    run(loop)
+    from adaptive_eager.tools.lines import churn
+    c = churn()
+    assert not c["entered"] and (c["dim"], c["input"]) == (0, 0)
+    assert c["new_shapes"] >= 2 and c["line"] == _line_of("# line MADE")
 
 
 def test_backward_ops_name_the_forward_lines_they_differentiate(tmp_path):

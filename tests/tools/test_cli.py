@@ -222,5 +222,36 @@ def test_run_lines_prints_the_top_lines_per_mode(tmp_path):
     assert by["graph"]["compile_causes"] == {"new op sequence": 1, "new shape": 2}
     advice = json.loads(out_json.read_text())["advice"]
     assert any(a.startswith("graph: 67% of compiles (2 of 3) are new shapes of dim 0 of "
-                            "input 0 of mm at s.py:4 (3 distinct sizes, 4..12)")
+                            "the tensor from s.py:4 (3 distinct sizes, 4..12)")
                for a in advice), advice
+    # time to steady state: no optimizer, no steps
+    assert not any("steady state" in a or "did not stop" in a for a in advice)
+
+
+def test_run_names_the_varying_input_of_the_variable_length_gpt(tmp_path):
+    """Issue 28's script (tests/harness/varlen_gpt.py, 6 steps): `run` names the line where
+    the batch enters the device and its dim 1, and the bucketing what-if's compiles are
+    within 10% of a real run padded by ae.bucketing_collate; the time to steady state."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "harness", "varlen_gpt.py")
+    with open(script) as f:
+        n = next(i for i, s in enumerate(f, 1) if "# the batch enters the device" in s)
+    env = dict(ENV, TORCH_NEURONX_NEFF_DISABLE_CACHE="1")
+    runs = {}
+    for bucket in ("0", "32"):
+        out_json = tmp_path / f"o{bucket}.json"
+        r = cli("run", "--modes", "graph", "--json", str(out_json), script, "--steps", "6",
+                "--bucket", bucket, cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[bucket] = json.loads(out_json.read_text())
+    graph = runs["0"]["modes"][0]
+    advice = runs["0"]["advice"]
+    assert any(a.startswith("graph: ") and f"new shapes of dim 1 of the tensor from "
+               f"varlen_gpt.py:{n} (6 distinct sizes, 15..60)" in a for a in advice), advice
+    predicted = graph["churns"][0]["whatif"]["multiple of 32"]
+    real = runs["32"]["modes"][0]["compiles"]
+    assert graph["compiles"] > real  # padding saved compiles...
+    assert abs(predicted - real) <= 0.1 * real, (predicted, real)  # ...as predicted
+    assert graph["steps"][0]["steps"] == 6  # six optimizer steps, each a new length
+    assert any(a.startswith("graph: ") and ("steady state from step" in a or
+                                             "compiles did not stop" in a) for a in advice)
