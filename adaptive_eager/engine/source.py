@@ -116,11 +116,11 @@ def _made_node(seq: int, source):
 # "file:line (backward)", errors name the forward line. Costs per op: two C calls and a
 # compare; per node made, a dict store. Limits: an op not issued from a node's forward (a
 # CPU op made the node) may be noted for it; forward on several threads shares the table
-# (numbers are per thread); the table keeps the newest 32k..64k nodes; a compiled graph's
+# (numbers are per thread); the table keeps the newest 8k..16k nodes; a compiled graph's
 # backward keeps its own traced lines (checked first).
 BACKWARD = object()
 _GRAD_LINES: dict = {}  # autograd node's sequence number -> the source of the op that made it
-_GRAD_LIMIT = 65536
+_GRAD_LIMIT = 16384  # at most ~2.7 MB (measured: 16k entries of a 3-tuple source)
 _LAST_SEQ = [-1]
 _current_autograd_node = torch._C._current_autograd_node
 _sequence_nr = torch._C._autograd._get_sequence_nr
