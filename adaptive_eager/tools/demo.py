@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import adaptive_eager as ae
-from adaptive_eager.tools import steps
+from adaptive_eager.tools import steps as steady_state
 from adaptive_eager.tools.models import GPT, batches
 
 
@@ -27,7 +27,7 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)
     data = [(x.to("neuron"), y.to("neuron")) for x, y in batches("gpt", steps, seed, seq=seq or 16)]
     losses, per_step = [], []
-    steps.install()  # Note [Time to steady state]: from this mode's first step
+    steady_state.install()  # Note [Time to steady state]: from this mode's first step
     scope = ae.adaptive(strategy=strategy) if strategy else ae.adaptive(False)
     if compiled:
         scope = _process_wide(strategy)
@@ -45,8 +45,8 @@ def run_mode(name: str, steps: int, strategy: str | None, seed: int = 0,
             per_step.append((ae.metrics() - before, wall))
     warm = per_step[1:] or per_step  # step 0 pays the compiles
     total = ae.metrics()
-    steady = steps.summary()
-    steps.uninstall()
+    steady = steady_state.summary()
+    steady_state.uninstall()
     return {
         "mode": name, "losses": losses,
         "launches": sum(m.launches for m, _ in warm) / len(warm),
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
             verdict += f"; {' and '.join(inexact)} within float32 tolerance"
     print("\ntime to steady state (modeled: compiles, host overhead and device time):")
     for r in rows:
-        print(f"  {r['mode']}: {steps.sentence(r['steady'])}")
+        print(f"  {r['mode']}: {steady_state.sentence(r['steady'])}")
     print(f"\nlosses: {', '.join(f'{v:.4f}' for v in rows[0]['losses'])} ({verdict})")
     print("launches, device time: simulated NeuronCore (see device/spec.py for the figures); "
           "host us/op: this machine's wall clock.")

@@ -102,8 +102,10 @@ def sentence(s: dict | None) -> str:
                 f"({s['warm_compile_ms']:.1f} ms of it compiling, {s['warm_compiles']} "
                 f"compiles)")
     k = s["steady_from"] - 1
-    first = (f"the first {k} step{'s' if k != 1 else ''} took {s['warm_ms']:.1f} ms modeled "
-             f"({s['warm_compile_ms']:.1f} ms of it compiling, {s['warm_compiles']} compiles)"
-             if k else "no step compiled")
+    n = s["warm_compiles"]
+    first = ("no step compiled" if not k else
+             f"the first {f'{k} steps' if k > 1 else 'step'} took {s['warm_ms']:.1f} ms "
+             f"modeled ({s['warm_compile_ms']:.1f} ms of it compiling, {n} "
+             f"compile{'s' if n != 1 else ''})")
     return (f"steady state from step {s['steady_from']} of {s['steps']}: {first}; a steady "
             f"step takes {s['steady_step_ms']:.3f} ms modeled")

@@ -374,6 +374,9 @@ def test_demo_runs_and_writes_trace_and_graph(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "adaptive graph" in out.stdout and "adaptive matmul" in out.stdout
     assert "identical in every mode" in out.stdout
+    assert "time to steady state" in out.stdout  # issue 28: a sentence per mode
+    assert "adaptive graph: steady state from step" in out.stdout or \
+        "adaptive graph: compiles did not stop" in out.stdout
     trace = json.load(open(tmp_path / "t.json"))
     assert any(e.get("ph") == "X" and e.get("cat") == "launch" for e in trace["traceEvents"])
     assert open(tmp_path / "g.dot").read().startswith("digraph")
