@@ -33,12 +33,13 @@ def _user_stacklevel() -> int:
 
 def _ours(code) -> bool:
     """Is `code` in our packages (or torch's)?"""
-    return _kind(code) == _OUR_CODE
+    return _kind(code) & 1 == 1  # _OUR_CODE or _BACKWARD_CODE
 
 
 def _kind(code) -> int:
-    """_OUR_CODE (our packages' or torch's), _FX_CODE (an FX graph module's generated code:
-    compiled graphs, make_fx) or _USER_CODE. Cached by the code object's id, the object kept
+    """_OUR_CODE (our packages' or torch's; _BACKWARD_CODE for torch's function that runs
+    autograd's engine), _FX_CODE (an FX graph module's generated code: compiled graphs,
+    make_fx) or _USER_CODE. Cached by the code object's id, the object kept
     alive beside it (so the id is not reused): hashing a code object hashes its constants,
     and this runs per frame of every op."""
     kind = _KINDS.get(id(code))
@@ -47,13 +48,15 @@ def _kind(code) -> int:
     if len(_KINDS) >= 10_000:  # code made at run time (exec, lambdas in loops): bounded
         _KINDS.clear()
     name = code.co_filename
-    kind = _OUR_CODE if name.startswith(_SKIP_FILES) else \
+    kind = (_BACKWARD_CODE if code.co_name == "_engine_run_backward" else _OUR_CODE) \
+        if name.startswith(_SKIP_FILES) else \
         _FX_CODE if name.startswith("<eval_with_key>") else _USER_CODE
     _KINDS[id(code)] = (code, kind)
     return kind
 
 
-_USER_CODE, _OUR_CODE, _FX_CODE = 0, 1, 2
+# (ours: odd) _BACKWARD_CODE: torch's frame that runs autograd's engine (Note [Backward lines])
+_USER_CODE, _OUR_CODE, _FX_CODE, _BACKWARD_CODE = 0, 1, 2, 3
 _KINDS: dict = {}  # id(code) -> (code, kind)
 _FX_LINES: dict = {}  # (code, line) -> the user's (file, line) its graph node was traced at
 _FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
@@ -67,28 +70,31 @@ def _source(ours: int = 1):
     many frames above the caller are known to be ours (skipped without looking: Python 3.11
     makes a frame object for every frame a walk steps through, and this runs per op)."""
     f = sys._getframe(1 + ours)
+    backward = False
     while f is not None:  # (_kind, inlined: this runs per op)
         code = f.f_code
         kind = _KINDS.get(id(code))
         kind = kind[1] if kind is not None else _kind(code)
         if kind != _OUR_CODE:
-            break
+            if kind != _BACKWARD_CODE:
+                break
+            backward = True  # autograd runs backward (Note [Backward lines])
         f = f.f_back
+    if backward or f is None:  # (no Python frame: autograd's device thread)
+        grad = _current_autograd_node()
+        if grad is not None:  # in backward: the forward line (Note [Backward lines])
+            fwd = _GRAD_LINES.get(grad._sequence_nr())
+            if fwd is not None:
+                return (BACKWARD, fwd)
     if f is None:
         source = None
     else:
         stack = "".join(traceback.format_stack(f)) if _config.config.stack_trace else None
         source = (code, f.f_lasti, stack)
         if kind == _FX_CODE:  # a compiled graph's generated code: the line it was traced at
-            where = _fx_line(f)  # (in forward or backward: kept)
+            where = _fx_line(f)
             if where is not None:
                 source = where + (stack,)
-    if kind != _FX_CODE:
-        grad = _current_autograd_node()
-        if grad is not None:  # in backward: the forward line (Note [Backward lines])
-            fwd = _GRAD_LINES.get(grad._sequence_nr())
-            if fwd is not None:
-                return (BACKWARD, fwd)
     seq = _sequence_nr()
     if seq != _LAST_SEQ[0]:  # this op made an autograd node (Note [Backward lines])
         _made_node(seq, source)
@@ -110,14 +116,18 @@ def _made_node(seq: int, source):
 # each node it makes (a thread's sequence number, taken when the node is made, before its
 # forward op is dispatched to us); an op that sees the counter moved since the last op
 # made that node, and notes its source under the number (`_GRAD_LINES`; the first op after
-# the node wins: a node's forward may issue several ops, of one line). In backward,
-# `torch._C._current_autograd_node()` is the node being run; its `_sequence_nr()` finds the
-# forward line. Such a source is `(BACKWARD, forward source)`: `where` names it
-# "file:line (backward)", errors name the forward line. Costs per op: two C calls and a
-# compare; per node made, a dict store. Limits: an op not issued from a node's forward (a
-# CPU op made the node) may be noted for it; forward on several threads shares the table
-# (numbers are per thread); the table keeps the newest 8k..16k nodes; a compiled graph's
-# backward keeps its own traced lines (checked first).
+# the node wins: a node's forward may issue several ops, of one line). An op runs in
+# backward when the frame walk, before reaching user code, passes torch's
+# `_engine_run_backward` (or finds no Python frame: autograd's device thread); then
+# `torch._C._current_autograd_node()` is the node being run, and its `_sequence_nr()` finds
+# the forward line. Such a source is `(BACKWARD, forward source)`: `where` names it
+# "file:line (backward)", errors name the forward line. Ops issued by user code in backward
+# (a hook, an autograd.Function's backward) keep that code's line: the walk stops there.
+# A compiled graph's backward runs in its generated code (the walk stops there too): its
+# traced lines. Cost per op: one C call (the sequence number) and a compare; per node made,
+# a dict store; per backward op, a C call and a lookup. Limits: an op not issued from a
+# node's forward (a CPU op made the node) may be noted for it; forward on several threads
+# shares the table (numbers are per thread); the table keeps the newest 8k..16k nodes.
 BACKWARD = object()
 _GRAD_LINES: dict = {}  # autograd node's sequence number -> the source of the op that made it
 _GRAD_LIMIT = 16384  # at most ~2.7 MB (measured: 16k entries of a 3-tuple source)
