@@ -19,6 +19,7 @@ The CI smoke run (tests/test_executors.py) runs this module at a tiny size.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -39,6 +40,10 @@ import adaptive_eager as ae
 from adaptive_eager.tools.models import GPT
 
 MODES = ("cpu", "cpu-compile", "interpreter", "inductor", "auto")
+# What steady steps and the breakdown are timed with (--clock): `wall` (perf_counter), or
+# `cpu` (process_time: this process's CPU time, all its threads; on a machine shared by
+# other jobs it leaves out the time the process waits for a core)
+CLOCK = [time.perf_counter]
 
 
 # -- workloads: each maker returns a step (forward, loss, backward, AdamW) --------------
@@ -113,12 +118,20 @@ def make(mode, workload, size):
     return step
 
 
+def timed_step(step) -> float:
+    """The time of one step, ended at a sync (the loss read back, as a training loop)."""
+    clock = CLOCK[0]
+    t0 = clock()
+    step().item()
+    return clock() - t0
+
+
 def run_step(mode, step) -> float:
-    """Wall time of one step, ended at a sync (the loss read back, as a training loop)."""
+    """One step in its mode's scope. Entering the scope changes settings, so the engine
+    flushes, reconfigures and forgets its replay traces (with another executor than the one
+    before, its plans too): steady steps run inside one scope (`steady`)."""
     with scope(mode):
-        t0 = time.perf_counter()
-        step().item()
-        return time.perf_counter() - t0
+        return timed_step(step)
 
 
 def _executor_figures() -> dict:
@@ -151,12 +164,15 @@ def first_steps(mode, step, n) -> dict:
 
 
 def steady(modes, steps, rounds, per_round) -> dict:
-    """Interleaved steady state: per mode, the median step time over all timed steps."""
+    """Interleaved steady state: per mode, the median step time over all timed steps. Each
+    round runs a mode's steps in one scope, after one untimed step (after a mode switch the
+    engine rebuilds its plans and replay traces), as a training loop runs in one mode."""
     times = {m: [] for m in modes}
     for _ in range(rounds):
         for m in modes:
-            run_step(m, steps[m])  # after a mode switch the engine rebuilds its plans
-            times[m] += [run_step(m, steps[m]) for _ in range(per_round)]
+            with scope(m):
+                timed_step(steps[m])
+                times[m] += [timed_step(steps[m]) for _ in range(per_round)]
     return {m: {"median_s": statistics.median(t), "min_s": min(t), "n": len(t)}
             for m, t in times.items() if t}
 
@@ -200,6 +216,94 @@ def calibrate(mode, step, repeats=3) -> list[dict]:
     return best
 
 
+def breakdown(mode, step, repeats=3, rescope=False) -> dict:
+    """Where one steady step's wall time goes (ms per step, the median of `repeats` steps):
+    `compiled` (TorchInductor's code), `copies` (its inputs and outputs at the group's edges:
+    `FxGroup.args` and `store`), `fused interpreted` (groups of 2+ ops the interpreter runs),
+    `single ops` (one-op launches), `flush` (planning and launch bookkeeping: the flushes'
+    time less their launches'), and `host` (the rest: dispatch, queueing, autograd, the
+    optimizer's Python). Timers wrap the engine's flush, the device's submit and the FX
+    group's copies, so the figures carry a little of their own overhead. `rescope`: every
+    timed step enters the mode's scope anew (how steady steps were measured before: the
+    engine then forgets its replay traces, and with the Inductor executor its plans, at
+    every step)."""
+    from fusion.executors.fx import FxGroup
+    eng = ae.engine.engine.ENGINE
+    acc = collections.Counter()
+    clock = CLOCK[0]
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += clock() - t0
+        return wrapper
+
+    rows = []
+    with scope(mode):
+        step().item()  # after the switch: plans rebuilt, untimed
+        dev = eng.device
+        submit, flush = dev.submit, eng.flush
+        args, store = FxGroup.args, FxGroup.store
+
+        def timed_submit(launch):
+            run = launch.run
+            if run is not None and launch.kind in ("launch", "kernel"):
+                ops = len(launch.nodes[1]) if launch.nodes else 1
+                key = ("compiled" if getattr(run, "compiled", False) else
+                       "fused interpreted" if ops > 1 else "single ops")
+                acc[key + " launches"] += 1
+                launch.run = timed(key, run)
+            return timed("submit", submit)(launch)
+        dev.submit, eng.flush = timed_submit, timed("flush", flush)
+        FxGroup.args, FxGroup.store = timed("copies", args), timed("copies", store)
+        try:
+            for _ in range(repeats):
+                acc.clear()
+                with scope(mode) if rescope else contextlib.nullcontext():
+                    t0 = clock()
+                    step().item()
+                    total = clock() - t0
+                a = dict(acc)
+                runs = sum(a.get(k, 0.0) for k in ("compiled", "fused interpreted",
+                                                     "single ops"))
+                rows.append({
+                    "step": total,
+                    "compiled": a.get("compiled", 0.0) - a.get("copies", 0.0),
+                    "copies": a.get("copies", 0.0),
+                    "fused interpreted": a.get("fused interpreted", 0.0),
+                    "single ops": a.get("single ops", 0.0),
+                    "flush": a.get("flush", 0.0) - runs,
+                    "host": total - a.get("flush", 0.0),
+                    **{k: v for k, v in a.items() if k.endswith("launches")}})
+        finally:
+            del dev.submit, eng.flush
+            FxGroup.args, FxGroup.store = args, store
+    keys = rows[0].keys() | {k for r in rows for k in r}
+    return {k: (statistics.median(r.get(k, 0) for r in rows) * (1 if k.endswith("launches")
+                                                                  else 1e3))
+            for k in keys}
+
+
+BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host")
+
+
+def breakdown_table(results) -> str:
+    lines = ["| workload | mode | step (ms) | " + " | ".join(BREAKDOWN_KEYS) +
+             " | launches (compiled/fused interp./single) |",
+             "|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|"]
+    for r in results:
+        for m, b in r.get("breakdown", {}).items():
+            lines.append(f"| {r['workload']} | {m} | {b['step']:.1f} | " +
+                         " | ".join(f"{b.get(k, 0):.1f}" for k in BREAKDOWN_KEYS) +
+                         f" | {b.get('compiled launches', 0):.0f}/"
+                         f"{b.get('fused interpreted launches', 0):.0f}/"
+                         f"{b.get('single ops launches', 0):.0f} |")
+    return "\n".join(lines)
+
+
 def _ranks(v) -> list[float]:
     order = sorted(range(len(v)), key=v.__getitem__)
     r = [0.0] * len(v)
@@ -223,7 +327,8 @@ def spearman(xs, ys) -> float:
     return cov / var if var else float("nan")
 
 
-def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True) -> dict:
+def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True,
+        do_breakdown=True) -> dict:
     steps, firsts = {}, {}
     for m in modes:  # cold start per mode: builds, compiles
         steps[m] = make(m, workload, size)
@@ -231,6 +336,11 @@ def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True) ->
         print(f"  {workload} {m}: first step {firsts[m]['first_step_s']} s", flush=True)
     res = {"workload": workload, "size": size, "first": firsts,
            "steady": steady(modes, steps, rounds, per_round) if rounds else {}}
+    if do_breakdown:
+        res["breakdown"] = {m: breakdown(m, steps[m]) for m in modes if not m.startswith("cpu")}
+        if do_breakdown == "rescope":  # how the steady steps were measured before
+            res["breakdown"].update({f"{m}, scope per step": breakdown(m, steps[m], rescope=True)
+                                     for m in modes if not m.startswith("cpu")})
     if do_calibrate and "inductor" in modes:
         rows = calibrate("inductor", steps["inductor"])
         if "interpreter" in modes:  # the same launches (same plan), run interpreted
@@ -298,16 +408,30 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CI smoke run)")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--plot", help="write the calibration plot (PNG)")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the calibration")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the time breakdown")
+    p.add_argument("--rescope", action="store_true", help="also break down steps that each "
+                   "enter their mode's scope anew (the method before the steady state ran "
+                   "in one scope per round)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads for every mode, set "
                    "before anything compiles (a shared machine: fewer threads, less noise)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steady steps and the breakdown by wall clock (default) or by "
+                   "the process's CPU time (a loaded machine)")
     a = p.parse_args(argv)
+    CLOCK[0] = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.threads:
         torch.set_num_threads(a.threads)
     results = []
     for w in a.workloads:
         size = TINY[w] if a.tiny else {}
-        results.append(run(w, size, a.modes, a.rounds, a.per_round, a.first))
+        results.append(run(w, size, a.modes, a.rounds, a.per_round, a.first,
+                           not a.no_calibrate,
+                           not a.no_breakdown and ("rescope" if a.rescope else True)))
     print(table(results))
+    if not a.no_breakdown:
+        print("\nWhere a steady step's time goes (ms, median of 3 steps):")
+        print(breakdown_table(results))
     for r in results:
         if "spearman_compiled" in r:
             print(f"{r['workload']}: Spearman rank correlation, simulated vs measured, "
