@@ -89,6 +89,9 @@ def test_ltc_step(benchmark, workload):
     with CountOps() as c:  # one more step (after the check): CPU's ATen ops per step
         cpu_step()
     graphs = delta.get("CachedCompile", 0) + delta.get("UncachedCompile", 0)
+    if benchmark.stats is not None:  # pytest-benchmark's timer (--benchmark-timer), as the
+        state["best"] = benchmark.stats.stats.min  # report's wall column
+
     benchmark.extra_info.update(
         mode="ltc", device="lazy", workload=workload, rounds=n,
         steady_step_ms=state["best"] * 1e3, first_step_ms=first_ms,
