@@ -19,6 +19,7 @@ The CI smoke run (tests/test_executors.py) runs this module at a tiny size.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -38,7 +39,12 @@ import torch.nn.functional as F
 import adaptive_eager as ae
 from adaptive_eager.tools.models import GPT
 
-MODES = ("cpu", "cpu-compile", "interpreter", "inductor", "auto")
+MODES = ("cpu", "cpu-compile", "interpreter", "inductor", "auto", "ltc")
+DEFAULT_MODES = MODES[:5]  # ltc (PyTorch's lazy tensors, TorchScript backend) on request
+# What steady steps and the breakdown are timed with (--clock): `wall` (perf_counter), or
+# `cpu` (process_time: this process's CPU time, all its threads; on a machine shared by
+# other jobs it leaves out the time the process waits for a core)
+CLOCK = [time.perf_counter]
 
 
 # -- workloads: each maker returns a step (forward, loss, backward, AdamW) --------------
@@ -97,6 +103,10 @@ def scope(mode):
     if mode.startswith("cpu"):
         yield "cpu"
         return
+    if mode == "ltc":
+        from workloads import lazy_device
+        yield lazy_device()
+        return
     with ae.override(executor=mode):
         ae.set_adaptive(True)
         try:
@@ -113,12 +123,24 @@ def make(mode, workload, size):
     return step
 
 
+def timed_step(step) -> float:
+    """The time of one step, ended at a sync (the loss read back, as a training loop)."""
+    clock = CLOCK[0]
+    t0 = clock()
+    loss = step()
+    if loss.device.type == "lazy":  # LTC: cut the trace and run its graph (mark_step)
+        from workloads import ltc_sync
+        ltc_sync()
+    loss.item()
+    return clock() - t0
+
+
 def run_step(mode, step) -> float:
-    """Wall time of one step, ended at a sync (the loss read back, as a training loop)."""
+    """One step in its mode's scope. Entering the scope changes settings, so the engine
+    flushes, reconfigures and forgets its replay traces (with another executor than the one
+    before, its plans too): steady steps run inside one scope (`steady`)."""
     with scope(mode):
-        t0 = time.perf_counter()
-        step().item()
-        return time.perf_counter() - t0
+        return timed_step(step)
 
 
 def _executor_figures() -> dict:
@@ -132,6 +154,19 @@ def _executor_figures() -> dict:
 
 def first_steps(mode, step, n) -> dict:
     """Time to first step (includes every compile it waits for), then the next steps."""
+    if mode == "ltc":
+        from workloads import ltc_counters
+        times = [run_step(mode, step)]
+        before = ltc_counters()
+        times += [run_step(mode, step) for _ in range(n - 1)]
+        after = ltc_counters()
+        graphs = sum(after.get(k, 0) - before.get(k, 0) for k in ("CachedCompile",
+                                                                  "UncachedCompile"))
+        return {"first_step_s": round(times[0], 3),
+                "next_steps_s": [round(t, 4) for t in times[1:]],
+                "ltc_graphs_per_step": graphs / max(1, n - 1),
+                "ltc_cpu_fallbacks": {k: v - before.get(k, 0) for k, v in after.items()
+                                      if k.startswith("aten::") and v > before.get(k, 0)}}
     if not mode.startswith("cpu"):
         with scope(mode):
             ae.reset_metrics()
@@ -151,12 +186,15 @@ def first_steps(mode, step, n) -> dict:
 
 
 def steady(modes, steps, rounds, per_round) -> dict:
-    """Interleaved steady state: per mode, the median step time over all timed steps."""
+    """Interleaved steady state: per mode, the median step time over all timed steps. Each
+    round runs a mode's steps in one scope, after one untimed step (after a mode switch the
+    engine rebuilds its plans and replay traces), as a training loop runs in one mode."""
     times = {m: [] for m in modes}
     for _ in range(rounds):
         for m in modes:
-            run_step(m, steps[m])  # after a mode switch the engine rebuilds its plans
-            times[m] += [run_step(m, steps[m]) for _ in range(per_round)]
+            with scope(m):
+                timed_step(steps[m])
+                times[m] += [timed_step(steps[m]) for _ in range(per_round)]
     return {m: {"median_s": statistics.median(t), "min_s": min(t), "n": len(t)}
             for m, t in times.items() if t}
 
@@ -200,6 +238,96 @@ def calibrate(mode, step, repeats=3) -> list[dict]:
     return best
 
 
+def breakdown(mode, step, repeats=3, rescope=False) -> dict:
+    """Where one steady step's wall time goes (ms per step, the median of `repeats` steps):
+    `compiled` (TorchInductor's code), `copies` (its inputs and outputs at the group's edges:
+    `FxGroup.args` and `store`), `fused interpreted` (groups of 2+ ops the interpreter runs),
+    `single ops` (one-op launches), `flush` (planning and launch bookkeeping: the flushes'
+    time less their launches'), and `host` (the rest: dispatch, queueing, autograd, the
+    optimizer's Python). Timers wrap the engine's flush, the device's submit and the FX
+    group's copies, so the figures carry a little of their own overhead. `rescope`: every
+    timed step enters the mode's scope anew (how steady steps were measured before: the
+    engine then forgets its replay traces, and with the Inductor executor its plans, at
+    every step)."""
+    from fusion.executors.fx import FxGroup
+    eng = ae.engine.engine.ENGINE
+    acc = collections.Counter()
+    clock = CLOCK[0]
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += clock() - t0
+        return wrapper
+
+    rows = []
+    with scope(mode):
+        timed_step(step)  # after the switch: plans rebuilt, untimed
+    # rescope: as run_step, each timed step enters the scope from outside it
+    with scope(mode) if not rescope else contextlib.nullcontext():
+        if not rescope:
+            timed_step(step)
+        dev = eng.device
+        submit, flush = dev.submit, eng.flush
+        args, store = FxGroup.args, FxGroup.store
+
+        def timed_submit(launch):
+            run = launch.run
+            if run is not None and launch.kind in ("launch", "kernel"):
+                ops = len(launch.nodes[1]) if launch.nodes else 1
+                key = ("compiled" if getattr(run, "compiled", False) else
+                       "fused interpreted" if ops > 1 else "single ops")
+                acc[key + " launches"] += 1
+                launch.run = timed(key, run)
+            return timed("submit", submit)(launch)
+        dev.submit, eng.flush = timed_submit, timed("flush", flush)
+        FxGroup.args, FxGroup.store = timed("copies", args), timed("copies", store)
+        try:
+            for _ in range(repeats):
+                acc.clear()
+                with scope(mode) if rescope else contextlib.nullcontext():
+                    total = timed_step(step)
+                a = dict(acc)
+                runs = sum(a.get(k, 0.0) for k in ("compiled", "fused interpreted",
+                                                     "single ops"))
+                rows.append({
+                    "step": total,
+                    "compiled": a.get("compiled", 0.0) - a.get("copies", 0.0),
+                    "copies": a.get("copies", 0.0),
+                    "fused interpreted": a.get("fused interpreted", 0.0),
+                    "single ops": a.get("single ops", 0.0),
+                    "flush": a.get("flush", 0.0) - runs,
+                    "host": total - a.get("flush", 0.0),
+                    **{k: v for k, v in a.items() if k.endswith("launches")}})
+        finally:
+            del dev.submit, eng.flush
+            FxGroup.args, FxGroup.store = args, store
+    keys = rows[0].keys() | {k for r in rows for k in r}
+    return {k: (statistics.median(r.get(k, 0) for r in rows) * (1 if k.endswith("launches")
+                                                                  else 1e3))
+            for k in keys}
+
+
+BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host")
+
+
+def breakdown_table(results) -> str:
+    lines = ["| workload | mode | step (ms) | " + " | ".join(BREAKDOWN_KEYS) +
+             " | launches (compiled/fused interp./single) |",
+             "|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|"]
+    for r in results:
+        for m, b in r.get("breakdown", {}).items():
+            lines.append(f"| {r['workload']} | {m} | {b['step']:.1f} | " +
+                         " | ".join(f"{b.get(k, 0):.1f}" for k in BREAKDOWN_KEYS) +
+                         f" | {b.get('compiled launches', 0):.0f}/"
+                         f"{b.get('fused interpreted launches', 0):.0f}/"
+                         f"{b.get('single ops launches', 0):.0f} |")
+    return "\n".join(lines)
+
+
 def _ranks(v) -> list[float]:
     order = sorted(range(len(v)), key=v.__getitem__)
     r = [0.0] * len(v)
@@ -223,14 +351,31 @@ def spearman(xs, ys) -> float:
     return cov / var if var else float("nan")
 
 
-def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True) -> dict:
-    steps, firsts = {}, {}
+def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True,
+        do_breakdown=True) -> dict:
+    steps, firsts, failed = {}, {}, {}
     for m in modes:  # cold start per mode: builds, compiles
         steps[m] = make(m, workload, size)
-        firsts[m] = first_steps(m, steps[m], first_n)
+        try:
+            firsts[m] = first_steps(m, steps[m], first_n)
+        except RuntimeError as e:
+            if m != "ltc":
+                raise
+            # (gpt_train: LTC's matmul of the attention's transposed views returns a CPU
+            # tensor, which the next op refuses: "Input tensor is not a lazy tensor")
+            failed[m] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            print(f"  {workload} {m}: cannot run: {failed[m]}", flush=True)
+            continue
         print(f"  {workload} {m}: first step {firsts[m]['first_step_s']} s", flush=True)
-    res = {"workload": workload, "size": size, "first": firsts,
+    modes = [m for m in modes if m not in failed]
+    res = {"workload": workload, "size": size, "first": firsts, "failed": failed,
            "steady": steady(modes, steps, rounds, per_round) if rounds else {}}
+    if do_breakdown:
+        ours = [m for m in modes if m not in ("cpu", "cpu-compile", "ltc")]
+        res["breakdown"] = {m: breakdown(m, steps[m]) for m in ours}
+        if do_breakdown == "rescope":  # how the steady steps were measured before
+            res["breakdown"].update({f"{m}, scope per step": breakdown(m, steps[m], rescope=True)
+                                     for m in ours})
     if do_calibrate and "inductor" in modes:
         rows = calibrate("inductor", steps["inductor"])
         if "interpreter" in modes:  # the same launches (same plan), run interpreted
@@ -257,13 +402,16 @@ def table(results) -> str:
             rel = lambda k: f"{s / st[k]['median_s']:.2f}x" if s and k in st else "-"  # noqa
             groups = (f"{f['compiled_groups']} ({f['inductor_cache_hits']})"
                       if "compiled_groups" in f else f"{f.get('dynamo_graphs', '-')} graphs"
-                      if m == "cpu-compile" else "-")
+                      if m == "cpu-compile" else
+                      f"{f['ltc_graphs_per_step']:g} LTC graphs/step" if m == "ltc" else "-")
             comp = f"{f['inductor_compile_s']} s" if "inductor_compile_s" in f else "-"
             lines.append(f"| {r['workload']} | {m} | "
                          f"{(s * 1e3):.1f} ms | {rel('cpu')} | {rel('cpu-compile')} | "
                          f"{f['first_step_s']:.2f} s | {groups} | {comp} |" if s else
                          f"| {r['workload']} | {m} | - | - | - | {f['first_step_s']:.2f} s | "
                          f"{groups} | {comp} |")
+        for m, why in r.get("failed", {}).items():
+            lines.append(f"| {r['workload']} | {m} | cannot run: {why} | | | | | |")
     return "\n".join(lines)
 
 
@@ -291,23 +439,37 @@ def plot(results, path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--per-round", type=int, default=3)
     p.add_argument("--first", type=int, default=6, help="steps timed from a cold start")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CI smoke run)")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--plot", help="write the calibration plot (PNG)")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the calibration")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the time breakdown")
+    p.add_argument("--rescope", action="store_true", help="also break down steps that each "
+                   "enter their mode's scope anew (the method before the steady state ran "
+                   "in one scope per round)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads for every mode, set "
                    "before anything compiles (a shared machine: fewer threads, less noise)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steady steps and the breakdown by wall clock (default) or by "
+                   "the process's CPU time (a loaded machine)")
     a = p.parse_args(argv)
+    CLOCK[0] = time.process_time if a.clock == "cpu" else time.perf_counter
     if a.threads:
         torch.set_num_threads(a.threads)
     results = []
     for w in a.workloads:
         size = TINY[w] if a.tiny else {}
-        results.append(run(w, size, a.modes, a.rounds, a.per_round, a.first))
+        results.append(run(w, size, a.modes, a.rounds, a.per_round, a.first,
+                           not a.no_calibrate,
+                           not a.no_breakdown and ("rescope" if a.rescope else True)))
     print(table(results))
+    if not a.no_breakdown:
+        print("\nWhere a steady step's time goes (ms, median of 3 steps):")
+        print(breakdown_table(results))
     for r in results:
         if "spearman_compiled" in r:
             print(f"{r['workload']}: Spearman rank correlation, simulated vs measured, "

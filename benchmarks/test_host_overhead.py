@@ -18,6 +18,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.tools.pytest_plugin import CountOps, mode_scope
+from workloads import lazy_device, ltc_sync
 
 CHAIN = 800  # ops per step: `x * 1.0001 + 0.001`, 400 times, on 16 floats
 SLOW = 50  # iterations per step of a slow-path program
@@ -107,25 +108,6 @@ def host_tensors(x):
 
 PROGRAMS = {"views": views, "copy_": copies, "setitem": setitem, "tensor_lists": tensor_lists,
             "host_tensors": host_tensors}
-
-_LTC = []
-
-
-def lazy_device() -> str:
-    """PyTorch's lazy tensors with the TorchScript backend (ships in the torch wheel)."""
-    if not _LTC:
-        import torch._lazy
-        import torch._lazy.ts_backend
-        torch._lazy.ts_backend.init()
-        _LTC.append(True)
-    return "lazy"
-
-
-def ltc_sync():
-    import torch._lazy
-    torch._lazy.mark_step()
-    torch._lazy.wait_device_ops()
-
 
 @contextlib.contextmanager
 def in_mode(mode):

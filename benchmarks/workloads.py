@@ -82,5 +82,33 @@ def cnn_train(device, compile=_same):
     return _train_step(model, opt, x.to(device), y.to(device), compile)
 
 
+# -- PyTorch's lazy tensors (the peer: benchmarks/README.md, "The peer") --------------------
+_LTC = []
+
+
+def lazy_device() -> str:
+    """PyTorch's lazy tensors with the TorchScript backend (ships in the torch wheel)."""
+    if not _LTC:
+        import torch._lazy
+        import torch._lazy.ts_backend
+        torch._lazy.ts_backend.init()
+        _LTC.append(True)
+    return "lazy"
+
+
+def ltc_sync():
+    """The end of an LTC step: trace cut, graph run, wait (`xm.mark_step()` in PyTorch/XLA)."""
+    import torch._lazy
+    torch._lazy.mark_step()
+    torch._lazy.wait_device_ops()
+
+
+def ltc_counters() -> dict:
+    """LTC's counters: `CachedCompile` + `UncachedCompile` is the number of graphs it ran
+    (each graph execution looks its computation up first), `aten::*` its CPU fallbacks."""
+    import torch._lazy.metrics as m
+    return {n: m.counter_value(n) for n in m.counter_names()}
+
+
 WORKLOADS = {f.__name__: f for f in (pointwise_chain, mlp_block, layernorm_softmax,
                                      encoder_block, gpt_train, cnn_train)}

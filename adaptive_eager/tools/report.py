@@ -48,8 +48,10 @@ def _kib(v) -> str:
 
 def markdown(res: dict) -> str:
     order = modes(res)
-    neuron = [m for m in order if m != "cpu"]
-    ref = neuron[0] if neuron else None  # launches and device time are the neuron modes'
+    # launches and device time are the neuron modes' (ltc, PyTorch's lazy tensors in
+    # benchmarks/, counts its graph executions as launches and has no device time)
+    neuron = [m for m in order if m not in ("cpu", "ltc")]
+    ref = neuron[0] if neuron else None
     wref = order[0] if order else None
     head = ["test", "mode", "launches/step", f"vs {ref}", "mean group", "device us/step",
             f"vs {ref}", "compiles warm-up (ms modeled) / step", "host us/op"]
