@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from .. import patches
+
 _LOCAL = threading.local()  # .ftz: this thread's flush-to-zero, as last set through torch
 FTZ_USED = [False]  # whether any thread ever turned it on: until then ops skip the check
 _set_flush_denormal = torch._C.set_flush_denormal  # the unwrapped setter
@@ -51,7 +53,7 @@ class _Ftz:
 
 def install(flush_all) -> None:
     """Wrap the setters so that a change first runs `flush_all()` (idempotent)."""
-    if getattr(torch._C._set_mkldnn_enabled, "_ae_flushes", False):
+    if patches.is_patched(torch._C, "_set_mkldnn_enabled"):
         return
 
     def flushing(getter, setter, key=lambda *a, **k: a[-1]):
@@ -65,7 +67,6 @@ def install(flush_all) -> None:
             if not same:
                 flush_all()
             return setter(*args, **kwargs)
-        call._ae_flushes = True
         return call
 
     C = torch._C
@@ -85,17 +86,20 @@ def install(flush_all) -> None:
             key=lambda mode, warn_only=False: (bool(mode), bool(warn_only))),
         "set_num_threads": flushing(C.get_num_threads, C.set_num_threads),
     }
-    for name, fn in wrapped.items():
-        setattr(C, name, fn)
-    torch.set_num_threads = wrapped["set_num_threads"]
+    for name, fn in wrapped.items():  # Note [CPU settings]: a change flushes first
+        patches.patch(C, name, fn, rests_on=f"torch's Python setters calling torch._C.{name}")
+    patches.patch(torch, "set_num_threads", wrapped["set_num_threads"],
+                  rests_on="torch.set_num_threads is torch._C's")
     # the torch.backends properties (`torch.backends.mkldnn.enabled = False`) hold the setters
     # they were made with
     from torch.backends import ContextProp
     for cls in (type(torch.backends), type(torch.backends.mkldnn)):
         for name, prop in list(vars(cls).items()):
             if isinstance(prop, ContextProp):
-                setattr(cls, name, ContextProp(prop.getter, flushing(
-                    lambda *_, g=prop.getter: g(), prop.setter)))
+                patches.patch(cls, name, ContextProp(prop.getter, flushing(
+                    lambda *_, g=prop.getter: g(), prop.setter)),
+                    rests_on="torch.backends.ContextProp (private) holding the setter it "
+                             "was made with")
 
     def set_flush_denormal(mode: bool) -> bool:
         ok = _set_flush_denormal(mode)
@@ -104,4 +108,7 @@ def install(flush_all) -> None:
             FTZ_USED[0] = FTZ_USED[0] or bool(mode)
         return ok
     set_flush_denormal.__doc__ = _set_flush_denormal.__doc__
-    C.set_flush_denormal = torch.set_flush_denormal = set_flush_denormal
+    for owner in (C, torch):
+        patches.patch(owner, "set_flush_denormal", set_flush_denormal,
+                      rests_on="torch.set_flush_denormal re-exporting torch._C's: the "
+                               "thread's flush-to-zero mode is read per segment")

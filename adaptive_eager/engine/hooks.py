@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from .. import patches
 from .source import DEVICE_TYPE
 
 
@@ -142,7 +143,6 @@ def guarded_saved_tensor_hooks(push):
                 _hand_off(e)
                 return None  # not a tensor: autograd's C++ check refuses it
         return push(pack, unpack)
-    push_guarded._neuron = True
     return push_guarded
 
 
@@ -166,19 +166,22 @@ class _GuardedNode:
 def install() -> None:
     """Guard the hooks PyTorch registers on autograd's behalf (Note [Hooks that raise])."""
     import torch.nn.modules.module as module
-    if not getattr(module.BackwardHook, "_neuron", False):  # full backward (pre-)hooks
-        module.BackwardHook = _module_backward_hook_class()
-    get = module.Module._get_backward_hooks
-    if not getattr(get, "_neuron", False):  # legacy `register_backward_hook`
+    patches.patch(module, "BackwardHook", wrap=lambda _: _module_backward_hook_class(),
+                  rests_on="nn.Module's full backward (pre-)hooks made through "
+                           "torch.nn.modules.module.BackwardHook (_set_user_hook, "
+                           "_apply_on_tensors)")
+
+    def guard_legacy(get):  # legacy `register_backward_hook`
         def _get_backward_hooks(self):
             full, non_full = get(self)
             return full, [_guarded_node_hook(h) for h in non_full]
-        _get_backward_hooks._neuron = True
-        module.Module._get_backward_hooks = _get_backward_hooks
-    autograd = torch._C._autograd
-    if not getattr(autograd._push_saved_tensors_default_hooks, "_neuron", False):
-        autograd._push_saved_tensors_default_hooks = guarded_saved_tensor_hooks(
-            autograd._push_saved_tensors_default_hooks)
+        return _get_backward_hooks
+    patches.patch(module.Module, "_get_backward_hooks", wrap=guard_legacy,
+                  rests_on="Module._get_backward_hooks (private), returning (full, non_full)")
+    patches.patch(torch._C._autograd, "_push_saved_tensors_default_hooks",
+                  wrap=guarded_saved_tensor_hooks,
+                  rests_on="torch._C._autograd._push_saved_tensors_default_hooks (private), "
+                           "which every saved_tensors_hooks context calls")
 
 
 def _module_backward_hook_class():
@@ -187,8 +190,6 @@ def _module_backward_hook_class():
     from torch.utils.hooks import BackwardHook
 
     class GuardedBackwardHook(BackwardHook):
-        _neuron = True
-
         def _set_user_hook(self, grad_fn):
             return super()._set_user_hook(_GuardedNode(grad_fn))
 

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from .. import patches
 from .source import DEVICE_TYPE
 
 # handle uid -> (host copy of the whole buffer, the device buffer then, `_writers` then)
@@ -138,7 +139,6 @@ def _legacy_load(original):
             return result
         finally:
             _LEGACY_LOADS.pop()
-    load._neuron = True
     return load
 
 
@@ -149,7 +149,6 @@ def _rebuild_tensor(original):
             return original(storage, storage_offset, size, stride)
         with torch.no_grad():
             return copy.view(storage.dtype).as_strided(size, stride, storage_offset).detach()
-    rebuild._neuron = True
     return rebuild
 
 
@@ -166,7 +165,6 @@ def _rebuild_tensor_v3(original):
                                            _internal=True)
         return torch._utils._rebuild_tensor_v2(typed, storage_offset, size, stride,
                                                requires_grad, backward_hooks, metadata)
-    rebuild._neuron = True
     return rebuild
 
 
@@ -178,7 +176,6 @@ def _storage_to(original):
                 f"storages. Move tensors instead (`t.to('{DEVICE_TYPE}')`); "
                 f"torch.load(..., map_location='{DEVICE_TYPE}') and Module.to work.")
         return original(self, device, non_blocking)
-    to._neuron = True
     return to
 
 
@@ -233,7 +230,6 @@ def _jit_load(original):
                 f"weights came out empty). Load with map_location='cpu' and run on the CPU, "
                 f"or use torch.export / an eager module, whose .to('{DEVICE_TYPE}') works.")
         return original(f, map_location, *args, **kwargs)
-    load._neuron = True
     load.__doc__, load.__wrapped__ = original.__doc__, original
     return load
 
@@ -245,14 +241,16 @@ def register() -> None:
     import torch.storage
     if not any(fn is _restore for _, _, fn in ser._package_registry):
         ser.register_package(5, _tag, _restore)  # before CPU's tagger (10): ours are CPU's
-    if not getattr(ser._legacy_load, "_neuron", False):
-        ser._legacy_load = _legacy_load(ser._legacy_load)
-    if not getattr(torch._utils._rebuild_tensor, "_neuron", False):
-        torch._utils._rebuild_tensor = _rebuild_tensor(torch._utils._rebuild_tensor)
-    if not getattr(torch._utils._rebuild_tensor_v3, "_neuron", False):
-        torch._utils._rebuild_tensor_v3 = _rebuild_tensor_v3(torch._utils._rebuild_tensor_v3)
-    if not getattr(torch.storage._to, "_neuron", False):
-        torch.storage._to = _storage_to(torch.storage._to)
+    patches.patch(ser, "_legacy_load", wrap=_legacy_load,
+                  rests_on="torch.serialization._legacy_load (private), the legacy format's "
+                           "reader, restoring a storage's location before its bytes")
+    patches.patch(torch._utils, "_rebuild_tensor", wrap=_rebuild_tensor,
+                  rests_on="torch._utils._rebuild_tensor (private), which pickled tensors "
+                           "name")
+    patches.patch(torch._utils, "_rebuild_tensor_v3", wrap=_rebuild_tensor_v3,
+                  rests_on="torch._utils._rebuild_tensor_v3 (private), v3's pickled name")
+    patches.patch(torch.storage, "_to", wrap=_storage_to,
+                  rests_on="torch.storage._to (private), behind every storage's .to()")
     import torch.jit
-    if not getattr(torch.jit.load, "_neuron", False):
-        torch.jit.load = _jit_load(torch.jit.load)
+    patches.patch(torch.jit, "load", wrap=_jit_load,
+                  rests_on="torch.jit.load: TorchScript's C++ loader makes device storages")

@@ -16,6 +16,7 @@ import torch
 
 from fusion.ir import extent_bytes
 
+from .. import patches
 from .source import DEVICE_TYPE
 
 _BASE = 0x7E00_0000_0000  # nonzero: 0 means "no storage" to safetensors
@@ -251,8 +252,6 @@ def refuse_device_storages() -> None:
     """`torch.UntypedStorage(n, device="neuron")` (and TypedStorage, `_new_shared`) asked the
     C++ allocator of PrivateUse1, which a Python backend has none of: the process died
     (segmentation fault). It raises now; device memory is made through tensors."""
-    if getattr(torch.UntypedStorage.__new__, "_neuron", False):
-        return
     make = torch._C.StorageBase.__new__
 
     def __new__(cls, *args, **kwargs):
@@ -263,5 +262,6 @@ def refuse_device_storages() -> None:
                 f"memory is made through tensors (torch.empty(n, dtype=torch.uint8, "
                 f"device={str(device)!r}); its untyped_storage() is the buffer)")
         return make(cls, *args, **kwargs)
-    __new__._neuron = True
-    torch.UntypedStorage.__new__ = __new__
+    patches.patch(torch.UntypedStorage, "__new__", __new__,
+                  rests_on="torch._C.StorageBase.__new__ (private), the constructor of every "
+                           "storage class")

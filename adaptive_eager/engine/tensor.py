@@ -9,6 +9,7 @@ import sys
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .. import patches
 from . import hooks
 from . import serialization
 from .storage import NeuronStorage, NeuronTypedStorage, device_address, set_storage
@@ -301,8 +302,10 @@ def _swap_on_conversion():
                for p in params.values() if p is not None)
 
 
-torch.utils.swap_tensors = _swap_keeping_attributes
-torch.__future__.get_swap_module_params_on_conversion = _swap_on_conversion
+patches.patch(torch.utils, "swap_tensors", _swap_keeping_attributes,
+              rests_on="Module._apply (its code object) calling torch.utils.swap_tensors")
+patches.patch(torch.__future__, "get_swap_module_params_on_conversion", _swap_on_conversion,
+              rests_on="Module._apply asking torch.__future__ per module, its frame's `self`")
 
 
 def _dlpack_error(t) -> RuntimeError:
@@ -316,12 +319,12 @@ def _to_dlpack(original):
         if type(tensor) is NeuronTensor:
             raise _dlpack_error(tensor)
         return original(tensor, *args, **kwargs)
-    to_dlpack._neuron = True
     return to_dlpack
 
 
-if not getattr(torch.to_dlpack, "_neuron", False):
-    torch.to_dlpack = torch.utils.dlpack.to_dlpack = _to_dlpack(torch.to_dlpack)
+for _owner in (torch, torch.utils.dlpack):  # one function, re-exported
+    patches.patch(_owner, "to_dlpack", wrap=_to_dlpack,
+                  rests_on="torch.to_dlpack reads a tensor's C++ storage, which ours lacks")
 
 
 def _refuse_sharing(t):
@@ -435,6 +438,6 @@ def _set_data(self, new):
 
 def install_set_data() -> None:
     """Note [Setting .data across devices]. Idempotent."""
-    if isinstance(torch.Tensor.__dict__.get("data"), property):
-        return
-    torch.Tensor.data = property(_BASE_DATA.__get__, _set_data, doc=_BASE_DATA.__doc__)
+    patches.patch(torch.Tensor, "data", property(_BASE_DATA.__get__, _set_data,
+                                                 doc=_BASE_DATA.__doc__),
+                  rests_on="torch._C.TensorBase.data's getter (the C++ one, kept)")

@@ -24,6 +24,7 @@ import torch
 from torch.amp.autocast_mode import _cast  # C++'s eligibility: device, floating, not float64
 from torch.utils._pytree import tree_flatten
 
+from .. import patches
 from ..engine.source import DEVICE_TYPE as DEVICE
 
 _KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
@@ -98,7 +99,6 @@ def _clearing(clear):
         _CACHE.clear()
         return clear()
     clear_autocast_cache.__doc__ = clear.__doc__
-    clear_autocast_cache._neuron = True
     return clear_autocast_cache
 
 
@@ -180,5 +180,6 @@ def register(libs: list) -> None:
     lib.impl("binary_cross_entropy", _banned, key)
     libs.extend([fallthrough, lib])
     torch.set_autocast_dtype(DEVICE, torch.bfloat16)
-    if not getattr(torch.clear_autocast_cache, "_neuron", False):
-        torch.clear_autocast_cache = _clearing(torch.clear_autocast_cache)
+    patches.patch(torch, "clear_autocast_cache", wrap=_clearing,
+                  rests_on="autocast's exit calling torch.clear_autocast_cache: our cast "
+                           "cache is cleared with PyTorch's")

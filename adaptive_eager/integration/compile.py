@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.abc
-import importlib.util
-import sys
 import time
 
 import torch
 import torch.utils._pytree as pytree
 
+from .. import patches
 from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..config import config
@@ -218,7 +216,6 @@ def _refusing_neuron_graphs(call):
                 if isinstance(v, torch.Tensor) and v.device.type == DEVICE_TYPE:
                     raise NeuronInductorError(_INDUCTOR_MESSAGE)
         return call(self, model_, inputs_, **kwargs)
-    __call__._neuron = True
     return __call__
 
 
@@ -230,7 +227,6 @@ def _plain_tensor_type(infer):
     `__subclass_Tensor_...` after a data-dependent op; fuzzer seed 19)."""
     def infer_subclass_type(value):
         return None if type(value) is NeuronTensor else infer(value)
-    infer_subclass_type._neuron = True
     return infer_subclass_type
 
 
@@ -279,11 +275,11 @@ def register() -> None:
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag
         table = VariableBuilder._type_dispatch_impl(trace_numpy)
         table[NeuronTensor] = _wrap_neuron_tensor
-    wrapper = torch._TorchCompileInductorWrapper
-    if not getattr(wrapper.__call__, "_neuron", False):
-        wrapper.__call__ = _refusing_neuron_graphs(wrapper.__call__)
-    if not getattr(builder.infer_subclass_type, "_neuron", False):
-        builder.infer_subclass_type = _plain_tensor_type(builder.infer_subclass_type)
+    patches.patch(torch._TorchCompileInductorWrapper, "__call__", wrap=_refusing_neuron_graphs,
+                  rests_on="torch._TorchCompileInductorWrapper (private), torch.compile's "
+                           "Inductor entry")
+    patches.patch(builder, "infer_subclass_type", wrap=_plain_tensor_type,
+                  rests_on="torch._dynamo.variables.builder.infer_subclass_type (private)")
     for module in _never_traced():
         trace_rules.add(module)
     # Higher-order operators ask for a rule per tensor subclass; the neuron tensor's is the
@@ -318,30 +314,13 @@ def install() -> None:
     or CUDA one: it refused the ops of an unknown tensor type, which ran untraced while the
     trace kept their results as constants (linearize's jvp returned uninitialized memory)."""
     import torch.fx.experimental.proxy_tensor as proxy_tensor
-    if NeuronTensor not in proxy_tensor.HANDLED_TYPES:
-        proxy_tensor.HANDLED_TYPES = proxy_tensor.HANDLED_TYPES + (NeuronTensor,)
-    if "torch._dynamo" in sys.modules:
-        register()
-        return
-    if not any(isinstance(f, _AfterDynamoImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDynamoImport())
+    patches.patch(proxy_tensor, "HANDLED_TYPES", wrap=lambda types: types + (NeuronTensor,),
+                  rests_on="torch.fx.experimental.proxy_tensor.HANDLED_TYPES (private), the "
+                           "tensor types make_fx traces")
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        patches.after_import("torch._dynamo", lambda _: register())
 
 
-class _AfterDynamoImport(importlib.abc.MetaPathFinder):
-    """An import hook that runs `register` right after `torch._dynamo` has executed."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch._dynamo":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            register()
-
-        spec.loader.exec_module = exec_then_register  # this loader instance only
-        return spec
+_hooked = False  # the after-import hook is set once

@@ -15,10 +15,7 @@ tensor parallel) are composed from these: Note [Functional collectives].
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
-import sys
 import weakref
 
 import torch
@@ -28,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from device import Launch
 from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
 
+from .. import patches
 from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..errors import _raise_launch_error
@@ -90,8 +88,8 @@ def register() -> None:
     _route_work_results()
     for op, kernel in sync_batch_norm.KERNELS.items():  # Note [SyncBatchNorm ops]
         _engine._SPECIAL[op] = _functional(kernel)
-    _after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
-    _after_import("torch.distributed.checkpoint._state_dict_stager", _patch_stager)
+    patches.after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
+    patches.after_import("torch.distributed.checkpoint._state_dict_stager", _patch_stager)
     # the step `ae.explain()` reports communication for (Note [Collective stream])
     from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(_new_step)
@@ -149,7 +147,7 @@ def _on_device(value):
 
 def _route_work_results() -> None:
     work = dist.Work
-    if getattr(work.result, "_neuron", False):
+    if patches.is_patched(work, "result"):
         return
     result, get_future = work.result, work.get_future
 
@@ -159,8 +157,9 @@ def _route_work_results() -> None:
     def work_get_future(self):
         fut = get_future(self)
         return fut.then(lambda f: _on_device(f.value()))
-    work_result._neuron = work_get_future._neuron = True
-    work.result, work.get_future = work_result, work_get_future
+    for name, new in (("result", work_result), ("get_future", work_get_future)):
+        patches.patch(work, name, new, rests_on="c10d's Work.result/get_future: a collective "
+                                                "we ran on host copies hands out device tensors")
     wait = work.wait
     global _GLOO_WAIT
     _GLOO_WAIT = wait
@@ -176,8 +175,8 @@ def _route_work_results() -> None:
             with eng.lock:
                 eng.device.unpend(buffers, end_us)
         return done
-    work_wait._neuron = True
-    work.wait = work_wait
+    patches.patch(work, "wait", work_wait,
+                  rests_on="Work.wait as the join of a collective we issued (Note [Overlap])")
 
 
 # Note [Overlap]: a collective runs on the device's collective stream (Note [Collective
@@ -487,40 +486,16 @@ def _forget_traced(module) -> None:
 def _patch_pipeline_stage(stage_module) -> None:
     cls = stage_module._PipelineStage
     move = cls._move_submod_to_device
-    if getattr(move, "_neuron", False):
+    if patches.is_patched(cls, "_move_submod_to_device"):
         return
 
     def _move_submod_to_device(self):
         if torch.device(self.device).type == DEVICE_TYPE:  # Note [Pipeline stages from pipeline()]
             _forget_traced(self.submod)
         return move(self)
-    _move_submod_to_device._neuron = True
-    cls._move_submod_to_device = _move_submod_to_device
-
-
-def _after_import(name: str, patch) -> None:
-    """`patch(module)` once `name` is imported: now if it is, else right after its import (the
-    pipelining package imports torch._dynamo, seconds we do not spend at `import torch`)."""
-    if name in sys.modules:
-        patch(sys.modules[name])
-        return
-
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None:
-                return spec
-            exec_module = spec.loader.exec_module
-
-            def exec_then_patch(module):
-                exec_module(module)
-                patch(module)
-            spec.loader.exec_module = exec_then_patch
-            return spec
-    sys.meta_path.insert(0, _Hook())
+    patches.patch(cls, "_move_submod_to_device", _move_submod_to_device,
+                  rests_on="torch.distributed.pipelining's _PipelineStage._move_submod_to_device "
+                           "(private)")
 
 
 # -- asynchronous checkpoints (torch.distributed.checkpoint.async_save) -----------------------
@@ -536,7 +511,7 @@ def _after_import(name: str, patch) -> None:
 def _patch_stager(stager_module) -> None:
     cls = stager_module.StateDictStager
     offload = cls._offload_tensor
-    if getattr(offload, "_neuron", False):
+    if patches.is_patched(cls, "_offload_tensor"):
         return
 
     def _offload_tensor(self, x, memo, non_blocking=False):
@@ -548,5 +523,6 @@ def _patch_stager(stager_module) -> None:
             setattr(y, name, self.deepcopy_with_tensor_offload(value, memo,
                                                                 non_blocking=non_blocking))
         return y
-    _offload_tensor._neuron = True
-    cls._offload_tensor = _offload_tensor
+    patches.patch(cls, "_offload_tensor", _offload_tensor,
+                  rests_on="torch.distributed.checkpoint's StateDictStager._offload_tensor "
+                           "(private)")

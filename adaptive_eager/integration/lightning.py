@@ -4,8 +4,9 @@ imports Lightning (never imported here).
 
 Note [Lightning]: Lightning has no discovery for third-party accelerators (its registries are
 filled from its own modules; entry points exist only for callbacks), so a finder at the head
-of `sys.meta_path` waits for Lightning's accelerator connector modules (Trainer's, Fabric's) to
-be imported and, once one has run, registers `neuron` with that flavour's accelerator registry.
+of `sys.meta_path` (`patches.after_import`) waits for Lightning's accelerator connector modules
+(Trainer's, Fabric's) to be imported and, once one has run, registers `neuron` with that
+flavour's accelerator registry.
 Lightning then needs three changes that a custom Accelerator cannot make, all made only for
 neuron (every other accelerator takes Lightning's own code):
 - one device: Lightning builds `SingleDeviceStrategy(device="cpu")` for any accelerator it does
@@ -18,12 +19,12 @@ neuron (every other accelerator takes Lightning's own code):
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import sys
 import typing
 import warnings
 
 import torch
+
+from .. import patches
 
 DEVICE_TYPE = "neuron"
 
@@ -57,45 +58,16 @@ _registered: set = set()  # hooked module names done
 
 
 def install() -> None:
-    """Register with a Lightning already imported; watch for the import of the others."""
-    for name in _CONNECTORS:
-        module = sys.modules.get(name)
-        spec = getattr(module, "__spec__", None)
-        if module is not None and not getattr(spec, "_initializing", False):
-            _register(module)
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    """Register with each Lightning flavour once its connector module has run (at once for
+    one already imported)."""
+    global _watching
+    if not _watching:
+        _watching = True
+        for name in _CONNECTORS:
+            patches.after_import(name, _register)
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for Lightning's connector module, it asks the finders after it and
-    registers neuron once that module has run (Note [Lightning])."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _CONNECTORS or fullname in _registered:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        run = getattr(loader, "exec_module", None)
-        if run is None:
-            return spec
-
-        def exec_module(module):
-            try:
-                run(module)
-            finally:
-                del loader.exec_module  # the loader's own again
-            _register(module)
-        loader.exec_module = exec_module
-        return spec
+_watching = False
 
 
 def _register(connector_module) -> None:
@@ -144,8 +116,10 @@ def _patch(flavour: _Flavour, connector) -> None:
             return precision.MixedPrecision(plugin.precision, DEVICE_TYPE)
         return plugin
 
-    connector._choose_strategy = _choose_strategy
-    connector._check_and_init_precision = _check_and_init_precision
+    patches.patch(connector, "_choose_strategy", _choose_strategy,
+                  rests_on=f"{flavour.package}'s connector._choose_strategy (private)")
+    patches.patch(connector, "_check_and_init_precision", _check_and_init_precision,
+                  rests_on=f"{flavour.package}'s connector._check_and_init_precision (private)")
 
     ddp = strategies.DDPStrategy
     setup_ddp = getattr(ddp, flavour.setup_ddp)
@@ -157,7 +131,9 @@ def _patch(flavour: _Flavour, connector) -> None:
         with torch.neuron.stream(torch.neuron.Stream(self.root_device)):
             return torch.nn.parallel.DistributedDataParallel(module=module, device_ids=device_ids,
                                                              **self._ddp_kwargs)
-    setattr(ddp, flavour.setup_ddp, setup_neuron_ddp)
+    patches.patch(ddp, flavour.setup_ddp, setup_neuron_ddp,
+                  rests_on=f"{flavour.package}'s DDPStrategy.{flavour.setup_ddp} wrapping the "
+                           f"module under a CUDA stream")
     if DEVICE_TYPE not in registry:  # last: a Lightning this cannot change has no neuron
         cls.register_accelerators(registry)
 

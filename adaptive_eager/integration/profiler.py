@@ -20,6 +20,7 @@ from torch.autograd import DeviceType
 from torch.autograd import profiler as _p
 from torch.autograd.profiler_util import FunctionEvent
 
+from .. import patches
 from ..engine import engine as _engine
 from ..engine.source import lines
 
@@ -155,7 +156,11 @@ def install() -> None:
             json.dump(data, f)
         return out
 
-    cls._start_trace = _start_trace
-    cls.__exit__ = __exit__
-    cls._ensure_function_events = _ensure_function_events
-    cls.export_chrome_trace = export_chrome_trace
+    for name, new, rests_on in (
+            ("_start_trace", _start_trace, "profile._start_trace (private): the profile starts"),
+            ("__exit__", __exit__, "profile.__exit__: the profile stops"),
+            ("_ensure_function_events", _ensure_function_events,
+             "profile._ensure_function_events (private) and EventList._use_device (private)"),
+            ("export_chrome_trace", export_chrome_trace,
+             "profile.export_chrome_trace writing Chrome's JSON, which we extend")):
+        patches.patch(cls, name, new, rests_on=f"torch.autograd.profiler.{rests_on}")

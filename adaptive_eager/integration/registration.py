@@ -12,7 +12,7 @@ from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..engine.source import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
-from .. import errors
+from .. import errors, patches
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
 
 _done = False
@@ -142,7 +142,7 @@ def _wrap_backward() -> None:
     import torch.autograd
     import torch.autograd.graph as graph
     run = graph._engine_run_backward
-    if getattr(run, "_neuron", False):
+    if patches.is_patched(graph, "_engine_run_backward"):
         return
 
     def _engine_run_backward(outputs, grads, *args, **kwargs):
@@ -167,8 +167,10 @@ def _wrap_backward() -> None:
             raise err.with_traceback(None)
         return result
 
-    _engine_run_backward._neuron = True
-    graph._engine_run_backward = torch.autograd._engine_run_backward = _engine_run_backward
+    for owner in (graph, torch.autograd):  # one function, re-exported
+        patches.patch(owner, "_engine_run_backward", _engine_run_backward,
+                      rests_on="torch.autograd.graph._engine_run_backward (private), which "
+                               "backward() and grad() both call")
 
 
 # torch.accelerator, the device-generic API, syncs and reads memory through the C++ device
@@ -195,7 +197,8 @@ def _route_accelerator_api():
             return ours(_get_device_index(device, optional=True))
         for mod in (module, torch.accelerator):  # the name is re-exported there too
             if getattr(mod, name, None) is original:
-                setattr(mod, name, call)
+                patches.patch(mod, name, call, rests_on="torch.accelerator's C++ device guard "
+                                                        "and allocator, which we lack")
 
     route(torch.accelerator, "synchronize", neuron.synchronize)
     route(memory, "memory_stats", neuron.memory_stats)  # memory_allocated & co. read it
@@ -215,7 +218,8 @@ def _route_accelerator_api():
         if isinstance(stream, torch.Stream) and stream.device.type == DEVICE_TYPE:
             return neuron.set_stream(stream)
         return set_stream(stream)
-    torch.accelerator.set_stream = set_neuron_stream
+    patches.patch(torch.accelerator, "set_stream", set_neuron_stream,
+                  rests_on="torch.accelerator.set_stream's C++ stream guard, which we lack")
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

@@ -234,6 +234,8 @@ def _compile_top_level_modules() -> None:
     import threading
 
     import torch
+
+    from .. import patches
     original = torch.nn.Module.__call__
     state = threading.local()
 
@@ -253,7 +255,8 @@ def _compile_top_level_modules() -> None:
         finally:
             state.inside = False
 
-    torch.nn.Module.__call__ = call
+    patches.patch(torch.nn.Module, "__call__", call,
+                  rests_on="nn.Module.__call__, in the child process of `run --mode compile`")
 
 
 def child(argv: list[str]) -> None:
