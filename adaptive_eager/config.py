@@ -11,6 +11,8 @@ import dataclasses
 import os
 import tempfile
 
+DEVICE_TYPE = "neuron"  # the device's name: torch.device(DEVICE_TYPE) once registered
+
 
 def _flag_exact_1(v: str) -> bool:  # the reference turns features on only for exactly "1"
     return v == "1"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from fusion.ir import extent_bytes
-from .engine.source import BACKWARD, DEVICE_TYPE, file_line
+from .config import DEVICE_TYPE
+from .engine.source import BACKWARD, file_line
 
 
 class NeuronRuntimeError(RuntimeError):

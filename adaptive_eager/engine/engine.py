@@ -39,7 +39,8 @@ from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
                    give_warnings, infer, infer_view)
 from .queue import Segment, record
 from .replay import MISS, MISSED
-from .source import DEVICE_TYPE, _user_stacklevel
+from ..config import DEVICE_TYPE
+from .source import _user_stacklevel
 from .templates import template
 
 aten = torch.ops.aten

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from .. import patches
-from .source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 
 _HANDOFF: list = []  # errors raised on autograd's device thread, for the caller (_surface)

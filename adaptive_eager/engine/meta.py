@@ -18,7 +18,8 @@ from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_clas
 from fusion.program import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import _quantized_error, user_error
-from .source import DEVICE_TYPE, _user_stacklevel
+from ..config import DEVICE_TYPE
+from .source import _user_stacklevel
 
 _RUN_NOW = object()  # meta cache entry: shape inference cannot answer, the op runs at once
 

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from .. import patches
-from .source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 # handle uid -> (host copy of the whole buffer, the device buffer then, `_writers` then)
 _HOST_COPIES: dict[int, tuple] = {}

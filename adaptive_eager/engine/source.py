@@ -11,7 +11,6 @@ import torch
 
 from .. import config as _config
 
-DEVICE_TYPE = "neuron"  # torch.device(DEVICE_TYPE) once registered
 # our three packages (installed side by side) and torch
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # adaptive_eager/
 _SKIP_FILES = tuple(d + os.sep for d in (

@@ -17,7 +17,7 @@ import torch
 from fusion.ir import extent_bytes
 
 from .. import patches
-from .source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 _BASE = 0x7E00_0000_0000  # nonzero: 0 means "no storage" to safetensors
 _ALIGN = 512  # as CUDA's caching allocator: every allocation starts 512-byte aligned

@@ -10,7 +10,7 @@ from fusion.ir import Handle, encode_static, scalar_positions, written_arguments
 
 from .tensor import NeuronTensor
 from ..errors import _generator_error, _out_of_bounds, _sparse_error
-from .source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from . import hooks
 from . import serialization
 from .storage import NeuronStorage, NeuronTypedStorage, device_address, set_storage
 from fusion.ir import extent_bytes
-from .source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 
 _UNBOUNDED = 1 << 62

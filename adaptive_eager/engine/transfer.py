@@ -9,8 +9,9 @@ from device import Launch
 
 from .tensor import NeuronTensor
 from ..errors import _generator_error, _out_of_bounds, _raise_launch_error, user_error
+from ..config import DEVICE_TYPE
 from .meta import _global_state
-from .source import DEVICE_TYPE, _source, file_line
+from .source import _source, file_line
 from .templates import template
 
 aten = torch.ops.aten

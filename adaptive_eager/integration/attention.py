@@ -24,7 +24,7 @@ from device import COUNTERS
 
 from ..config import config
 from ..engine.tensor import NeuronTensor
-from ..engine.source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 

@@ -25,7 +25,7 @@ from torch.amp.autocast_mode import _cast  # C++'s eligibility: device, floating
 from torch.utils._pytree import tree_flatten
 
 from .. import patches
-from ..engine.source import DEVICE_TYPE as DEVICE
+from ..config import DEVICE_TYPE as DEVICE
 
 _KEYSET = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
 

@@ -33,7 +33,7 @@ from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..config import config
 from ..errors import NeuronInductorError
-from ..engine.source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
 BOUNDARY_REASON = "compile boundary"  # work queued before a graph starts

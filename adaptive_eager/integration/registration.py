@@ -10,7 +10,7 @@ import torch
 from fusion import substitute as _substitute
 from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
-from ..engine.source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors, patches
 from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.tensor import NeuronTensor
-from ..engine.source import DEVICE_TYPE
+from ..config import DEVICE_TYPE
 
 _LSTM_MODE = 2  # ideep::rnn_kind::LSTM
 
