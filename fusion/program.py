@@ -6,8 +6,6 @@ bit-for-bit those of eager mode; fusion changes what the device *costs*, not wha
 """
 from __future__ import annotations
 
-import contextlib
-
 import warnings
 
 import torch
@@ -16,61 +14,9 @@ from torch.utils._pytree import tree_leaves
 from device import LaunchError
 
 from .codegen import generate, tensor_templates
+from .host import QUIET_OPS, cpp_warnings_scope
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, KERNEL, LAYOUT_ONLY, RANDOM, device_kernel, op_class
-
-# Note [CPU kernels inside dispatch]: inside `__torch_dispatch__` PyTorch excludes the keys
-# above Python, the Conjugate and Negative fallbacks among them. A CPU kernel run there that
-# makes a lazy conjugate view and hands it to another op (pinv's `U.mH()`, `solve(left=
-# False)`) then read it unconjugated: silently wrong complex results. The CPU's kernels run
-# with those keys back on (and ZeroTensor's), as they run on CPU; autograd stays off.
-_VIEW_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
-              | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)
-              | torch._C.DispatchKeySet(torch._C.DispatchKey.ZeroTensor))
-
-
-_CONJUGATE = torch._C.DispatchKey.Conjugate
-_NO_GUARD = contextlib.nullcontext()
-
-
-def cpu_kernels():
-    """A context that runs CPU kernels with the conjugate / negative view keys on (none
-    needed outside dispatch: the flush of a sync)."""
-    if not torch._C._dispatch_tls_is_dispatch_key_excluded(_CONJUGATE):
-        return _NO_GUARD
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                           exclude - _VIEW_KEYS)
-
-
-# Note [C++ warnings]: a TORCH_WARN inside a `torch.ops` call is not turned into a Python
-# warning when that call returns: it waits in the warning buffer of the outermost Python call
-# into torch (the user's `torch.add(..., out=t)`, or in adaptive mode whatever call flushes)
-# and is raised when that returns. So the warnings of internal calls (a meta kernel's, the CPU
-# probe's, a device kernel's) reached the user besides the ones given on purpose: CPU's resize
-# warning came twice, and a kernel's warning came at a later statement in adaptive mode.
-# `cpp_warnings_scope(fn)` runs fn inside a Python call into torch of its own (a torch
-# function whose argument answers __torch_function__), so its C++ warnings become Python
-# warnings when it returns, where a catch_warnings sees them. (About 5 us: for work done once
-# per op signature, or for the few kernels in QUIET_OPS.)
-class _Scope:
-    __slots__ = ("fn",)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return args[0].fn()
-
-
-def cpp_warnings_scope(fn):
-    """fn() with its C++ warnings raised as Python warnings when it returns."""
-    scope = _Scope()
-    scope.fn = fn
-    return torch.neg(scope)
-
-
-# Ops whose CPU kernel warned in the engine's probe: the engine gives those warnings at the
-# call, once per call (meta.give_warnings), so the device's run of the kernel drops its own.
-QUIET_OPS: set = set()
 
 
 def _quietly(fn):

@@ -26,7 +26,7 @@ from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
-from fusion.program import cpu_kernels
+from fusion.host import cpu_kernels
 
 from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from device import Launch, LaunchError
 from fusion.ir import Handle, extent_bytes, written_arguments
 from fusion.ops import RANDOM, device_kernel, op_class
-from fusion.program import cpu_kernels
+from fusion.host import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor

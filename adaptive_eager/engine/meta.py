@@ -15,7 +15,7 @@ from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
 from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
-from fusion.program import QUIET_OPS, cpp_warnings_scope, cpu_kernels
+from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import _quantized_error, user_error
 from ..config import DEVICE_TYPE
