@@ -4,7 +4,8 @@
 
 Each rank trains a small MLP on its shard of a fixed global batch; the printed loss is the
 mean over ranks, which equals a single-process run of the whole batch. Rank r runs on
-neuron:LOCAL_RANK, one NeuronCore of the chip each (Note [Cores] in adaptive_eager/engine/cores.py).
+neuron:LOCAL_RANK, one NeuronCore of the chip each (Note [Cores] in
+adaptive_eager/integration/neuron.py).
 """
 import argparse
 import json

@@ -220,8 +220,8 @@ def _written(func, args, kwargs) -> list:
 
 
 class Engine:
-    """The engine of one NeuronCore (Note [Cores] in cores.py): its queue, meta cache,
-    executable cache and simulated device. Mode and settings are the same on every core."""
+    """The engine of one NeuronCore (Note [Cores] in integration/neuron.py): its queue, meta
+    cache, executable cache and simulated device. Mode and settings are the same on every core."""
 
     def __init__(self, index: int = 0, spec: DeviceSpec | None = None):
         self.index = index

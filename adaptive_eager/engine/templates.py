@@ -47,7 +47,7 @@ _NUMBERS = frozenset({int, float, bool, complex})
 
 def _enc_tensor(v, eng, func, handles: list, where: dict, vbytes: list) -> tuple:
     """("T", local buffer index) + layout; collects the buffer (once) and its bytes read."""
-    if v._engine is not eng:  # another core's tensor (Note [Cores] in cores.py)
+    if v._engine is not eng:  # another core's tensor (Note [Cores] in integration/neuron.py)
         raise _two_devices(eng, v.device, func)
     h = v._handle
     li = where.get(h.uid)

@@ -1,4 +1,23 @@
-"""`torch.neuron`: the device module, shaped like `torch.cuda`."""
+"""`torch.neuron`: the device module, shaped like `torch.cuda`; which NeuronCores a process
+sees, and the current one.
+
+Note [Cores]: the simulated chip has `DeviceSpec.chip_cores` logical cores (4 by default);
+NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES restrict what a process sees, numbered
+neuron:0..n-1 as the Neuron runtime does, and `device_count()` reports that. Each core has
+its own engine (`_engine.core(k)`: queue, meta and executable caches) and its own simulated
+device (hardware queue, clock, HBM share, RNG), made on first use; one lock serializes them
+all (Note [Threads]). A tensor's ops go to its core's engine; an op mixing cores raises
+CUDA's error; a copy between cores is a costed DMA on each side (transfer.py).
+
+PyTorch's Python device guard for PrivateUse1 (torch/csrc/acc/Module.cpp) reports one device,
+and autograd sizes its per-device worker threads from it: a backward on neuron:1 would fail an
+internal assert there. Backward runs with autograd's multithreading off (`torch.autograd.
+set_multithreading_enabled(False)`, public API; also for CPU's order of a double backward):
+the whole backward runs on the calling thread, every core included (registration.py).
+The current core (`torch.neuron.set_device`, `torch.neuron.device(k)`) is per thread as CUDA's
+with the native hooks (Note [Native hooks] in integration/native.py: the C++ device guard holds
+it), per process without them.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -7,11 +26,12 @@ import typing
 
 import torch
 
-from ..engine import cores
+from ..engine import engine as _engine
+
 
 def _E(device=None):
-    """The engine of core `device` (the current core by default)."""
-    return cores.engine(device)
+    """The engine of core `device` (the current core by default), checked."""
+    return _engine.core(_check(device))
 
 
 def is_available() -> bool:
@@ -33,19 +53,29 @@ def _is_in_bad_fork() -> bool:
 
 
 def device_count() -> int:
-    return cores.count()
+    """How many NeuronCores this process sees (the chip's, or NEURON_RT_* restrictions)."""
+    return _engine.visible_cores()
 
 
 def current_device() -> int:
-    return cores.current()  # Note [Cores] in cores.py
+    return _engine.current_index()  # Note [Cores]
 
 
 def _check(device) -> int:
-    return cores.check(device)
+    """The core index `device` names (None, or "neuron" with no index: the current one), if
+    this process sees that core."""
+    if device is None:
+        return _engine.current_index()
+    if isinstance(device, (str, torch.device)) and torch.device(device).type != "neuron":
+        raise ValueError(f"expected a neuron device, got {device!r}")
+    idx = device if isinstance(device, int) else torch.device(device).index
+    if idx is None:
+        return _engine.current_index()
+    return _engine.check_core(idx)
 
 
 def set_device(device) -> None:
-    cores.set_current(device)
+    _engine.set_current(_check(device))
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -88,7 +118,7 @@ def manual_seed(seed: int) -> None:
 def manual_seed_all(seed: int) -> None:
     """Seed every core's generator (`torch.manual_seed` calls this); cores first used later
     start from core 0's seed (`_engine.core`)."""
-    for eng in cores.engines():
+    for eng in list(_engine.ENGINES):
         eng.flush("rng")
         eng.device.rng.manual_seed(int(seed))
 
@@ -123,7 +153,7 @@ def set_rng_state(state: torch.Tensor, device=None) -> None:
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state(k) for k in range(cores.count())]
+    return [get_rng_state(k) for k in range(device_count())]
 
 
 def set_rng_state_all(states) -> None:
@@ -340,13 +370,13 @@ class Event:
 @contextlib.contextmanager
 def device(d):
     """`with torch.neuron.device(k):` core k is the current one inside (None: unchanged)."""
-    old = cores.current()
+    old = _engine.current_index()
     if d is not None:
-        cores.set_current(d)
+        _engine.set_current(_check(d))
     try:
         yield
     finally:
-        cores.set_current(old)
+        _engine.set_current(_check(old))
 
 
 # -- what frameworks ask torch.cuda ------------------------------------------------------

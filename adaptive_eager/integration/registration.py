@@ -13,7 +13,7 @@ from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..config import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors, patches
-from ..engine import engine as _engine, storage as _storage, cores, cpu_settings, hooks, results, serialization, transfer
+from ..engine import engine as _engine, storage as _storage, cpu_settings, hooks, results, serialization, transfer
 
 _done = False
 _lib = None
@@ -82,12 +82,12 @@ def _install_native() -> bool:
         eng.flush("rng")
         return eng.device.rng.gen
 
-    if not _native.install(cores.count(), sync, rng):
+    if not _native.install(neuron.device_count(), sync, rng):
         return False
     mod = _native.module()
-    _engine.use_native_current(mod.current_device, lambda k: mod.set_device(k, cores.count()))
+    _engine.use_native_current(mod.current_device, lambda k: mod.set_device(k, neuron.device_count()))
     transfer.use_cpu_generator(_cpu_generator)
-    neuron.use_native(mod, cores.count())
+    neuron.use_native(mod, neuron.device_count())
     return True
 
 
@@ -150,7 +150,7 @@ def _wrap_backward() -> None:
         # A neuron backward runs on the caller's thread, as CPU's does: autograd orders the
         # nodes a double backward creates by a per-thread sequence number, so on its device
         # thread gradients were summed in another order than on CPU (ulps off). And Note
-        # [Cores] in cores.py: once another core is used, autograd's device threads fail.
+        # [Cores] in neuron.py: once another core is used, autograd's device threads fail.
         neuron = _engine.other_cores_used() or any(type(o) is NeuronTensor for o in outputs)
         threads = (torch.autograd.set_multithreading_enabled(False) if neuron
                    else contextlib.nullcontext())
@@ -328,13 +328,13 @@ def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
     size = tuple(int(s) for s in size)
     stride = torch.empty(size, device="meta",
                          memory_format=memory_format or torch.contiguous_format).stride()
-    out = cores.engine(device).empty(size, stride, dtype)
+    out = neuron._E(device).empty(size, stride, dtype)
     results.fill_uninitialized(out)
     return out
 
 
 def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-    out = cores.engine(device).empty(tuple(int(s) for s in size),
+    out = neuron._E(device).empty(tuple(int(s) for s in size),
                                      tuple(int(s) for s in stride), dtype)
     results.fill_uninitialized(out)
     return out
@@ -391,7 +391,7 @@ def _host_factory(name):
         gen = kwargs.get("generator")  # randperm.generator: kwarg-only
         if gen is not None:
             gen = transfer.on_host(gen, None)  # a neuron generator's CPU one, or the error
-        eng = cores.engine(kwargs.get("device"))
+        eng = neuron._E(kwargs.get("device"))
         with eng.lock, torch._C._DisableTorchDispatch():
             try:
                 meta = op(*args, **dict(kwargs, device=torch.device("meta")))

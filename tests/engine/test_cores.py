@@ -1,5 +1,5 @@
 """NeuronCores a process sees (NEURON_RT_VISIBLE_CORES / NEURON_RT_NUM_CORES) and several of
-them in one process (Note [Cores] in adaptive_eager/engine/cores.py)."""
+them in one process (Note [Cores] in adaptive_eager/integration/neuron.py)."""
 import json
 import subprocess
 import sys
