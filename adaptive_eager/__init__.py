@@ -3,12 +3,55 @@ eager mode that queues ops and fuses them (TORCH_NEURONX_ENABLE_CONCATENATION=1)
 
 The package re-exports its public API (api.py); importing it registers the device. Layout:
 engine/ (one core's dispatch, queue, replay), integration/ (what teaches torch and libraries
-about the device), tools/ (demo, run, report); see README.md beside this file."""
-from .api import (  # noqa: F401
-    Cost, DeviceSpec, Explanation, FlushInterrupted, NeuronFallbackError, NeuronInductorError,
-    NeuronOutOfMemoryError, NeuronRuntimeError, Snapshot, adaptive, config, core_metrics,
-    bucketing_collate, explain, is_adaptive, line_report, metrics, metrics_report, native_hooks, override,
-    pad_to_bucket, register_cost, reset_metrics, save_trace, set_adaptive, set_device_spec, set_strategy,
-    strategy, synchronize, wait_for_compiles)
-from .api import __all__, __getattr__  # noqa: F401  (ae.kernels, on first use)
+about the device), tools/ (demo, run, report); see README.md beside this file.
 
+Note [Lazy package]: the API (api.py: torch, the engine, the device's registration) loads at
+once when torch is already imported (`import torch; import adaptive_eager`, and torch's backend
+autoload, _autoload.py); otherwise at the first use of one of the package's names, or right
+after torch's import. So a module of the package can be imported without torch: the pytest
+plugin (tools/pytest_entry.py, the `pytest11` entry point, imported by every pytest run where
+the package is installed) leaves a run that does not use its fixture without torch. A module
+that imports `device` or `fusion` imports torch first (LIMITS.md: torch's autoload would load
+the API, which needs the half-made `device`).
+"""
+import importlib as _importlib
+import sys as _sys
+
+from . import patches as _patches
+
+__all__ = [  # api.py's, known before it loads (tests/tools/test_pytest_plugin.py: they agree)
+    "Cost", "register_cost", "DeviceSpec", "Explanation", "FlushInterrupted",
+    "NeuronFallbackError", "NeuronInductorError", "NeuronOutOfMemoryError", "NeuronRuntimeError",
+    "Snapshot", "adaptive", "config", "explain", "is_adaptive", "core_metrics", "line_report",
+    "metrics", "metrics_report", "native_hooks", "override", "reset_metrics", "save_trace",
+    "pad_to_bucket", "bucketing_collate", "set_adaptive", "set_device_spec", "set_strategy",
+    "strategy", "synchronize", "wait_for_compiles",
+]
+
+
+def _load():
+    """Import the API (registering the device) and make its names the package's. (Torch's
+    autoload, called by api's own `import torch`, finds the API half made: the outer call
+    finishes it.)"""
+    api = _importlib.import_module(f"{__name__}.api")
+    if not getattr(api.__spec__, "_initializing", False):
+        globals().update((name, getattr(api, name)) for name in __all__)
+    return api
+
+
+def __getattr__(name):
+    """An API name (or `ae.kernels`, api.__getattr__) before the API loaded. Other names
+    (submodules, asked for by `from . import x` before their import) are not the API's."""
+    if name in __all__ or name == "kernels":
+        return getattr(_load(), name)
+    raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if "torch" in _sys.modules:
+    _load()
+else:
+    _TORCH_HOOK = _patches.after_import("torch", lambda _: _load())

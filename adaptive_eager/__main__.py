@@ -39,6 +39,8 @@ def main(argv=None) -> int:
         print(describe())
         return 0
     import importlib
+
+    import torch  # noqa: F401  (first: the tools import `device`, Note [Lazy package])
     module = importlib.import_module(f"adaptive_eager.{COMMANDS[cmd][0]}")
     return module.main(rest)
 

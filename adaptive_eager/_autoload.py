@@ -3,4 +3,5 @@ TORCH_DEVICE_BACKEND_AUTOLOAD=0, which torch itself honours before calling us)."
 
 
 def register() -> None:
-    import adaptive_eager  # noqa: F401  (importing registers the device)
+    import adaptive_eager
+    adaptive_eager._load()  # Note [Lazy package]: the API, which registers the device

@@ -88,17 +88,20 @@ def applied() -> list[Patch]:
     return list(PATCHES)
 
 
-def after_import(module_name: str, fn: Callable[[Any], None]) -> None:
+def after_import(module_name: str, fn: Callable[[Any], None]):
     """`fn(module)` once `module_name` is imported: now if it is, else right after its import
     has run (a meta-path hook that finds nothing itself: it asks the finders after it and
     wraps that loader's `exec_module`, once). Used for modules we must not import ourselves
-    (torch._dynamo takes seconds; Lightning is the user's to import)."""
+    (torch._dynamo takes seconds; Lightning is the user's to import). Returns the hook (None:
+    ran at once), which `sys.meta_path.remove` cancels."""
     module = sys.modules.get(module_name)
     if module is not None and not getattr(getattr(module, "__spec__", None),
                                           "_initializing", False):
         fn(module)
-        return
-    sys.meta_path.insert(0, _AfterImport(module_name, fn))
+        return None
+    hook = _AfterImport(module_name, fn)
+    sys.meta_path.insert(0, hook)
+    return hook
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -5,12 +5,12 @@ import tempfile
 os.environ.setdefault("TORCH_NEURONX_NEFF_CACHE_DIR", tempfile.mkdtemp(prefix="ae-bench-"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-if "pytest_adaptive_eager" not in sys.modules:
+if "adaptive_eager.tools.pytest_entry" not in sys.modules:
     # The package's pytest plugin (neuron_benchmark, --neuron-modes, --neuron-realtime) comes
     # through its pytest11 entry point once the package is installed; a checkout run without
     # installing it (or with -p no:adaptive_eager) takes the plugin's hooks here.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pytest_adaptive_eager import (  # noqa: F401
+    from adaptive_eager.tools.pytest_entry import (  # noqa: F401
         neuron_benchmark, pytest_addoption as _plugin_options, pytest_configure as _configure,
         pytest_generate_tests)
 else:

@@ -1,12 +1,11 @@
 """The `neuron_benchmark` fixture's work: the modes, their scopes, and the figures of a
 benchmarked function's rounds, recorded in pytest-benchmark's `benchmark.extra_info`.
 
-Note [Benchmark plugin]: the pytest plugin is the top-level module `pytest_adaptive_eager`
-(the `pytest11` entry point names it), not this module: importing any module of this package
-runs the package's `__init__`, which imports torch and registers the device, and pytest
-imports every installed plugin in every run. That module holds only the options, the
-parametrization over `--neuron-modes` and the fixture, which imports this module when a test
-uses it. A round is one call of the function and a sync (`ae.synchronize()`, the sync point
+Note [Benchmark plugin]: the pytest plugin is `tools/pytest_entry.py` (the `pytest11` entry
+point names it), not this module: pytest imports every installed plugin in every run, and
+this module imports torch. That module holds only the options, the parametrization over
+`--neuron-modes` and the fixture, which imports this module when a test uses it; the
+package's `__init__` it runs first loads no torch (Note [Lazy package] in __init__.py). A round is one call of the function and a sync (`ae.synchronize()`, the sync point
 a training loop's `loss.item()` gives); `warmup_rounds` rounds (2: compiles and plans, then
 the first step with an optimizer's state made) run before any is measured. The figures are
 deltas of `ae.metrics()` over the measured rounds divided by their count: pytest-benchmark

@@ -1,4 +1,4 @@
-"""The pytest plugin (pytest_adaptive_eager, Note [Benchmark plugin]): a user's test file
+"""The pytest plugin (adaptive_eager/tools/pytest_entry.py, Note [Benchmark plugin]): a user's test file
 using `neuron_benchmark`, run by pytest in a fresh folder with the plugin found through the
 pytest11 entry point that pyproject.toml declares; `report` on its JSON; a pytest run not
 using it imports no torch; and the per-round figures whatever rounds pytest-benchmark runs."""
@@ -100,16 +100,22 @@ def test_a_users_test_records_launches_and_device_time_per_mode_and_report_compa
 
 def test_a_pytest_run_not_using_the_fixture_imports_no_torch(tmp_path):
     env = _user_folder(tmp_path, '''
+import os
 import sys
 
 
 def test_plain():
-    assert "pytest_adaptive_eager" in sys.modules  # the plugin is loaded
-    assert "torch" not in sys.modules and "adaptive_eager" not in sys.modules
+    assert "adaptive_eager.tools.pytest_entry" in sys.modules  # the plugin is loaded
+    assert "torch" not in sys.modules and "adaptive_eager.api" not in sys.modules
+    import torch  # a test importing torch: the API loads through torch's autoload only
+    assert ("adaptive_eager.api" in sys.modules) == (os.environ.get(
+        "TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "1")
 ''')
-    r = _run(["-m", "pytest", "-q"], env, tmp_path / "user", timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "1 passed" in r.stdout
+    for autoload in ("1", "0"):  # with autoload off, torch's import leaves the device alone
+        r = _run(["-m", "pytest", "-q"], dict(env, TORCH_DEVICE_BACKEND_AUTOLOAD=autoload),
+                 tmp_path / "user", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "1 passed" in r.stdout
     # a wrong mode is a usage error before collection, in PyTorch-free pytest words
     r = _run(["-m", "pytest", "-q", "--neuron-modes", "eager,gpu"], env, tmp_path / "user",
              timeout=120)
@@ -231,9 +237,9 @@ def test_report_ratios_are_to_the_first_mode_with_the_figure(tmp_path, capsys):
 
 
 def test_the_plugin_and_its_implementation_know_the_same_modes():
-    import pytest_adaptive_eager
+    from adaptive_eager.tools import pytest_entry
     from adaptive_eager.tools.pytest_plugin import MODES
-    assert set(pytest_adaptive_eager.MODES) == set(MODES)
+    assert set(pytest_entry.MODES) == set(MODES)
 
 
 def test_the_scope_sets_realtime_and_a_metrics_window_and_restores_both():
@@ -250,3 +256,11 @@ def test_the_scope_sets_realtime_and_a_metrics_window_and_restores_both():
         nb.metrics()
     nb = NeuronBenchmark(_fixture(disabled=True), "cpu", realtime=True)
     assert not nb.realtime  # the CPU has no launches to wait for
+
+
+def test_the_lazy_package_knows_the_api_names():
+    """Note [Lazy package]: the package lists the API's names before the API loads (its
+    `__getattr__` loads the API for those): the two lists agree, and the names are api's."""
+    from adaptive_eager import api
+    assert sorted(ae.__all__) == sorted(api.__all__)
+    assert all(getattr(ae, name) is getattr(api, name) for name in api.__all__)

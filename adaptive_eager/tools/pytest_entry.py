@@ -12,9 +12,20 @@ round in `benchmark.extra_info` (adaptive_eager/tools/pytest_plugin.py), and the
 modes' group, so pytest-benchmark's table compares them. `python -m adaptive_eager report
 BENCH.json` tables a run saved with --benchmark-json.
 
-This module imports neither torch nor adaptive_eager: pytest imports it in every run where
-the package is installed (Note [Benchmark plugin] in adaptive_eager/tools/pytest_plugin.py)."""
+This module imports no torch, nor the package's API: pytest imports it in every run where the
+package is installed (Note [Benchmark plugin] in adaptive_eager/tools/pytest_plugin.py, Note
+[Lazy package] in adaptive_eager/__init__.py)."""
+import sys
+
 import pytest
+
+# Note [Lazy package]: pytest's import of this plugin is not a user's `import adaptive_eager`,
+# so torch's import does not load the API for it (torch's backend autoload still does, as in
+# any process; with TORCH_DEVICE_BACKEND_AUTOLOAD=0 a run not using the fixture stays as torch
+# leaves it)
+_hook = vars(sys.modules["adaptive_eager"]).get("_TORCH_HOOK")
+if _hook in sys.meta_path:
+    sys.meta_path.remove(_hook)
 
 MODES = ("eager", "graph", "matmul", "compile", "cpu", "whole-graph")
 DEFAULT_MODES = "eager,graph"
@@ -67,7 +78,7 @@ def _group(node) -> str:
 @pytest.fixture
 def neuron_benchmark(request, benchmark):
     """pytest-benchmark's `benchmark` in one neuron mode (see this module's docstring)."""
-    from adaptive_eager.tools.pytest_plugin import NeuronBenchmark
+    from .pytest_plugin import NeuronBenchmark
     mode = getattr(request, "param", None) or modes(request.config)[0]
     nb = NeuronBenchmark(benchmark, mode, realtime=request.config.getoption("neuron_realtime"),
                          group=_group(request.node))
