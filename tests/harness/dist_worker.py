@@ -32,35 +32,36 @@ def make_data():
             for _ in range(STEPS)]
 
 
+def train(model, data, device="neuron", rank=0, world=1, inputs_on_host=False):
+    """SGD over `data`, every scenario's loop: with `world` ranks each trains on its shard of
+    the global batch and the loss of a step is the ranks' mean (an all_reduce); with one, on
+    the whole batch. `inputs_on_host`: the model is fed CPU batches (DDP copies them)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard = GLOBAL_BATCH // world
+    losses = []
+    for x, y in data:
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        opt.zero_grad()
+        out = model(x if inputs_on_host else x.to(device))
+        loss = torch.nn.functional.mse_loss(out, y.to(device))
+        loss.backward()
+        opt.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
 def cpu_losses():
     """The reference: one process, CPU, the whole global batch."""
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x, y in make_data():
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return train(model, make_data(), "cpu"), [p.detach().clone() for p in model.parameters()]
 
 
 def _train_sharded(model, rank, world):
     """Data-parallel SGD: each rank trains on its shard; the global loss is the ranks' mean."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = GLOBAL_BATCH // world
-    losses = []
-    for x, y in make_data():
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+    return train(model, make_data(), "neuron", rank, world)
 
 
 def ddp_losses(rank, world, **options):
@@ -81,18 +82,7 @@ def ddp_on_own_core(rank, world):
         model = make_model().to("neuron")
         where = str(next(model.parameters()).device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        shard = GLOBAL_BATCH // world
-        losses = []
-        for x, y in make_data():
-            x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x.to("neuron")), y.to("neuron"))
-            loss.backward()
-            opt.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+        losses = _train_sharded(ddp, rank, world)
         return where, losses, [p.detach().cpu() for p in ddp.parameters()]
     finally:
         torch.neuron.set_device(0)
@@ -102,13 +92,18 @@ def _full(p):
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
 
 
+def _fully_shard(model, mesh, layers):
+    """FSDP2: fully_shard per layer, then at the root."""
+    from torch.distributed.fsdp import fully_shard
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def fsdp2_losses(rank, world, mesh):
     """FSDP2 (fully_shard per layer and at the root): data parallel over sharded params."""
-    from torch.distributed.fsdp import fully_shard
     model = make_model().to("neuron")
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _fully_shard(model, mesh, (model[0], model[2]))
     losses = _train_sharded(model, rank, world)
     return losses, [_full(p) for p in model.parameters()]
 
@@ -120,15 +115,7 @@ def tp_losses(rank, world, mesh):
                                                    parallelize_module)
     model = make_model().to("neuron")
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x, y in make_data():
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x.to("neuron")), y.to("neuron"))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [_full(p) for p in model.parameters()]
+    return train(model, make_data()), [_full(p) for p in model.parameters()]
 
 
 def dtensor_values(rank, world, mesh):
@@ -189,20 +176,7 @@ def ddp_device_ids_losses(rank, world):
     device = torch.device("neuron", rank)
     model = torch.nn.parallel.DistributedDataParallel(make_model().to(device),
                                                       device_ids=[rank])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = GLOBAL_BATCH // world
-    losses = []
-    for x, y in make_data():
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-        opt.zero_grad()
-        out = model(x)  # a CPU batch
-        assert out.device == device
-        loss = torch.nn.functional.mse_loss(out, y.to(device))
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train(model, make_data(), device, rank, world, inputs_on_host=True)
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
@@ -292,11 +266,8 @@ def run(rank, world, port, results, port2=None):
 # -- issue 30: the rest of the reference's list ----------------------------------------------
 def fully_shard_cpu_built(rank, world, mesh):
     """FSDP2 of a module built on the CPU: fully_shard moves it (`tensor.data = t.to(dev)`)."""
-    from torch.distributed.fsdp import fully_shard
     model = make_model()  # on the CPU
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _fully_shard(model, mesh, (model[0], model[2]))
     devices = sorted({p.device.type for p in model.parameters()})
     losses = _train_sharded(model, rank, world)
     return losses, [_full(p) for p in model.parameters()], devices
@@ -356,19 +327,7 @@ def bn_data():
 
 
 def bn_train(model, rank, world, device):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = GLOBAL_BATCH // world
-    losses = []
-    for x, y in bn_data():
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train(model, bn_data(), device, rank, world)
     inner = getattr(model, "module", model)
     return losses, [t.detach().cpu() for t in list(inner.parameters()) + list(inner.buffers())]
 
@@ -511,11 +470,8 @@ def ddp_overlap(rank, world):
 
 def fsdp2_overlap(rank, world, mesh):
     """FSDP2 per layer: it prefetches the next layer's all-gather, reduce-scatters by layer."""
-    from torch.distributed.fsdp import fully_shard
 
     def build():
         model = _mlp().to("neuron")
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        return _fully_shard(model, mesh, model)
     return _overlap(build)
