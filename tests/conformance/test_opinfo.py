@@ -54,6 +54,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import adaptive_eager as ae
+from tests.harness.opinfo_bar import MODES, hold_bar, report_and_hold, summary
 
 pytest.importorskip("expecttest")  # op_db needs it
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
@@ -66,7 +67,6 @@ SAMPLES_PER_OP = int(os.environ.get("OPINFO_SAMPLES", "5"))
 MAX_SAMPLE_NUMEL = 1 << 18  # skip samples with a bigger tensor (keeps the simulator fast)
 OP_TIMEOUT_S = 30           # per-op guard (SIGALRM) against hangs
 RTOL, ATOL = 1e-4, 1e-5     # float32: the executor runs CPU kernels, but allow reassociation
-MODES = ("eager", "adaptive", "matmul")  # adaptive: graph strategy; matmul: the reference's
 
 # ------------------------------------------------------------------------------------------
 # Skip rules (generic; a skipped op is not counted). Each returns a reason or None.
@@ -561,15 +561,6 @@ def judge(res, xfail: dict, xfail_name: str) -> None:
         pytest.fail(f"{res.op_id}: " + "; ".join(problems), pytrace=False)
 
 
-def hold_bar(results: dict) -> None:
-    """The issue's bar on a whole-file run (at least 100 ops tested): 99.5% in each mode."""
-    tested = [r for r in results.values() if r.skipped is None]
-    if len(tested) >= 100:
-        for mode in MODES:
-            rate = sum(r.passed(mode) for r in tested) / len(tested)
-            assert rate >= 0.995, f"{mode}: {rate:.1%} of {len(tested)} ops pass (bar: 99.5%)"
-
-
 # The OpInfo forward test under the Inductor executor (adaptive, graph strategy): each
 # sample's clone -> op -> clone group is compiled by TorchInductor and compared with CPU
 # within RTOL/ATOL. CI runs these few ops on their first sample (compiles take seconds);
@@ -590,34 +581,12 @@ def test_opinfo_inductor(op, monkeypatch):
     assert ae.metrics().compiled_launches > 0  # the group really ran Inductor's code
 
 
-def summary(results) -> str:
-    tested = [r for r in results.values() if r.skipped is None]
-    n = len(tested)
-    p = sum(r.passed("eager") for r in tested)
-    q = sum(r.passed("adaptive") for r in tested)
-    mm = sum(r.passed("matmul") for r in tested)
-    pct = lambda k: (100.0 * k / n) if n else 0.0  # noqa: E731
-    return (f"OpInfo: {n} ops tested, {p} pass in eager ({pct(p):.1f}%), "
-            f"{q} pass in adaptive graph ({pct(q):.1f}%), {mm} in adaptive matmul "
-            f"({pct(mm):.1f}%)")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _pass_rate_bar(request):
     """The pass rate over the ops this module ran, printed, and held to the issue's bar (99.5%
-    of the ops tested, in each mode) once at least 100 ops ran (a `-k` run of a few ops only
-    prints). A module fixture's teardown runs after the module's last test, whatever order
-    the tests run in (a bar held by a test named to come last held only in file order); a
-    miss is reported as an error at that teardown."""
+    of the ops tested, in each mode) once at least 100 ops ran (tests/harness/opinfo_bar.py)."""
     yield
-    if not RESULTS:
-        return
-    skipped = sum(r.skipped is not None for r in RESULTS.values())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\n{summary(RESULTS)}; {skipped} skipped; "
-                            f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
-    hold_bar(RESULTS)
+    report_and_hold(request, RESULTS, "OpInfo", _PROCESS_T0)
 
 
 def test_the_bar_fails_below_99_5_percent_and_only_on_100_ops():

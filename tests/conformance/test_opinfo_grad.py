@@ -51,6 +51,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import adaptive_eager as ae
+from tests.harness.opinfo_bar import report_and_hold, summary
 
 pytest.importorskip("expecttest")  # op_db needs it
 from tests.conformance import test_opinfo as fwd  # noqa: E402  the forward test's machinery
@@ -334,16 +335,7 @@ def _pass_rate_bar(request):
     """The pass rate over the ops this module ran, printed and held to the bar after its last
     test, whatever the order (as test_opinfo.py's fixture)."""
     yield
-    if not RESULTS:
-        return
-    text = fwd.summary(RESULTS).replace("OpInfo:", "OpInfo backward:", 1)
-    skipped = sum(r.skipped is not None for r in RESULTS.values())
-    samples = sum(r.samples for r in RESULTS.values())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\n{text}; {skipped} skipped; {samples} samples; "
-                            f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
-    fwd.hold_bar(RESULTS)
+    report_and_hold(request, RESULTS, "OpInfo backward", _PROCESS_T0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -372,7 +364,7 @@ def _main(argv) -> int:
             ("ok" if not r.errors else "; ".join(f"{m}: {e}" for m, e in r.errors.items()))
         print(f"{r.seconds:6.2f}s n={r.samples} {r.op_id}: {status}"
               + (f"  !!HEALTH: {h}" if h else ""), flush=True)
-    print(fwd.summary(results).replace("OpInfo:", "OpInfo backward:", 1))
+    print(summary(results, "OpInfo backward"))
     if write:
         print("# draft for opinfo_grad_xfail.txt:")
         for r in results.values():
