@@ -106,13 +106,12 @@ def project(fig: dict, ranks) -> list[tuple]:
     step time with the measured overlap, its efficiency, the all-reduce's algorithm)
     (Note [DP projection])."""
     import adaptive_eager as ae
-    from adaptive_eager.integration.distributed import _COLLECTIVES
     from device.interconnect import collective_plan
+    from projection import collectives_us
     spec = ae.engine.engine.ENGINE.spec
 
     def wire(p):  # each collective of the step with its own pattern (ring, tree...)
-        return sum(collective_plan(spec, _COLLECTIVES[name.split("::")[1]][0], b, p)[0]
-                   for name, b in fig["last_step"])
+        return collectives_us(fig["last_step"], lambda pattern: (spec, p))
 
     def algo(p):
         sizes = [b for name, b in fig["last_step"] if "allreduce" in name]

@@ -128,20 +128,13 @@ def _rank(rank, world, port, steps, host_us, results):
 def project(fig, ranks):
     """(p, projected step time in us, weak-scaling efficiency) per rank count."""
     import adaptive_eager as ae
-    from adaptive_eager.integration.distributed import _COLLECTIVES
-    from device.interconnect import collective_plan
+    from projection import collectives_us
     spec = ae.engine.engine.ENGINE.spec
     dp_spec = dataclasses.replace(spec, ranks_per_instance=max(spec.ranks_per_instance // 2, 1))
 
-    def wire(p):
-        total = 0.0
-        for name, b in fig["last_step"]:
-            pattern = _COLLECTIVES[name.split("::")[1]][0]
-            if pattern == "all_reduce":  # TP's, over its 2 ranks
-                total += collective_plan(spec, pattern, b, 2)[0]
-            else:  # FSDP's, over dp = p / 2
-                total += collective_plan(dp_spec, pattern, b, p // 2)[0]
-        return total
+    def wire(p):  # TP's all-reduces over its 2 ranks; FSDP's collectives over dp = p / 2
+        return collectives_us(fig["last_step"], lambda pattern: (
+            (spec, 2) if pattern == "all_reduce" else (dp_spec, p // 2)))
     base = fig["span_us"] - wire(4)
     return [(p, base + wire(p), (base + wire(4)) / (base + wire(p))) for p in ranks]
 
