@@ -717,7 +717,7 @@ def _route(func) -> _Route:
 ENGINE = Engine()  # neuron:0
 _OVERRIDES = Scopes(_read_setting, lambda values: _apply_settings(values))
 ENGINES = [ENGINE]  # by core index (visible numbering); the others are made on first use
-_CURRENT = [0]  # the current core's index (cores.set_current checks it first)
+_CURRENT = [0]  # the current core's index (torch.neuron.set_device checks it first)
 _OTHER_CORES_USED = [False]  # a tensor was ever allocated on a core other than neuron:0
 
 
@@ -845,7 +845,7 @@ def set_current(index: int) -> None:
 
 def core(index: int) -> Engine:
     """The engine of neuron:`index`, made on first use with core 0's spec, mode and strategy
-    (the caller checks that this process sees that core: cores.check)."""
+    (the caller checks that this process sees that core: neuron._check)."""
     with _LOCK:
         while len(ENGINES) <= index:
             e = Engine(len(ENGINES), ENGINE.spec)
