@@ -9,6 +9,7 @@ import math
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_map, tree_flatten
 
 from device import with_generator
@@ -167,8 +168,14 @@ def _host_zeros(n: int) -> torch.Tensor:
     one new signature per row)."""
     # (a storage copied from a zeroed bytearray: resizable, as a kernel may resize an out=
     # twin past its buffer, which torch.frombuffer's storage refuses)
+    # (from_buffer makes a meta storage while a FakeTensorMode is set, even below dispatch:
+    # `torch.tensor(3, device="neuron")` traced by torch.compile runs its host -> device
+    # copy for real, and its first probe came here with Dynamo's mode set)
     t = torch.empty(0, dtype=torch.uint8, device="cpu")  # (whatever the default device)
-    return t.set_(torch.UntypedStorage.from_buffer(bytearray(n), dtype=torch.uint8)) if n else t
+    if not n:
+        return t
+    with unset_fake_temporarily():
+        return t.set_(torch.UntypedStorage.from_buffer(bytearray(n), dtype=torch.uint8))
 
 
 def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):

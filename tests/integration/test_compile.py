@@ -285,6 +285,27 @@ def test_tensors_made_inside_a_compiled_function(adaptive):
     assert aec.STATS.graphs["forward"] == 1
 
 
+def test_a_0_dim_tensor_made_inside_a_compiled_function_in_a_fresh_process():
+    """`torch.tensor(3, device=x.device)` traced: its host -> device copy of a 0-dim tensor
+    runs for real under Dynamo's FakeTensorMode, and the first such copy of a dtype is
+    probed on CPU, whose blank host buffers FakeTensorMode made meta storages: the trace
+    raised, unless an earlier test had probed that copy already (the suite passed, the test
+    alone failed). A fresh process has probed nothing."""
+    code = ("import torch, warnings\nwarnings.simplefilter('ignore')\nimport adaptive_eager\n"
+            "def f(x):\n"
+            "    return (x + torch.tensor(3, device=x.device, dtype=torch.int64),\n"
+            "            x * torch.tensor(0.5, device=x.device, dtype=torch.float64))\n"
+            "x = torch.arange(3.0)\n"
+            "got = torch.compile(f, backend='neuron')(x.to('neuron'))\n"
+            "for a, b in zip(got, f(x)):\n"
+            "    assert a.device.type == 'neuron'\n"
+            "    torch.testing.assert_close(a.cpu(), b)\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
+
 def test_functional_copy_across_devices():
     """`aten.copy` (copy_'s functional form, as functionalized graphs hold it) with a host
     source or a host destination: a new tensor laid out as clone() is, on self's device."""
