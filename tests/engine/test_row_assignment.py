@@ -232,3 +232,20 @@ def test_select_at_any_index_is_cpus_view(mode):
         assert not t[2].is_inference() and t[2].equal(t[2])
         inf = torch.ones(3, 2, device=N)
     assert inf[1].is_inference() and inf[-1].tolist() == [1., 1.]
+
+
+def test_views_of_an_empty_tensor_are_cpus(mode):
+    """An empty tensor's views may sit past the end of its (empty) buffer, as CPU lets them:
+    `select` at index 1 of a (2, 0) tensor, `.imag` of an empty complex one (fuzzer seeds 4907
+    and 5113 raised 'setStorage: ... out of bounds' through select's runtime index)."""
+    views = [lambda t: t.select(0, 1), lambda t: t.flatten(1).select(-2, 1),
+             lambda t: t.narrow(0, 1, 1), lambda t: t[1:], lambda t: t.unfold(0, 1, 1),
+             lambda t: torch.view_as_real(t.to(torch.complex64)).select(-1, 1),
+             lambda t: (t.to(torch.complex64).conj() + 1).imag]
+    for shape in [(2, 0, 3), (2, 1, 0)]:
+        c, n = torch.zeros(shape), torch.zeros(shape, device=N)
+        for f in views:
+            got, want = f(n), f(c)
+            assert (got.shape, got.stride(), got.storage_offset()) == (
+                want.shape, want.stride(), want.storage_offset())
+            assert torch.equal(got.cpu(), want)
