@@ -77,6 +77,7 @@ class FlushReport:
     substitutions: list = ()  # Note [Substitution]: fusion.substitute.Substitution each
     declined: list = ()  # patterns found but not replaced: the flush costs less without
     unsubstituted: tuple = None  # (launches, device us, HBM bytes) with no pattern replaced
+    sig: tuple = None  # the plan's key (Note [Plan cache])
 
     @property
     def groups(self) -> list[dict]:
@@ -145,6 +146,18 @@ class Runner:
         # stands for the whole signature and hashes in O(1).
         sig = (strategy.key, tuple([n.op for n in nodes]), tuple([n.uids for n in nodes]),
                live)
+        return self.run_sig(nodes, handles, sig, reason, strategy, n_ops, subs, declined)
+
+    def run_sig(self, nodes, handles, sig, reason, strategy, n_ops=None, subs=(),
+                declined=()) -> FlushReport:
+        """`run`, given the segment's buffers (None: gone) and its plan key: an eager op
+        replayed (Note [Eager launches] in adaptive_eager/engine/replay.py) knows both, and
+        substitutes nothing (`n_ops` None: `run`'s start is done here)."""
+        if n_ops is None:
+            self.done = 0
+            self.origin = None
+            self.unsubstituted = None
+            n_ops = len(nodes)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
@@ -166,7 +179,7 @@ class Runner:
         if subs:
             COUNTERS.substitutions.update(s.kernel for s in subs)
         return FlushReport(reason, strategy.name, n_ops, plan, hit, compiled, nodes, subs,
-                           declined, self.unsubstituted)
+                           declined, self.unsubstituted, sig)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
