@@ -28,6 +28,7 @@ from . import substitute as substitution
 
 log = logging.getLogger("adaptive_eager.fusion")
 _LOW_PRECISION = ("bfloat16", "float16")
+_CPU = torch.device("cpu")
 
 
 @dataclasses.dataclass
@@ -275,6 +276,7 @@ class Runner:
         compiled = [] if self.executor is not None else None
         for gp in plan.groups:
             exe = gp.exe
+            views = None
             st = [None] * exe.program.n_slots
             poisoned, origin = set(), None
             causes = {}  # slot -> the failed launch, or (instr, LaunchError), poisoning it
@@ -304,7 +306,22 @@ class Runner:
                         for s in exe.instrs[k].out_slots:
                             causes[s] = launch
             else:
-                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes)
+                views = None
+                if not poisoned:  # Note [Host views] in codegen.py
+                    views = [None] * (exe.n_views + exe.program.n_slots)
+                    for vid, s, key in exe.host_views:
+                        c = gp.slots[s]
+                        if c in env:
+                            continue
+                        buf = handles[c].buffer
+                        hv = buf.host
+                        if hv is not None and (hv[0] is key or hv[0] == key):
+                            views[vid] = hv[1]
+                        else:
+                            v = views[vid] = torch.empty(0, dtype=key[3], device=_CPU).set_(
+                                buf.storage, key[2], key[0], key[1])
+                            buf.host = (key, v)
+                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes, views)
                 ran = False
                 # Note [Executors] in fusion/executors/tiered.py: fused groups only (single
                 # ops stay as eager), and only with valid inputs (poison is the interpreter's)
@@ -346,6 +363,11 @@ class Runner:
                     h.buffer = dev.alloc(h.nbytes, st[s])
                     h.pending = False
                     h.poison = bad.get(gp.slots[s])
+                    if views is not None and h.poison is None:  # Note [Host views]
+                        r = views[exe.n_views + s]
+                        if r is not None:
+                            o = exe.out_layouts[s]
+                            h.buffer.host = ((o[1], o[2], 0, o[3]), r)
             self.done = gp.end if self.origin is None else self.origin[gp.end]
         return compiled
 
