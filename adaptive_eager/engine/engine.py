@@ -26,7 +26,7 @@ from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
-from fusion.host import cpu_kernels
+from fusion.host import host_kernels
 
 from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer
@@ -468,7 +468,7 @@ class Engine:
         `substitute`: Note [Substitution])."""
         self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
         try:
-            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.seg.ftz):
+            with host_kernels(), cpu_settings.ftz(self.seg.ftz):
                 report = (self.runner.run(nodes, refs, reason, strategy, substitute)
                           if sig is None
                           else self.runner.run_sig(nodes, refs, sig, reason, strategy))

@@ -23,6 +23,16 @@ engine's own handlers), goes the slow way: first the online group is rebuilt fro
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
 for the rest of the trace. Ops that queue nothing (views) leave it on.
+
+Note [Eager launches]: in eager mode every op is flushed alone, so its trace is one node,
+and the flush that ends it runs a plan keyed by that node and its buffers, all live (Note
+[Plan cache] in fusion/flush.py); the engine keeps that key on the trace (`Trace.sig`). An
+op that the replay matches against such a trace, with nothing queued, is not queued: it is
+run at once (`Engine.launch`) as `flush("eager")` would run the segment holding it alone,
+with the same plan key, buffers and contexts, the same launch, metrics, report and timeline
+entry, and under launch blocking the same wait (its errors raise at the call). The trace is
+then filed as `remember` files a trace replayed to its end. Everything before (counting,
+checks, admission, the source line, new buffers) and after (results) is the replay's.
 """
 from __future__ import annotations
 
