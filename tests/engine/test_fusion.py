@@ -287,10 +287,10 @@ def test_generated_run_stops_at_a_failed_op_as_the_interpreter_does(monkeypatch)
         generated = run(False)
         real = program.Executable.run
 
-        def interpreted(self, st, inputs, rng, poisoned, causes=None):
+        def interpreted(self, st, inputs, rng, poisoned, causes=None, views=None):
             poisoned.add(-1)  # no slot is -1: the interpreter runs, nothing is skipped
             try:
-                return real(self, st, inputs, rng, poisoned, causes)
+                return real(self, st, inputs, rng, poisoned, causes, views)
             finally:
                 poisoned.discard(-1)
         monkeypatch.setattr(program.Executable, "run", interpreted)
