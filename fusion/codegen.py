@@ -30,7 +30,8 @@ _CALLS = frozenset(dis.opmap[n] for n in ("PRECALL", "CALL") if n in dis.opmap)
 
 
 def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
-    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`. Slots of
+    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`, `views`
+    holding n_views + the program's slot count entries (Note [Host views]). Slots of
     `outputs` (written back) get their storage in `st`, as does any slot a later op reads
     through another view; a view is dropped after its last read, so the memory of a chain's
     dead intermediates is reused as on CPU (the interpreter keeps every one to the end).

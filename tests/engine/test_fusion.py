@@ -310,7 +310,7 @@ def test_generated_run_tells_kernel_errors_from_internal_ones_by_op():
     def run(inputs):
         st = [None] * exe.program.n_slots
         st[0] = x._handle.buffer.storage
-        return exe.generated(st, inputs, None, [None] * exe.n_views)
+        return exe.generated(st, inputs, None, [None] * (exe.n_views + exe.program.n_slots))
 
     for _ in range(20):  # the same answers once Python has specialized the function
         assert run([[2], [1], [3]]) is None
