@@ -113,12 +113,15 @@ class Buffer:
     `empty` allocation) and released when the last reference to the buffer goes away.
     """
 
-    __slots__ = ("nbytes", "storage", "_hbm", "__weakref__")
+    __slots__ = ("nbytes", "storage", "_hbm", "host", "__weakref__")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.storage: torch.UntypedStorage | None = None
         self._hbm: HBM | None = None
+        # (layout, CPU tensor over `storage` with it): the last view a launch read it
+        # through or wrote it as (Note [Host views] in fusion/codegen.py)
+        self.host = None
 
     def allocate(self, hbm: HBM, storage: torch.UntypedStorage | None = None) -> None:
         assert self.storage is None

@@ -30,7 +30,8 @@ _CALLS = frozenset(dis.opmap[n] for n in ("PRECALL", "CALL") if n in dis.opmap)
 
 
 def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
-    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`. Slots of
+    """The generated run of `instrs` (bound Instrs): `fn(st, inputs, rng, views)`, `views`
+    holding n_views + the program's slot count entries (Note [Host views]). Slots of
     `outputs` (written back) get their storage in `st`, as does any slot a later op reads
     through another view; a view is dropped after its last read, so the memory of a chain's
     dead intermediates is reused as on CPU (the interpreter keeps every one to the end).
@@ -82,6 +83,8 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
                                  f"r = _fix(r, o{i})", 3 * i + 2))
                 if s in stored:
                     body.append((f"st[{s}] = r.untyped_storage()", 3 * i + 2))
+                if s in outputs:  # Note [Host views]: its buffer's host view, after the run
+                    body.append((f"views[{n_views + s}] = r", 3 * i + 2))
                 if vid is not None and last.get(vid, -1) > i:
                     body.append((f"views[{vid}] = r", 3 * i + 2))
                     made.add(vid)
@@ -165,8 +168,33 @@ def tensor_templates(templates) -> list[tuple]:
 
 
 def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:
-    """`_value`'s first read of a view: a CPU tensor over the slot's storage."""
-    views[vid] = torch.empty(0, dtype=dtype, device=_CPU).set_(st[slot], offset, size, stride)
+    """`_value`'s first read of a view: a CPU tensor over the slot's storage, unless the
+    launch handed it in (Note [Host views])."""
+    if views[vid] is None:
+        views[vid] = torch.empty(0, dtype=dtype, device=_CPU).set_(st[slot], offset, size,
+                                                                   stride)
+
+
+# Note [Host views]: making a CPU tensor over a slot's storage (`torch.empty(0).set_(...)`)
+# costs about two CPU kernels of a tiny op; a one-op launch (eager mode) makes one per input,
+# on every launch, for buffers it read the launch before. So a device buffer keeps the last
+# CPU tensor a launch read it through (`Buffer.host`: its layout and the tensor), and a
+# launch reading it with that layout gets that tensor in its `views` (Executable.host_views:
+# the input views it may take so); a new buffer keeps the result tensor that wrote it (the
+# generated run leaves it at `views[n_views + slot]`). A buffer's storage never changes (a
+# resize makes a new buffer), and a program's kernels do not change their arguments'
+# metadata (in-place view ops and resizes are the engine's, before the launch), so the
+# tensor is exactly what `_view` would make. A view whose (slot, layout) two view ids of the
+# program share (one tensor passed as two objects: Note [Tensor identity] in
+# adaptive_eager/engine/templates.py) is always made afresh.
+def host_views(instrs, n_inputs: int) -> tuple:
+    """(view id, slot, layout) of the input views a launch may hand in (Note [Host views])."""
+    seen: dict = {}
+    for ins in instrs:
+        for t in tensor_templates(ins.args + tuple(ins.kwargs.values())):
+            if t[2] < n_inputs:
+                seen.setdefault((t[2],) + tuple(t[3:7]), set()).add(t[1])
+    return tuple((next(iter(v)), k[0], k[1:]) for k, v in seen.items() if len(v) == 1)
 
 
 def _fix(r, o):

@@ -28,6 +28,7 @@ from . import substitute as substitution
 
 log = logging.getLogger("adaptive_eager.fusion")
 _LOW_PRECISION = ("bfloat16", "float16")
+_CPU = torch.device("cpu")
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class FlushReport:
     substitutions: list = ()  # Note [Substitution]: fusion.substitute.Substitution each
     declined: list = ()  # patterns found but not replaced: the flush costs less without
     unsubstituted: tuple = None  # (launches, device us, HBM bytes) with no pattern replaced
+    sig: tuple = None  # the plan's key (Note [Plan cache])
 
     @property
     def groups(self) -> list[dict]:
@@ -145,6 +147,18 @@ class Runner:
         # stands for the whole signature and hashes in O(1).
         sig = (strategy.key, tuple([n.op for n in nodes]), tuple([n.uids for n in nodes]),
                live)
+        return self.run_sig(nodes, handles, sig, reason, strategy, n_ops, subs, declined)
+
+    def run_sig(self, nodes, handles, sig, reason, strategy, n_ops=None, subs=(),
+                declined=()) -> FlushReport:
+        """`run`, given the segment's buffers (None: gone) and its plan key: an eager op
+        replayed (Note [Eager launches] in adaptive_eager/engine/replay.py) knows both, and
+        substitutes nothing (`n_ops` None: `run`'s start is done here)."""
+        if n_ops is None:
+            self.done = 0
+            self.origin = None
+            self.unsubstituted = None
+            n_ops = len(nodes)
         plan = self.plans.get(sig)
         hit = plan is not None
         if hit:
@@ -156,7 +170,11 @@ class Runner:
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             COUNTERS.plan_misses += 1
-        compiled = self._execute(nodes, plan, handles)
+        if len(plan.groups) == 1 and len(nodes) == 1 and self._execute_one(
+                nodes[0], plan.groups[0], handles):
+            compiled = None if self.executor is None else [False]
+        else:
+            compiled = self._execute(nodes, plan, handles)
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
                      len(plan.groups), "reused" if hit else "built")
@@ -166,7 +184,7 @@ class Runner:
         if subs:
             COUNTERS.substitutions.update(s.kernel for s in subs)
         return FlushReport(reason, strategy.name, n_ops, plan, hit, compiled, nodes, subs,
-                           declined, self.unsubstituted)
+                           declined, self.unsubstituted, sig)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -262,6 +280,7 @@ class Runner:
         compiled = [] if self.executor is not None else None
         for gp in plan.groups:
             exe = gp.exe
+            views = None
             st = [None] * exe.program.n_slots
             poisoned, origin = set(), None
             causes = {}  # slot -> the failed launch, or (instr, LaunchError), poisoning it
@@ -291,7 +310,8 @@ class Runner:
                         for s in exe.instrs[k].out_slots:
                             causes[s] = launch
             else:
-                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes)
+                views = None if poisoned else _host_views(exe, gp.slots, handles, env)
+                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes, views)
                 ran = False
                 # Note [Executors] in fusion/executors/tiered.py: fused groups only (single
                 # ops stay as eager), and only with valid inputs (poison is the interpreter's)
@@ -308,33 +328,105 @@ class Runner:
                                                   gp.op_costs)))
                 if launch.error is not None:
                     origin = launch
-            for s in gp.outputs:  # (only these leave the group: later groups read them)
-                c = gp.slots[s]
-                if st[s] is None:  # never written (its op failed or was skipped): poisoned
-                    st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)
-                env[c] = st[s]
-            own = {}  # a later failed op of the group: a launch record of its own
-            for s in poisoned:
-                c = gp.slots[s]
-                why = causes.get(s) or origin
-                if type(why) is tuple:
-                    k, err = why
-                    why = own.get(k)
-                    if why is None:
-                        why = own[k] = Launch(members[k].name, None, 0, 0.0,
-                                              context=[members[k]])
-                        why.error, why.internal = err.cause, err.internal
-                bad[c] = why
-                if handles[c] is not None and not handles[c].pending:
-                    handles[c].poison = why  # an existing buffer updated in place
-            for s in gp.outputs:
-                h = handles[gp.slots[s]]
-                if h is not None and h.pending:
-                    h.buffer = dev.alloc(h.nbytes, st[s])
-                    h.pending = False
-                    h.poison = bad.get(gp.slots[s])
-            self.done = gp.end if self.origin is None else self.origin[gp.end]
+            self._written(gp, exe, st, poisoned, causes, origin, members, env, bad, handles,
+                          views)
         return compiled
+
+    def _execute_one(self, node, gp: GroupPlan, handles) -> bool:
+        """`_execute` of a plan of one group, one op (eager mode) or more, for the common
+        case only: the interpreter runs it, no input is poisoned, no collective is pending.
+        False (nothing done) otherwise."""
+        exe, dev, slots = gp.exe, self.device, gp.slots
+        if dev._pending or isinstance(exe, OneByOne) or gp.end - gp.start != 1 or (
+                self.executor is not None and len(exe.instrs) > 1):
+            return False
+        program = exe.program
+        st = [None] * program.n_slots
+        for s in range(program.n_inputs):
+            h = handles[slots[s]]
+            if h.poison is not None:
+                return False
+            st[s] = h.buffer.storage
+        views = _host_views(exe, slots, handles, ())
+        poisoned, causes, members = set(), {}, [node]
+        launch = dev.submit(Launch(exe.name, functools.partial(
+            exe.run, st, [node.inputs], dev.rng, poisoned, causes, views), gp.nbytes, gp.flops,
+            gp.low_precision, context=members, kind="kernel" if gp.kernel else "launch",
+            overhead_us=gp.overhead_us, nodes=((node.source,), gp.op_costs)))
+        if launch.error is not None or poisoned:
+            self._written(gp, exe, st, poisoned, causes,
+                          launch if launch.error is not None else None, members, {}, {},
+                          handles, views)
+        else:
+            nv = exe.n_views
+            for s in gp.outputs:
+                h = handles[slots[s]]
+                if h is not None and h.pending:
+                    h.buffer = buf = dev.alloc(h.nbytes, st[s])
+                    h.pending = False
+                    h.poison = None
+                    r = views[nv + s]
+                    if r is not None:  # Note [Host views]
+                        o = exe.out_layouts[s]
+                        buf.host = ((o[1], o[2], 0, o[3]), r)
+        self.done = gp.end if self.origin is None else self.origin[gp.end]
+        return True
+
+    def _written(self, gp, exe, st, poisoned, causes, origin, members, env, bad, handles,
+                 views) -> None:
+        """After group `gp`'s launch: its outputs' storages (in `env`, for later groups),
+        what its failures poisoned (in `bad`, and on the buffers), its new buffers."""
+        dev = self.device
+        for s in gp.outputs:  # (only these leave the group: later groups read them)
+            c = gp.slots[s]
+            if st[s] is None:  # never written (its op failed or was skipped): poisoned
+                st[s] = torch.UntypedStorage(handles[c].nbytes if handles[c] else 0)
+            env[c] = st[s]
+        own = {}  # a later failed op of the group: a launch record of its own
+        for s in poisoned:
+            c = gp.slots[s]
+            why = causes.get(s) or origin
+            if type(why) is tuple:
+                k, err = why
+                why = own.get(k)
+                if why is None:
+                    why = own[k] = Launch(members[k].name, None, 0, 0.0,
+                                          context=[members[k]])
+                    why.error, why.internal = err.cause, err.internal
+            bad[c] = why
+            if handles[c] is not None and not handles[c].pending:
+                handles[c].poison = why  # an existing buffer updated in place
+        for s in gp.outputs:
+            h = handles[gp.slots[s]]
+            if h is not None and h.pending:
+                h.buffer = dev.alloc(h.nbytes, st[s])
+                h.pending = False
+                h.poison = bad.get(gp.slots[s])
+                if views is not None and h.poison is None:  # Note [Host views]
+                    r = views[exe.n_views + s]
+                    if r is not None:
+                        o = exe.out_layouts[s]
+                        h.buffer.host = ((o[1], o[2], 0, o[3]), r)
+        self.done = gp.end if self.origin is None else self.origin[gp.end]
+
+
+def _host_views(exe, slots, handles, env) -> list:
+    """The `views` of a launch of `exe` (Note [Host views] in codegen.py): the CPU tensors
+    over its input buffers that earlier launches made, or made now and kept."""
+    views = [None] * (exe.n_views + exe.program.n_slots)
+    for vid, s, key in exe.host_views:
+        c = slots[s]
+        if c in env:
+            continue
+        buf = handles[c].buffer
+        hv = buf.host
+        if hv is not None and (hv[0] is key or hv[0] == key):
+            views[vid] = hv[1]
+        else:
+            v = views[vid] = torch.empty(0, dtype=key[3], device=_CPU).set_(
+                buf.storage, key[2], key[0], key[1])
+            buf.host = (key, v)
+    return views
 
 
 def _groups(nodes, groups, handles):

@@ -32,6 +32,27 @@ def cpu_kernels():
                                            exclude - _VIEW_KEYS)
 
 
+_PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+                | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
+_HOST_EXCLUDES: dict = {}  # raw exclude set -> host_kernels' exclude set
+
+
+def host_kernels():
+    """`_DisableTorchDispatch()` and `cpu_kernels()` as one guard (a flush runs under both,
+    per op in eager mode): the keys `_DisableTorchDispatch` excludes (Python and its TLS
+    snapshot) are excluded, and inside dispatch the view keys are back on."""
+    if not torch._C._dispatch_tls_is_dispatch_key_excluded(_CONJUGATE):
+        return torch._C._DisableTorchDispatch()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    raw = exclude.raw_repr()
+    new = _HOST_EXCLUDES.get(raw)
+    if new is None:
+        if len(_HOST_EXCLUDES) > 64:
+            _HOST_EXCLUDES.clear()
+        new = _HOST_EXCLUDES[raw] = (exclude - _VIEW_KEYS) | _PYTHON_KEYS
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), new)
+
+
 # Note [C++ warnings]: a TORCH_WARN inside a `torch.ops` call is not turned into a Python
 # warning when that call returns: it waits in the warning buffer of the outermost Python call
 # into torch (the user's `torch.add(..., out=t)`, or in adaptive mode whatever call flushes)

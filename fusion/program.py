@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from device import LaunchError
 
-from .codegen import generate, tensor_templates
+from .codegen import generate, host_views, tensor_templates
 from .host import QUIET_OPS, cpp_warnings_scope
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, KERNEL, LAYOUT_ONLY, RANDOM, device_kernel, op_class
@@ -194,13 +194,16 @@ class Executable:
         self.instrs = [Instr(*i[:5], i[5], vids) for i in program.instrs]
         for ins in self.instrs:
             ins.bind_outputs(vids)
+        # slot -> (slot, size, stride, dtype, view id) of each new output (Note [Host views])
+        self.out_layouts = {o[0]: o for ins in self.instrs for o in ins.outs if o is not None}
         self.n_views = len(vids)
+        self.host_views = host_views(self.instrs, program.n_inputs)  # Note [Host views]
         # Note [Generated runs]
         self.generated = generate(self.instrs, self.n_views, program.outputs, run_instr)
         self.checked_runs = 0  # Note [Proven layouts] in codegen.py
 
     def run(self, st: list, inputs: list[list], rng, poisoned: set,
-            causes: dict | None = None) -> None:
+            causes: dict | None = None, views: list | None = None) -> None:
         """Run in order; fills the created slots of `st`. `inputs[i]`: runtime values of instr i.
 
         Note [Poison]: `poisoned` holds the slots whose values are invalid (on entry: inputs
@@ -209,8 +212,10 @@ class Executable:
         run, so one failed op never corrupts values that do not depend on it. The first
         error is raised at the end, tagged with its instr index; `causes` (slot -> what
         poisoned it) gets the later ones, (instr index, LaunchError), so that each value
-        names its own failed op."""
-        views = [None] * self.n_views
+        names its own failed op. `views`: n_views + n_slots entries, the host views the
+        launch hands in (Note [Host views]; it reads the results' from the others after)."""
+        if views is None:
+            views = [None] * (self.n_views + self.program.n_slots)
         first, start = None, 0
         if not poisoned:  # Note [Generated runs]: the same steps, generated once
             run = self.generated

@@ -26,7 +26,7 @@ from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
-from fusion.host import cpu_kernels
+from fusion.host import host_kernels
 
 from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer
@@ -447,18 +447,40 @@ class Engine:
             return
         nodes, refs = self.seg.take()
         lazy = self.is_lazy()
+        report = self._run(nodes, refs, reason, self.strategy if lazy else self.eager_strategy,
+                           substitute=lazy and _config.config.substitute)
+        trace = self.traces.remember(reason, lazy, self.strategy.key)
+        if trace is not None and not lazy and trace.n == 1 and all(report.sig[3]):
+            trace.sig = report.sig  # Note [Eager launches] in replay.py
+        self._ran(report, reason)
+
+    def launch(self, node, handles: list, trace) -> None:
+        """Note [Eager launches] in replay.py: eager op `node`, replayed from one-op `trace`
+        with its buffers `handles` (numbered as a segment of its own would number them), is
+        run as `flush("eager")` would run that segment, without queuing it."""
+        nodes = [node]
+        report = self._run(nodes, handles, "eager", self.eager_strategy, trace.sig)
+        self.traces.again(trace)
+        self._ran(report, "eager")
+
+    def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
+        """Run flushed `nodes` (Runner.run; `sig`: their plan key, with `refs` the handles;
+        `substitute`: Note [Substitution])."""
         self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
         try:
-            with torch._C._DisableTorchDispatch(), cpu_kernels(), cpu_settings.ftz(self.seg.ftz):
-                report = self.runner.run(nodes, refs, reason, self.strategy if lazy
-                                         else self.eager_strategy,
-                                         lazy and _config.config.substitute)
+            with host_kernels(), cpu_settings.ftz(self.seg.ftz):
+                report = (self.runner.run(nodes, refs, reason, strategy, substitute)
+                          if sig is None
+                          else self.runner.run_sig(nodes, refs, sig, reason, strategy))
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
             self.traces.forget()
             raise
         self.last_report = report
-        self.traces.remember(reason, lazy, self.strategy.key)
+        return report
+
+    def _ran(self, report, reason: str) -> None:
+        """A flush's metrics; under launch blocking, the host waits (errors raise here)."""
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes

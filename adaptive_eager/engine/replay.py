@@ -23,6 +23,16 @@ engine's own handlers), goes the slow way: first the online group is rebuilt fro
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
 for the rest of the trace. Ops that queue nothing (views) leave it on.
+
+Note [Eager launches]: in eager mode every op is flushed alone, so its trace is one node,
+and the flush that ends it runs a plan keyed by that node and its buffers, all live (Note
+[Plan cache] in fusion/flush.py); the engine keeps that key on the trace (`Trace.sig`). An
+op that the replay matches against such a trace, with nothing queued, is not queued: it is
+run at once (`Engine.launch`) as `flush("eager")` would run the segment holding it alone,
+with the same plan key, buffers and contexts, the same launch, metrics, report and timeline
+entry, and under launch blocking the same wait (its errors raise at the call). The trace is
+then filed as `remember` files a trace replayed to its end. Everything before (counting,
+checks, admission, the source line, new buffers) and after (results) is the replay's.
 """
 from __future__ import annotations
 
@@ -94,11 +104,12 @@ class Trace:
     """The nodes queued between two flushes other than "device idle", and per node its
     (meta result, cut); the policy the cuts were made under (lazy or not, the strategy)."""
 
-    __slots__ = ("nodes", "steps", "lazy", "key", "n")
+    __slots__ = ("nodes", "steps", "lazy", "key", "n", "sig")
 
     def __init__(self, nodes, steps, lazy, key):
         self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
         self.n = len(nodes)
+        self.sig = None  # Note [Eager launches]: an eager op's plan key, its buffers all live
 
 
 class Traces:
@@ -181,20 +192,20 @@ class Traces:
                 ids.append(h.uid if h is not None else -1 - ci)  # a freed buffer: a unique id
             online.add(n, cut, ids)
 
-    def remember(self, reason: str, lazy: bool, key) -> None:
+    def remember(self, reason: str, lazy: bool, key) -> Trace | None:
         """After a flush: unless it was a device-idle flush (the trace goes on across
         those), the trace ends and is filed under its first op, newest first; none is
         expected until the next op picks one (`step`). A trace replayed start to end is the
         one it followed: that one moves to the front instead. The flush took the segment's
-        online group with it (`replayed` is cleared)."""
+        online group with it (`replayed` is cleared). Returns the trace filed, if any."""
         self.replayed = False
         if reason == "device idle":
-            return
+            return None
         nodes, self.nodes = self.nodes, []
         steps, self.steps = self.steps, []
         done, self.followed, self.expect = self.followed, None, None
         if not nodes or nodes is NOT_RECORDING or not _config.config.replay:
-            return
+            return None
         if done is not None and done.n == len(nodes) and done.lazy == lazy:
             trace = done
         else:
@@ -204,6 +215,20 @@ class Traces:
             by_op.clear()
         k = nodes[0].op.func._op
         by_op[k] = [trace] + [t for t in by_op.get(k, ()) if t is not trace][:_PER_OP - 1]
+        return trace
+
+    def again(self, trace) -> None:
+        """Note [Eager launches]: one-op `trace` was replayed and run without queuing its
+        node: filed as `remember` files a trace replayed start to end (it moves to the
+        front), with nothing recorded since."""
+        self.expect = self.followed = None
+        by_op = self.by_op
+        k = trace.nodes[0].op.func._op
+        found = by_op.get(k)
+        if found is None or found[0] is not trace:
+            if found is None and len(by_op) >= _MAX_TRACES:
+                by_op.clear()
+            by_op[k] = [trace] + [t for t in found or () if t is not trace][:_PER_OP - 1]
 
     def forget(self) -> None:
         """Settings changed, or a flush failed: no trace is expected or kept, and the one
@@ -340,12 +365,16 @@ def follow(eng, func, args, kwargs, counted=False):
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
         new.append(Handle(b, None, True))
-    reason = seg.enqueue(node, handles, new, op.new_total, lazy)
-    tr.replayed_node(seg, node, tstep, pos, [h.uid for h in handles] + [h.uid for h in new]
-                     if check and lazy else None)
-    eng.metrics.replayed_ops += 1
-    if reason is not None:
-        eng.flush(reason)
+    if not lazy and trace.sig is not None and not queued:  # Note [Eager launches]
+        eng.metrics.replayed_ops += 1
+        eng.launch(node, handles + new, trace)
+    else:
+        reason = seg.enqueue(node, handles, new, op.new_total, lazy)
+        tr.replayed_node(seg, node, tstep, pos, [h.uid for h in handles] + [h.uid for h in new]
+                         if check and lazy else None)
+        eng.metrics.replayed_ops += 1
+        if reason is not None:
+            eng.flush(reason)
     if meta.single:
         leaf = meta.leaves[0]
         if leaf[0] == "new":

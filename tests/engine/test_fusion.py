@@ -287,10 +287,10 @@ def test_generated_run_stops_at_a_failed_op_as_the_interpreter_does(monkeypatch)
         generated = run(False)
         real = program.Executable.run
 
-        def interpreted(self, st, inputs, rng, poisoned, causes=None):
+        def interpreted(self, st, inputs, rng, poisoned, causes=None, views=None):
             poisoned.add(-1)  # no slot is -1: the interpreter runs, nothing is skipped
             try:
-                return real(self, st, inputs, rng, poisoned, causes)
+                return real(self, st, inputs, rng, poisoned, causes, views)
             finally:
                 poisoned.discard(-1)
         monkeypatch.setattr(program.Executable, "run", interpreted)
@@ -310,7 +310,7 @@ def test_generated_run_tells_kernel_errors_from_internal_ones_by_op():
     def run(inputs):
         st = [None] * exe.program.n_slots
         st[0] = x._handle.buffer.storage
-        return exe.generated(st, inputs, None, [None] * exe.n_views)
+        return exe.generated(st, inputs, None, [None] * (exe.n_views + exe.program.n_slots))
 
     for _ in range(20):  # the same answers once Python has specialized the function
         assert run([[2], [1], [3]]) is None

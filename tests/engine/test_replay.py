@@ -186,3 +186,89 @@ def test_a_step_picks_among_the_traces_that_begin_with_its_first_op():
             m = ae.metrics()
     assert m.ops == 3 and m.replayed_ops == 3, (m.ops, m.replayed_ops)
     assert torch.equal(out.cpu(), (x.cpu() * y.cpu() + 1).sum())
+
+
+def eager_steps(fn, n, **settings):
+    """`steps` in eager mode: the last result on the host, the last step's metrics and its
+    timeline entries (name, kind, duration, bytes, FLOPs)."""
+    from adaptive_eager.engine.engine import ENGINE
+    dev = ENGINE.device
+    with ae.override(**settings):
+        for _ in range(n - 1):
+            fn()
+            torch.neuron.synchronize()
+        ae.reset_metrics()
+        before = len(dev.trace)
+        out = fn()
+        torch.neuron.synchronize()
+        m = ae.metrics()
+        timeline = [t[:2] + t[3:6] for t in list(dev.trace)[before:]]
+    return out.cpu(), m, timeline
+
+
+def test_eager_ops_are_launched_from_their_traces_with_the_slow_paths_work(monkeypatch):
+    """Note [Eager launches]: a steady-state eager op is launched at once from its one-op
+    trace, never queued, with the slow path's values, launches, flushes, plan hits and
+    timeline entries."""
+    from adaptive_eager.engine import queue
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+
+    def fn():
+        return torch.add(chain(x * a, 12), a, alpha=2)
+
+    queued = []
+    enqueue = queue.Segment.enqueue
+    monkeypatch.setattr(queue.Segment, "enqueue",
+                        lambda self, node, *rest: queued.append(node) or enqueue(self, node, *rest))
+    out, m, timeline = eager_steps(fn, 3)
+    assert m.replayed_ops == m.ops == 26
+    assert len(queued) < 26 * 3 - 26  # the last step queued nothing (earlier ones may)
+    fast = len(queued)
+    slow, ms, timeline_s = eager_steps(fn, 3, replay=False)
+    assert len(queued) == fast + 26 * 3 and ms.replayed_ops == 0
+    assert torch.equal(out, slow) and torch.equal(out, torch.add(
+        chain(x.cpu() * a.cpu(), 12), a.cpu(), alpha=2))
+    assert same_work(m, ms) and m.launches == 26 and m.flushes == {"eager": 26}
+    assert (m.plan_hits, m.plan_misses) == (ms.plan_hits, ms.plan_misses) == (26, 0)
+    assert timeline == timeline_s and len(timeline) == 26 + 1  # and the sync
+    from adaptive_eager.engine.engine import ENGINE
+    assert ENGINE.last_report.n_ops == 1 and ENGINE.last_report.plan_hit
+
+
+def test_an_eager_launch_from_a_trace_raises_at_the_call_under_launch_blocking():
+    x = torch.arange(5.).to(N)
+
+    def step(i):
+        y = x * 2
+        return y.index_select(0, i)  # the line named
+
+    with ae.override(launch_blocking=True):
+        for _ in range(3):
+            step(torch.tensor([1]).to(N))
+        ae.reset_metrics()
+        with pytest.raises(ae.NeuronRuntimeError, match="index_select") as e:
+            step(torch.tensor([9]).to(N))  # out of range: fails at run time, raised here
+        assert ae.metrics().replayed_ops == 2
+    line = step.__code__.co_firstlineno + 2
+    assert f'test_replay.py", line {line}' in str(e.value)
+    assert torch.equal((x * 2).index_select(0, torch.tensor([3]).to(N)).cpu(),
+                       torch.tensor([6.]))  # the engine stays usable
+
+
+def test_host_views_are_reused_and_keep_tensor_identity():
+    """Note [Host views]: launches hand kernels the CPU tensors earlier launches made over
+    their buffers; in-place writes through them, one object passed twice and two objects
+    over one buffer (told apart by CPU's overlap rules) keep CPU's results."""
+    xc = torch.randn(16)
+    x = xc.to(N)
+    for _ in range(3):  # eager: one launch per op
+        y = x * 2
+        x.add_(y)
+        xc.add_(xc * 2)
+        x.mul_(x)
+        xc.mul_(xc)
+        z = torch.add(x, x.detach(), alpha=0.5)
+        assert torch.equal(x.cpu(), xc) and torch.equal(z.cpu(), torch.add(xc, xc, alpha=0.5))
+        w = x.view(4, 4).t() * 3  # another layout of the same buffer
+        assert torch.equal(w.cpu(), xc.view(4, 4).t() * 3)
+    assert x._handle.buffer.host is not None  # kept on the buffer for the next launch

@@ -173,3 +173,23 @@ def test_a_buffer_is_backed_by_host_bytes_of_its_size():
     assert buf.storage is storage and dev.hbm.used == 16
     with pytest.raises(AssertionError):  # the storage must hold the whole buffer
         dev.alloc(32, torch.zeros(2).untyped_storage())
+
+
+def test_the_timeline_keeps_the_newest_launches_sources_within_its_budget():
+    """Past SOURCE_BUDGET ops' sources the oldest launches lose theirs, down to half the
+    budget, host events between them and launches leaving the full deque included; the
+    entries themselves stay, in order."""
+    from device import Device, Launch
+    from device.core import SOURCE_BUDGET
+    n = 3 * SOURCE_BUDGET
+    dev = Device(trace_limit=n)
+    for i in range(n):
+        dev.submit(Launch(f"op{i}", None, 0, 0.0, nodes=((i,), ((0, 0),))))
+        if i % 7 == 0:
+            dev.mark("sync", "sync", 0.0)
+        if i % 101 == 0 or i == n - 1:
+            kept = [t[6][0][0] for t in dev.trace if t[6]]
+            assert len(kept) <= SOURCE_BUDGET and kept == list(range(i + 1 - len(kept), i + 1))
+    assert len(kept) >= SOURCE_BUDGET // 2
+    names = [t[0] for t in dev.trace if t[1] == "launch"]
+    assert len(dev.trace) == n and names == [f"op{i}" for i in range(n - len(names), n)]
