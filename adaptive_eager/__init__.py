@@ -17,6 +17,7 @@ the API, which needs the half-made `device`).
 import importlib as _importlib
 import sys as _sys
 
+from . import config  # the settings are read and checked at import, torch or not
 from . import patches as _patches
 
 __all__ = [  # api.py's, known before it loads (tests/tools/test_pytest_plugin.py: they agree)
