@@ -363,18 +363,7 @@ def fsdp1(rank, world, use_orig_params):
 
 def _train_fsdp1(model, rank, world, device):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    shard = GLOBAL_BATCH // world
-    losses = []
-    for x, y in make_data():
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train(model, make_data(), device, rank, world)
     handles = model._all_handles
     freed = len(handles) == 2 and all(
         h.flat_param._full_param_padded.untyped_storage().nbytes() == 0 for h in handles)
