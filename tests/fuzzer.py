@@ -399,8 +399,11 @@ class Gen:
             f"device=dev)",
             f"{v} = torch.tensor({a}.untyped_storage().data_ptr() == "
             f"{b}.untyped_storage().data_ptr(), device=dev)",
-            f"{v} = torch.tensor([{a}.storage().size(), {a}.storage().element_size()], "
-            f"device=dev)",
+            # (the size an op's result gets is its kernel's: CPU's mse_loss leaves a 2-element
+            # storage under a 0-dim result; what holds everywhere is that it covers the tensor)
+            f"{v} = torch.tensor([{a}.storage().size() >= {a}.storage_offset() + sum("
+            f"(n - 1) * abs(s) for n, s in zip({a}.shape, {a}.stride())) + ({a}.numel() > 0), "
+            f"{a}.storage().element_size()], device=dev)",
             # (its own first element: the rest of a storage may never have been written)
             f"{v} = torch.tensor({a}.storage().tolist()[{a}.storage_offset():][:1], device=dev)"
             if self.ns[a].numel() and self.ns[a].dtype != self.torch.bool else None,
