@@ -19,7 +19,8 @@ import adaptive_eager as ae  # noqa: E402
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-VOCAB = 32
+from tests.harness.trainer_torchrun import VOCAB, Data, Losses  # noqa: E402  (shared with torchrun)
+
 MODES = ["cpu", "eager", "adaptive"]
 
 
@@ -28,27 +29,6 @@ def _model(dropout=0.0, positions=16):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=positions, bos_token_id=0,
         eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
-
-
-class _Data(torch.utils.data.Dataset):
-    def __init__(self, n=12, length=8):
-        g = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(1, VOCAB, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class _Losses(transformers.TrainerCallback):
-    def __init__(self):
-        self.losses = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(logs["loss"])
 
 
 def _args(mode, tmp_path, **kw):
@@ -68,12 +48,12 @@ def _scope(mode):
 
 def _train(mode, tmp_path, model=None, trainer_cls=None, resume=None, **kw):
     """Losses of a Trainer run; on neuron also checks the device and 0 CPU fallbacks."""
-    rec = _Losses()
+    rec = Losses()
     with _scope(mode):
         args = _args(mode, tmp_path, **kw)
         trainer = (trainer_cls or transformers.Trainer)(
             model=model if model is not None else _model(), args=args,
-            train_dataset=_Data(), callbacks=[rec])
+            train_dataset=Data(), callbacks=[rec])
         ae.reset_metrics()
         trainer.train(resume_from_checkpoint=resume)
         fallbacks = ae.metrics().cpu_fallbacks
@@ -271,7 +251,7 @@ def test_trainer_under_torchrun_matches_one_cpu_process(tmp_path):
 def test_tied_gpt2_round_trip_keeps_the_tie_and_the_optimizer():
     """neuron -> cpu -> neuron: lm_head stays wte (one Parameter object), the optimizer built
     before the first move keeps training it, losses equal CPU's."""
-    batch = _Data()[0]
+    batch = Data()[0]
     batch = {k: v[None] for k, v in batch.items()}
 
     def run(device, mode):
@@ -315,7 +295,7 @@ def test_accelerator_prepare_trains_on_neuron_as_on_cpu():
             assert acc.device.type == ("cpu" if mode == "cpu" else "neuron")
             model = _model()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            loader = torch.utils.data.DataLoader(_Data(), batch_size=2)
+            loader = torch.utils.data.DataLoader(Data(), batch_size=2)
             model, opt, loader = acc.prepare(model, opt, loader)
             ae.reset_metrics()
             losses = []
@@ -364,7 +344,7 @@ def test_trl_sft_trainer_matches_cpu(tmp_path):
     data = datasets.Dataset.from_dict({"text": texts})
 
     def run(mode):
-        rec = _Losses()
+        rec = Losses()
         with _scope(mode):
             # TRL's default on neuron (`pad_to_multiple_of="auto"`) pads batches to 128 tokens
             # (one compile per shape): the CPU run is given the same padding
