@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import spawn  # noqa: E402
 
 MODES = ["eager", "graph", "matmul"]
 PROJECTED_RANKS = (2, 8, 64, 128, 512)
@@ -134,13 +133,7 @@ def main() -> None:
                     help="DDP, or FSDP2 (fully_shard per block and at the root)")
     ap.add_argument("--out", help="also write the tables (markdown) to this file")
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(2, port, a.steps, a.bucket_mb, a.host_us, a.style, results), nprocs=2, join=True)
-        results = dict(results)
+    results = spawn(_rank, 2, a.steps, a.bucket_mb, a.host_us, a.style)
     lines = ["| mode | rank | launches | collectives | collective bytes | device time (us) "
              "| of which collectives (us) | exposed (us) | hidden | step time (us) "
              "| CPU fallbacks |", "|---" * 11 + "|"]

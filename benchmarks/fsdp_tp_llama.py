@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -146,13 +144,8 @@ def main():
                     help="DeviceSpec.host_op_overhead_us (0: a host that is never the bottleneck)")
     ap.add_argument("--out")
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(4, port, a.steps, a.host_us, results), nprocs=4, join=True)
-        results = dict(results)
+    from ranks import spawn
+    results = spawn(_rank, 4, a.steps, a.host_us)
     lines = ["| mode | rank | launches | collectives | collective bytes | collectives (us) "
              "| exposed (us) | hidden | step time (us) | loss | CPU fallbacks |",
              "|---" * 11 + "|"]

@@ -37,16 +37,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import spawn  # noqa: E402
 from fsdp_tp_llama import SEQ, VOCAB, Llama  # noqa: E402
 
 MODES = ["eager", "graph"]
@@ -217,13 +216,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--append", action="store_true", help="add to --out (another section)")
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(WORLD, port, a, results), nprocs=WORLD, join=True)
-        results = dict(results)
+    results = spawn(_rank, WORLD, a)
     ref = cpu_losses(WARMUP + a.steps)[-1]
     ranks = sorted(results)
     peer = {r: next(q for q in ranks if results[q]["pp"] != results[r]["pp"]
