@@ -228,6 +228,21 @@ def _attention(f: _Flush, sm: int):
     return sorted(chain) + [e], node
 
 
+def _sole_mul(f, buf, producer):
+    """The one reader of `buf` (made by `producer`, read by nothing else) when it is a plain
+    `mul.Tensor` of two tensors: (that node, its operand reading `buf`, the other operand);
+    else None."""
+    readers = f.readers.get(buf, ())
+    if len(readers) != 1 or f.name(readers[0]) != "mul.Tensor" or (
+            not f.private(buf, producer, readers[0]) or not f.plain(readers[0], 2)):
+        return None
+    n = readers[0]
+    a, b = f.tensor(n, 0), f.tensor(n, 1)
+    if a is None or b is None:
+        return None
+    return (n, a, b) if a[0] == buf else (n, b, a)
+
+
 def _rms_norm(f: _Flush, r: int):
     """Match RMSNorm around the `rsqrt` node `r`: (nodes replaced, kernel node) or None."""
     ro, rv = f.out(r), f.tensor(r, 0)
@@ -259,29 +274,19 @@ def _rms_norm(f: _Flush, r: int):
     if x is None or x[4] != _F32:
         return None
     # forwards: mul(X, rstd) then mul(., W) (either order)
-    m1s = f.readers.get(ro[0], ())
-    if len(m1s) != 1 or f.name(m1s[0]) != "mul.Tensor" or not f.private(ro[0], r, m1s[0]) or (
-            not f.plain(m1s[0], 2)):
+    found = _sole_mul(f, ro[0], r)
+    if found is None:
         return None
-    m1 = m1s[0]
-    a0, a1 = f.tensor(m1, 0), f.tensor(m1, 1)
-    if a0 is None or a1 is None:
-        return None
-    xs, rs = (a0, a1) if a1[0] == ro[0] else (a1, a0)
+    m1, rs, xs = found
     if xs != x or rs[0] != ro[0] or not f.whole(rs, ro[0]):
         return None
     h = f.out(m1)
     if h is None or h[3] != _F32 or tuple(h[1]) != tuple(x[1]):
         return None
-    m2s = f.readers.get(h[0], ())
-    if len(m2s) != 1 or f.name(m2s[0]) != "mul.Tensor" or not f.private(h[0], m1, m2s[0]) or (
-            not f.plain(m2s[0], 2)):
+    found = _sole_mul(f, h[0], m1)
+    if found is None:
         return None
-    m2 = m2s[0]
-    b0, b1 = f.tensor(m2, 0), f.tensor(m2, 1)
-    if b0 is None or b1 is None:
-        return None
-    hs, w = (b0, b1) if b0[0] == h[0] else (b1, b0)
+    m2, hs, w = found
     y = f.out(m2)
     if (hs[0] != h[0] or not f.whole(hs, h[0], x[1]) or w[0] == h[0] or w[4] != _F32
             or tuple(w[1]) != (x[1][-1],) or y is None or tuple(y[1]) != tuple(x[1])
