@@ -2,13 +2,16 @@
 launches flash_attention / rms_norm for hand-written attention and RMSNorm whose
 intermediates nothing else needs, and for scaled_dot_product_attention's math path.
 Differential: against CPU and against the setting off."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 import adaptive_eager as ae
-from adaptive_eager.tools.models import RMSNorm
+from adaptive_eager.tools.models import GPT, Llama, RMSNorm, batches
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
+PAIR = "aelib::flash_attention_fwd+bwd"  # Note [Substitution]: forward and backward together
 
 
 def attention(q, k, v, mask, scale=0.125):
@@ -193,3 +196,128 @@ def test_no_substitution_when_an_input_changes_inside_the_pattern_or_alpha_is_gi
         for a, b, c in zip(on, off, fn(*[t.clone() for t in cpu])):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
             torch.testing.assert_close(a, c, **TOL)
+
+
+# -- training: the forward and its backward in one flush (Note [Substitution]) -------------
+def _attention_training(cpu_args, substitute, retain=False, mask_grad=False):
+    """Attention's forward and backward in one flush (purely lazy): (output, grads of q, k,
+    v[, mask]), metrics, explain."""
+    q, k, v, mask = (t.detach().to("neuron").requires_grad_() for t in cpu_args)
+    mask.requires_grad_(mask_grad)
+    leaves = (q, k, v, mask) if mask_grad else (q, k, v)
+    with ae.override(substitute=substitute, queue_low_threshold=0), ae.adaptive():
+        for _ in range(2):  # the second: the steady state (a first copy_ flushes once)
+            for t in leaves:
+                t.grad = None
+            torch.neuron.synchronize()
+            ae.reset_metrics()
+            out = attention(q, k, v, mask)
+            out.pow(2).sum().backward(retain_graph=retain)
+            torch.neuron.synchronize()
+            metrics, explain = ae.metrics(), ae.explain()
+    return [out.detach().cpu()] + [t.grad.cpu() for t in leaves], metrics, explain
+
+
+def _attention_cpu(cpu_args, mask_grad=False):
+    q, k, v, mask = (t.clone().requires_grad_() for t in cpu_args)
+    mask.requires_grad_(mask_grad)
+    out = attention(q, k, v, mask)
+    out.pow(2).sum().backward()
+    return [out.detach()] + [t.grad for t in ((q, k, v, mask) if mask_grad else (q, k, v))]
+
+
+def test_attention_forward_and_backward_become_the_flash_pair():
+    """Autograd saves the softmax output for its backward; when the backward is in the same
+    flush, the forward and backward ops together become flash_attention_fwd and _bwd (the
+    probabilities are never written): values and gradients are CPU's within tolerance."""
+    q, k, v, mask, _, _ = _inputs()
+    ref = _attention_cpu((q, k, v, mask))
+    off, m_off, _ = _attention_training((q, k, v, mask), False)
+    on, m_on, ex = _attention_training((q, k, v, mask), True)
+    assert m_on.substitutions == {PAIR: 1}
+    assert m_on.kernels == {"aelib::flash_attention_fwd": 1, "aelib::flash_attention_bwd": 1}
+    for a, b, c in zip(on, off, ref):
+        torch.testing.assert_close(a, c, **GRAD_TOL)
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+    assert m_on.device_time_us < m_off.device_time_us  # (the chosen: it pays, in this flush)
+    assert m_on.hbm_bytes < m_off.hbm_bytes
+    (row,) = ex.substitutions
+    assert row["replaced"] and row["device_us_saved"] > 0
+    assert row["ops"] == ["bmm", "mul.Tensor", "add.Tensor", "_softmax", "bmm", "bmm", "bmm",
+                          "_softmax_backward_data", "mul.Tensor", "bmm", "bmm"]
+
+
+def test_no_pair_when_the_probabilities_outlive_the_flush_or_the_mask_needs_grad():
+    """retain_graph keeps the saved softmax output alive (it escapes); a mask that requires
+    grad reads the backward's dS (an intermediate of the pair). Neither is matched: the ATen
+    ops run, bit for bit the setting off's."""
+    cpu = _inputs(seq=64, rows=64, n=64)[:4]
+    for kw in (dict(retain=True), dict(mask_grad=True)):
+        on, m_on, ex = _attention_training(cpu, True, **kw)
+        off, _, _ = _attention_training(cpu, False, **kw)
+        assert all(r["kernel"] != PAIR for r in ex.substitutions), kw
+        assert m_on.kernels == {}, kw
+        for a, b, c in zip(on, off, _attention_cpu(cpu, kw.get("mask_grad", False))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, c, **GRAD_TOL)
+
+
+def _model_steps(model, seq, substitute, steps=2):
+    """`steps` SGD steps of `model` (tools.models) on neuron, purely lazy (forward, backward
+    and optimizer in one flush per step): losses, parameters, last grads, and the last
+    step's metrics."""
+    torch.manual_seed(0)
+    m = model(seq=seq).to("neuron")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = (t.to("neuron") for t in batches("gpt", 1, seq=seq)[0])
+    losses = []
+    with ae.override(substitute=substitute, queue_low_threshold=0), ae.adaptive():
+        for _ in range(steps):
+            torch.neuron.synchronize()
+            ae.reset_metrics()
+            opt.zero_grad()
+            out = m(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        metrics = ae.metrics()
+    return (losses, [p.detach().cpu() for p in m.parameters()],
+            [p.grad.cpu() for p in m.parameters()], metrics)
+
+
+def _model_steps_cpu(model, seq, steps=2):
+    torch.manual_seed(0)
+    m = model(seq=seq)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = batches("gpt", 1, seq=seq)[0]
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = m(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach() for p in m.parameters()], [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("model", [GPT, Llama], ids=["gpt", "llama"])
+def test_training_steps_of_gpt_and_llama_substitute_attention(model):
+    """The suite's GPT and LLaMA-style steps, purely lazy: each layer's attention forward
+    and backward become the flash pair; losses, gradients and parameters match CPU and the
+    setting off; the step's modeled device time drops; the steady state hits the plan cache."""
+    seq = 512
+    ref = _model_steps_cpu(model, seq)
+    off = _model_steps(model, seq, False)
+    on = _model_steps(model, seq, True)
+    m_on, m_off = on[3], off[3]
+    assert m_on.substitutions == {PAIR: 2}  # the last step's two layers
+    assert m_on.plan_misses == 0 and m_on.plan_hits >= 1
+    assert m_on.device_time_us < 0.6 * m_off.device_time_us
+    assert m_on.hbm_bytes < m_off.hbm_bytes / 4
+    for got in (off, on):
+        torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), **TOL)
+        for a, b in zip(got[1] + got[2], ref[1] + ref[2]):
+            torch.testing.assert_close(a, b, **GRAD_TOL)
+    torch.testing.assert_close(torch.tensor(on[0]), torch.tensor(off[0]), **TOL)
