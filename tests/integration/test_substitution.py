@@ -15,7 +15,8 @@ PAIR = "aelib::flash_attention_fwd+bwd"  # Note [Substitution]: forward and back
 
 
 def attention(q, k, v, mask, scale=0.125):
-    att = (q @ k.transpose(-2, -1)) * scale + mask
+    att = q @ k.transpose(-2, -1)
+    att = (att * scale if scale is not None else att) + mask
     return att.softmax(-1) @ v
 
 
@@ -199,7 +200,7 @@ def test_no_substitution_when_an_input_changes_inside_the_pattern_or_alpha_is_gi
 
 
 # -- training: the forward and its backward in one flush (Note [Substitution]) -------------
-def _attention_training(cpu_args, substitute, retain=False, mask_grad=False):
+def _attention_training(cpu_args, substitute, retain=False, mask_grad=False, scale=0.125):
     """Attention's forward and backward in one flush (purely lazy): (output, grads of q, k,
     v[, mask]), metrics, explain."""
     q, k, v, mask = (t.detach().to("neuron").requires_grad_() for t in cpu_args)
@@ -211,17 +212,17 @@ def _attention_training(cpu_args, substitute, retain=False, mask_grad=False):
                 t.grad = None
             torch.neuron.synchronize()
             ae.reset_metrics()
-            out = attention(q, k, v, mask)
+            out = attention(q, k, v, mask, scale)
             out.pow(2).sum().backward(retain_graph=retain)
             torch.neuron.synchronize()
             metrics, explain = ae.metrics(), ae.explain()
     return [out.detach().cpu()] + [t.grad.cpu() for t in leaves], metrics, explain
 
 
-def _attention_cpu(cpu_args, mask_grad=False):
+def _attention_cpu(cpu_args, mask_grad=False, scale=0.125):
     q, k, v, mask = (t.clone().requires_grad_() for t in cpu_args)
     mask.requires_grad_(mask_grad)
-    out = attention(q, k, v, mask)
+    out = attention(q, k, v, mask, scale)
     out.pow(2).sum().backward()
     return [out.detach()] + [t.grad for t in ((q, k, v, mask) if mask_grad else (q, k, v))]
 
@@ -249,15 +250,16 @@ def test_attention_forward_and_backward_become_the_flash_pair():
 
 def test_no_pair_when_the_probabilities_outlive_the_flush_or_the_mask_needs_grad():
     """retain_graph keeps the saved softmax output alive (it escapes); a mask that requires
-    grad reads the backward's dS (an intermediate of the pair). Neither is matched: the ATen
-    ops run, bit for bit the setting off's."""
+    grad reads the backward's dS (an intermediate of the pair), with a scale or without.
+    None is matched: the ATen ops run, bit for bit the setting off's."""
     cpu = _inputs(seq=64, rows=64, n=64)[:4]
-    for kw in (dict(retain=True), dict(mask_grad=True)):
+    for kw in (dict(retain=True), dict(mask_grad=True), dict(mask_grad=True, scale=None)):
         on, m_on, ex = _attention_training(cpu, True, **kw)
         off, _, _ = _attention_training(cpu, False, **kw)
         assert all(r["kernel"] != PAIR for r in ex.substitutions), kw
         assert m_on.kernels == {}, kw
-        for a, b, c in zip(on, off, _attention_cpu(cpu, kw.get("mask_grad", False))):
+        ref = _attention_cpu(cpu, kw.get("mask_grad", False), kw.get("scale", 0.125))
+        for a, b, c in zip(on, off, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
             torch.testing.assert_close(a, c, **GRAD_TOL)
 
