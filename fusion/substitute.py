@@ -1,26 +1,43 @@
 """Pattern substitution: hand-written attention and RMSNorm in a flush become one launch of the
-kernel library's flash_attention / rms_norm (adaptive mode, `ADAPTIVE_EAGER_SUBSTITUTE=1`).
+kernel library's flash_attention / rms_norm (adaptive mode, `ADAPTIVE_EAGER_SUBSTITUTE=1`);
+attention's forward and its backward in one flush become flash_attention_fwd and _bwd.
 
 Note [Substitution]: the queue sits below autograd, so a rewrite here is safe only where no
-value of the pattern but its result is needed by anything else. `rewrite` replaces a matched
-run of ops by one kernel node only when every intermediate value
-  - is made by the pattern's op and read by the pattern's next op alone, in this flush;
-  - has no live tensor at the flush (not user-visible, not saved for backward: autograd's
-    saved tensors keep theirs alive, so a training step's softmax output is never replaced;
-    inference and no_grad are where this applies);
+value of the pattern but its results is needed by anything else. `find` replaces a matched
+set of ops by kernel nodes only when every intermediate value
+  - is made by the pattern's op and read by the pattern's own ops alone, in this flush;
+  - has no live tensor at the flush (not user-visible, not saved for backward: a saved
+    tensor keeps its handle alive);
 and when nothing between the pattern's first and last op writes a buffer the pattern reads
-(the kernel runs at the last op's place). Values: the kernel's, which match the ATen ops
-within its documented float32 tolerance (tests/integration/test_substitution.py); only
-float32 patterns are matched. Runtime scalars the match depends on (the scale, eps, the
-exponent 2) are checked here, every flush (the rewrite runs before the plan cache's lookup,
-so a plan never outlives the values it was matched on); the kernel node carries them as
-static arguments (its signature, and so the plan's key). Patterns:
+(each kernel runs at the place of its part's last op). Values: the kernels', which match
+the ATen ops within their documented float32 tolerance (tests/integration/
+test_substitution.py); only float32 patterns are matched. Runtime scalars the match depends
+on (the scale, eps, the exponent 2) are checked here, every flush (the rewrite runs before
+the plan cache's lookup, so a plan never outlives the values it was matched on); the kernel
+nodes carry them as static arguments (their signatures, and so the plan's key). Patterns:
   attention  bmm(Q, Kᵀ) [-> mul/div by a scalar] [-> add(mask)] -> _softmax(-1) -> bmm(., V)
              (torch.matmul's ATen form; `q @ k.transpose(-2, -1) * s + mask`, HF's eager
              attention, SDPA's math path)
   rms_norm   pow(X, 2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul(X, .) -> mul(., W)
              (HF's LlamaRMSNorm in float32: `x * torch.rsqrt(x.pow(2).mean(-1, True) + eps)
              * w`)
+Training. Autograd saves the softmax output P for its backward, so in a flush that holds the
+forward alone P has a live tensor and nothing is replaced (the default policy's idle flush
+runs the forward before the backward is queued: no substitution there). When the backward
+is queued before the flush (the purely lazy policy, queue_low_threshold=0: forward, backward
+and optimizer in one flush), backward() has freed the saved P by the flush, and P's other
+readers are the backward's ops. `_attention_backward` matches them (autograd's matmul,
+scale and softmax backward; the mask's add passes the gradient through), and the pair is
+one substitution: flash_attention_fwd at P @ V's place and flash_attention_bwd at the last
+backward op's, the forward's log-sum-exp passed from one to the other in a buffer of the
+rewrite, P, dP and dS never written. The intermediates' rules extend to the pair (P, dP, dS
+read by the pair's ops alone, no live tensor), the forward's inputs (Q, Kᵀ, V, the mask) are
+untouched from the forward's first op to the backward's last, dO within the backward, and
+nothing reads the gradients dQ, dKᵀ, dV before the backward kernel has run. Replacing the
+forward alone would not do (the backward reads P); keeping P as an extra output of the
+forward kernel would save none of its HBM traffic. A mask that requires grad reads dS: no
+match. RMSNorm's backward (a dozen elementwise ops and reductions in several orders) is not
+matched: RMSNorm in a training step is never replaced.
 Not matched (named in adaptive_eager/LIMITS.md): masked_fill / boolean masks, dropout between
 softmax and the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts in two.
 """
@@ -152,7 +169,8 @@ class _Flush:
 
 
 def _attention(f: _Flush, sm: int):
-    """Match attention around the `_softmax` node `sm`: (nodes replaced, kernel node) or None."""
+    """Match attention around the `_softmax` node `sm`: (nodes replaced, kernel node), or
+    with its backward (nodes replaced, {index: kernel node}), or None."""
     n = f.nodes[sm]
     args = n.sig[2]
     x, o = f.tensor(sm, 0), f.out(sm)
@@ -491,16 +509,15 @@ def find(nodes: list[Node], handles: list) -> list[Substitution]:
             continue
         replaced, at = got if type(got[1]) is dict else (got[0], {got[0][-1]: got[1]})
         taken.update(replaced)
-        kernels = [at[k] for k in sorted(at)]
-        name = "+".join(k.op.func._schema.name for k in kernels[:1]) + (
-            "+bwd" if len(kernels) > 1 else "")
+        kernels = [at[k] for k in sorted(at)]  # a pair: "aelib::flash_attention_fwd+bwd"
+        name = kernels[0].op.func._schema.name + ("+bwd" if len(kernels) > 1 else "")
         subs.append(Substitution(name, tuple(nodes[k].name for k in replaced),
                                  kernels[0].source, replaced, kernels[0], at))
     return subs
 
 
 def apply(nodes: list[Node], subs) -> list[Node]:
-    """The flush's nodes with `subs` made: each kernel node at its pattern's last op."""
+    """The flush's nodes with `subs` made: each kernel node at its place (`Substitution.at`)."""
     if not subs:
         return nodes
     gone = {k for s in subs for k in s.replaced}
