@@ -323,3 +323,45 @@ def test_training_steps_of_gpt_and_llama_substitute_attention(model):
         for a, b in zip(got[1] + got[2], ref[1] + ref[2]):
             torch.testing.assert_close(a, b, **GRAD_TOL)
     torch.testing.assert_close(torch.tensor(on[0]), torch.tensor(off[0]), **TOL)
+
+
+def test_a_flush_interrupted_after_the_pair_keeps_what_ran(monkeypatch):
+    """Ctrl-C as the flush submits a launch after the pair (a kernel of its own): what ran
+    before it reads its values (the forward, the gradients, an in-place update queued after
+    the backward: Runner.origin maps the flush's progress back to the queued ops, nine of
+    which the pair replaced); the value never computed raises saying so."""
+    from device import Device
+    from adaptive_eager import kernels as K
+    q, k, v, mask, _, _ = _inputs()
+    ref = _attention_cpu((q, k, v, mask))
+    dev = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+    x, w = torch.randn(4, 8), torch.randn(8)
+    xd, wd = x.to("neuron"), w.to("neuron")
+    early = torch.zeros(2, device="neuron")
+    submit, seen = Device.submit, []
+
+    def interrupting(self, launch):
+        seen.append(launch.name)
+        if "rms_norm_fwd" in launch.name:
+            raise KeyboardInterrupt
+        return submit(self, launch)
+    with ae.override(substitute=True, queue_low_threshold=0), ae.adaptive():
+        for _ in range(2):  # the first: a warm-up (a first copy_ flushes once)
+            for t in dev:
+                t.grad = None
+            torch.neuron.synchronize()
+            out = attention(*dev, mask.to("neuron"))
+            out.pow(2).sum().backward()
+            early.add_(1.0)  # after the backward kernel, before the interrupted launch
+            late = K.rms_norm(xd, wd)
+        monkeypatch.setattr(Device, "submit", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            torch.neuron.synchronize()
+        monkeypatch.setattr(Device, "submit", submit)
+        assert any("flash_attention_bwd" in n for n in seen)
+        assert early.tolist() == [2.0, 2.0]
+        for a, b in zip([out.detach()] + [t.grad for t in dev], ref):
+            torch.testing.assert_close(a.cpu(), b, **GRAD_TOL)
+        with pytest.raises(ae.NeuronRuntimeError, match="KeyboardInterrupt interrupted"):
+            late.cpu()
+        assert (dev[0] * 2).detach().cpu().equal(q * 2)
