@@ -1,7 +1,9 @@
 """Note [Substitution] (fusion/substitute.py): adaptive mode with ADAPTIVE_EAGER_SUBSTITUTE=1
 launches flash_attention / rms_norm for hand-written attention and RMSNorm whose
-intermediates nothing else needs, and for scaled_dot_product_attention's math path.
-Differential: against CPU and against the setting off."""
+intermediates nothing else needs, flash_attention_fwd and _bwd for attention's forward and
+backward in one flush (training, purely lazy), and flash_attention for
+scaled_dot_product_attention's math path. Differential: against CPU and against the setting
+off."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,8 +96,9 @@ def test_no_substitution_where_an_intermediate_escapes():
     torch.testing.assert_close(kept[-1].cpu(), kept[0].cpu(), rtol=0, atol=0)
 
 
-def test_training_is_not_substituted_below_autograd_and_grads_match_cpu():
-    """Autograd saves the softmax output (and rsqrt's): they escape, so nothing is replaced."""
+def test_a_training_forward_flushed_alone_is_not_substituted_and_grads_match_cpu():
+    """A flush of the forward alone: autograd saves the softmax output (and rsqrt's) for the
+    backward still to come; they escape, so nothing is replaced."""
     q, k, v, mask, x, w = _inputs()  # sizes where substitution would pay
     cpu = [t.clone().requires_grad_() for t in (q, k, v, x, w)]
     (attention(cpu[0], cpu[1], cpu[2], mask).sum() + rms(cpu[3], cpu[4]).sum()).backward()
