@@ -7,8 +7,9 @@ launches, simulated device time and modeled HBM bytes per step, after one warm-u
 
 Inference: a no_grad forward and .item(). Training: forward, cross-entropy, backward (no
 optimizer); in the purely lazy policy the forward and backward are one flush, and attention's
-forward and backward become flash_attention_fwd and _bwd. Policy: the default idle threshold (15) and purely lazy (0). Figures are the
-simulated device's (deterministic); no wall clock is reported.
+forward and backward become flash_attention_fwd and _bwd. Policy: the default idle threshold
+(15) and purely lazy (0). Figures are the simulated device's (deterministic); no wall clock
+is reported.
 """
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ forward kernel would save none of its HBM traffic. A mask that requires grad rea
 match. RMSNorm's backward (a dozen elementwise ops and reductions in several orders) is not
 matched: RMSNorm in a training step is never replaced.
 Not matched (named in adaptive_eager/LIMITS.md): masked_fill / boolean masks, dropout between
-softmax and the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts in two.
+softmax and the second matmul, bf16/fp16 patterns (their casts), and any pattern a flush cuts
+in two.
 """
 from __future__ import annotations
 

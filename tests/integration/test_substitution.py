@@ -251,6 +251,38 @@ def test_attention_forward_and_backward_become_the_flash_pair():
                           "_softmax_backward_data", "mul.Tensor", "bmm", "bmm"]
 
 
+def _div_scaled(q, k, v):  # older Transformers' form: scores / sqrt(d), no mask
+    return (torch.matmul(q, k.transpose(-2, -1)) / q.shape[-1] ** 0.5).softmax(-1) @ v
+
+
+def _unscaled(q, k, v):
+    return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fn,shape", [(_div_scaled, (2, 4, 1024, 16)), (_unscaled, (8, 1024, 16))],
+                         ids=["div-4d", "unscaled-3d"])
+def test_pair_variants_divide_or_no_scale_no_mask_3d(fn, shape):
+    """The pair with the scale as a division (its backward divides too), with no scale and
+    no mask, on 3-D tensors (leaf q, k, v: the bmm operands are views, not clones)."""
+    g = torch.Generator().manual_seed(2)
+    cpu = [torch.randn(shape, generator=g).requires_grad_() for _ in range(3)]
+    out = fn(*cpu)
+    out.pow(2).sum().backward()
+    dev = [t.detach().to("neuron").requires_grad_() for t in cpu]
+    with ae.override(substitute=True, queue_low_threshold=0), ae.adaptive():
+        for _ in range(2):  # the second: the steady state
+            for t in dev:
+                t.grad = None
+            torch.neuron.synchronize()
+            ae.reset_metrics()
+            got = fn(*dev)
+            got.pow(2).sum().backward()
+            torch.neuron.synchronize()
+            assert ae.metrics().substitutions == {PAIR: 1}
+    for a, b in zip([got.detach()] + [t.grad for t in dev], [out.detach()] + [t.grad for t in cpu]):
+        torch.testing.assert_close(a.cpu(), b, **GRAD_TOL)
+
+
 def test_no_pair_when_the_probabilities_outlive_the_flush_or_the_mask_needs_grad():
     """retain_graph keeps the saved softmax output alive (it escapes); a mask that requires
     grad reads the backward's dS (an intermediate of the pair), with a scale or without.
