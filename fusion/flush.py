@@ -139,7 +139,7 @@ class Runner:
             if found:
                 subs, declined = self._choose(nodes, found, handles, strategy)
                 nodes = substitution.apply(nodes, subs)
-                if subs:  # original index + 1 of each node (a kernel: its last op's)
+                if subs:  # original index + 1 of each node (a kernel: its place's, Substitution.at)
                     gone = {k for s in subs for k in s.replaced if k not in s.at}
                     self.origin = [0] + [i + 1 for i in range(n_ops) if i not in gone]
         live = tuple([h is not None for h in handles])
