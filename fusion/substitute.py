@@ -44,20 +44,23 @@ in two.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
-import torch
-
-from .ir import Node, OpSig, extent_bytes
-from .kernels import cost_of
-from .ops import KERNEL
-
 # name -> the kernel's OpOverload; filled by adaptive_eager/integration/kernels.py at import.
 LIBRARY: dict = {}
 # Imports the library the first time it is needed (set by the integration's registration:
-# fusion never imports the front package).
+# fusion never imports the front package). Defined before `import torch`: when this module is
+# imported first, torch's import registers the device (backend autoload), and the
+# registration sets LOADER on this half-imported module; a later `LOADER = None` undid it.
 LOADER = None
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from .ir import Node, OpSig, extent_bytes  # noqa: E402
+from .kernels import cost_of  # noqa: E402
+from .ops import KERNEL  # noqa: E402
+
 _SIGS: dict = {}  # (kernel, static key) -> OpSig: one object per signature (plan cache hits)
 _F32 = "float32"
 

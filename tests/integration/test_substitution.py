@@ -400,3 +400,20 @@ def test_a_flush_interrupted_after_the_pair_keeps_what_ran(monkeypatch):
         with pytest.raises(ae.NeuronRuntimeError, match="KeyboardInterrupt interrupted"):
             late.cpu()
         assert (dev[0] * 2).detach().cpu().equal(q * 2)
+
+
+def test_the_library_loader_survives_importing_fusion_first():
+    """`from fusion import substitute` before torch: torch's import registers the device
+    (backend autoload), which set LOADER on the half-imported module, and the module's own
+    `LOADER = None` then undid it: every flush silently found no pattern."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = ("from fusion import substitute as S\nimport torch\nimport adaptive_eager\n"
+            "torch.zeros(1, device='neuron')\nassert S.LOADER is not None\n")
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
