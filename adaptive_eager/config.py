@@ -143,7 +143,8 @@ class Config:
     substitute: bool = _setting(
         "ADAPTIVE_EAGER_SUBSTITUTE", False, _flag_exact_1,
         "'1': adaptive mode launches the kernel library's flash_attention / rms_norm for "
-        "hand-written attention and RMSNorm whose intermediates nothing else needs, and for "
+        "hand-written attention and RMSNorm whose intermediates nothing else needs (attention's "
+        "forward and backward together when one flush holds both), and for "
         "scaled_dot_product_attention (Note [Substitution])")
     realtime: bool = _setting(
         "ADAPTIVE_EAGER_REALTIME", False, _flag_exact_1,

@@ -6,8 +6,10 @@ launches, simulated device time and modeled HBM bytes per step, after one warm-u
     python benchmarks/substitution.py        # writes benchmarks/substitution.md
 
 Inference: a no_grad forward and .item(). Training: forward, cross-entropy, backward (no
-optimizer). Policy: the default idle threshold (15) and purely lazy (0). Figures are the
-simulated device's (deterministic); no wall clock is reported.
+optimizer); in the purely lazy policy the forward and backward are one flush, and attention's
+forward and backward become flash_attention_fwd and _bwd. Policy: the default idle threshold
+(15) and purely lazy (0). Figures are the simulated device's (deterministic); no wall clock
+is reported.
 """
 from __future__ import annotations
 
@@ -87,7 +89,12 @@ if __name__ == "__main__":
             "attention with an additive causal mask, LayerNorm); LLaMA: `tools.models.Llama` "
             "(d=32, 4 heads, 2 layers, LlamaRMSNorm written out, Transformers' eager "
             "attention, SwiGLU). |Δ value|: the step's loss (training) or output sum "
-            "(inference), on against off.\n\n" + table(rs) + "\n")
+            "(inference), on against off. Training: attention's forward and its backward "
+            "are replaced together (flash_attention_fwd+bwd) when both are in one flush, "
+            "which is the purely lazy policy (idle threshold 0); at the default threshold "
+            "the forward is flushed before the backward while autograd keeps the softmax "
+            "output, so nothing is replaced (Note [Substitution]). RMSNorm's backward is "
+            "not matched.\n\n" + table(rs) + "\n")
     with open(os.path.join(HERE, "substitution.md"), "w") as f:
         f.write(text)
     print(text)

@@ -139,8 +139,8 @@ class Runner:
             if found:
                 subs, declined = self._choose(nodes, found, handles, strategy)
                 nodes = substitution.apply(nodes, subs)
-                if subs:  # original index + 1 of each node (a kernel: its last op's)
-                    gone = {k for s in subs for k in s.replaced[:-1]}
+                if subs:  # original index + 1 of each node (a kernel: its place's, Substitution.at)
+                    gone = {k for s in subs for k in s.replaced if k not in s.at}
                     self.origin = [0] + [i + 1 for i in range(n_ops) if i not in gone]
         live = tuple([h is not None for h in handles])
         # Nodes of one signature share one OpSig object (the engine caches it): identity
@@ -214,7 +214,8 @@ class Runner:
         it), each with what it saves. Cached per flush signature and kernels (runtime scalars
         the match read are static arguments of the kernels' signatures)."""
         key = (strategy.key, tuple([n.op for n in nodes]), tuple([n.uids for n in nodes]),
-               tuple([h is not None for h in handles]), tuple([s.node.op for s in found]))
+               tuple([h is not None for h in handles]),
+               tuple([k.op for s in found for k in s.at.values()]))
         known = self.choices.get(key)
         if known is None:
             cost = functools.partial(self._cost, handles=handles, strategy=strategy)

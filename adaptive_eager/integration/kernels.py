@@ -394,4 +394,5 @@ def moe_reference(x, router_logits, w_gate, w_up, w_down, top_k=2):
 # Note [Substitution] (fusion/substitute.py): the kernels adaptive mode may launch in place of
 # the ATen ops they replace
 substitute.LIBRARY.update(flash_attention=_flash_fwd._opoverload,
+                          flash_attention_bwd=_flash_bwd._opoverload,
                           rms_norm=_rms_fwd._opoverload)
