@@ -76,7 +76,8 @@ def test_memory_check_ignores_an_earlier_models_cyclic_garbage():
         model.forward = types.MethodType(type(model).forward, model)  # accelerate's cycle
         del model
         torch.neuron.synchronize()
-        assert torch.neuron.memory_allocated() > before  # still allocated: only the cyclic collector frees it (as on CUDA)
+        # still allocated: only the cyclic collector frees it (as on CUDA)
+        assert torch.neuron.memory_allocated() > before
         _training_frees_its_memory()  # collects it first
         assert torch.neuron.memory_allocated() == before
     finally:
