@@ -1,9 +1,12 @@
 """Models train the same on CPU, neuron eager and neuron adaptive (both strategies)."""
+import gc
+import types
+
 import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager.tools.models import train
+from adaptive_eager.tools.models import GPT, train
 
 KINDS = ["mlp", "cnn", "encoder", "gpt"]
 
@@ -38,12 +41,13 @@ def test_dropout_matches_cpu_under_same_seed():
     assert neuron == cpu
 
 
-def test_training_leaves_no_device_memory_behind(mode, request):
-    if mode == "eager":  # passes alone and in its folder; fails after the whole suite
-        request.node.add_marker(pytest.mark.xfail(
-            strict=False, reason="~24 KB stay allocated after the full suite (order-dependent, "
-                                 "cause not found yet: adaptive_eager/LIMITS.md)"))
-    import gc
+def _training_frees_its_memory():
+    """Train a GPT, drop it: device memory is back where it was. The base is taken after a
+    collection: device tensors of an earlier test's model that only a reference cycle holds
+    (accelerate's and TRL's `model.forward = MethodType(f, model)`: HF Trainer with bf16,
+    SFTTrainer) stay allocated until the cyclic collector runs, on CUDA too
+    (`torch.cuda.memory_allocated` counts them), and the collection below would free them."""
+    gc.collect()
     torch.neuron.synchronize()
     base = torch.neuron.memory_allocated()
     losses, model = train("gpt", "neuron", steps=2)
@@ -52,6 +56,32 @@ def test_training_leaves_no_device_memory_behind(mode, request):
     gc.collect()
     torch.neuron.synchronize()
     assert torch.neuron.memory_allocated() == base
+
+
+def test_training_leaves_no_device_memory_behind(mode):
+    _training_frees_its_memory()
+
+
+def test_memory_check_ignores_an_earlier_models_cyclic_garbage():
+    """The order dependence the check above had: after the whole suite it found ~24 KB fewer
+    bytes at its end than at its start (TRL's GPT-2, left in a cycle by
+    test_frameworks_hf.py, freed by its own collection). Here such garbage is made on purpose,
+    with the collector off so that nothing frees it before the check starts."""
+    gc.collect()
+    gc.disable()
+    try:
+        torch.neuron.synchronize()
+        before = torch.neuron.memory_allocated()
+        model = GPT().to("neuron")
+        model.forward = types.MethodType(type(model).forward, model)  # accelerate's cycle
+        del model
+        torch.neuron.synchronize()
+        # still allocated: only the cyclic collector frees it (as on CUDA)
+        assert torch.neuron.memory_allocated() > before
+        _training_frees_its_memory()  # collects it first
+        assert torch.neuron.memory_allocated() == before
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
