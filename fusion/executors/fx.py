@@ -30,8 +30,9 @@ it where its schema has a Tensor (`x * 0.5` reaches `mul.Tensor`), through its p
 overload with a Tensor there (`mul.Scalar` -> `mul.Tensor`, `lerp_.Scalar` -> `lerp_.Tensor`),
 or, for addcmul/addcdiv (a Scalar `value` only), as `self + value * t1 * t2` and
 `self + value * t1 / t2` (eager's formulas). A foreach op with scalars runs as its per-tensor
-op on each element (its writes never alias its reads: `check`). Any other op bakes its
-scalars in, as before (`scalar_positions` keys them by value).
+op on each element (its writes never alias its reads: `check`). A launch with a finite
+scalar beyond float32's range runs interpreted (`scalar_input`: eager raises, or makes inf).
+Any other op bakes its scalars in, as before (`scalar_positions` keys them by value).
 """
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ def scalar_positions(exe) -> tuple[tuple[int, int], ...]:
 
 
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+_F32_MAX, _INF = torch.finfo(torch.float32).max, float("inf")
 # Ops whose scalars may be graph inputs: arithmetic whose kernels treat a scalar as any value
 # (not pow: eager special-cases exponents 2, 0.5, -1 ..., sqrt(-inf) is nan, pow(-inf, 0.5)
 # inf), and the foreach forms the optimizers use
@@ -295,14 +297,23 @@ class FxGroup:
                 + [torch.zeros(shape, dtype=d, device="cpu") for _, _, d, shape in self.hosts]
                 + ([torch.zeros(len(self.scalars))] if self.scalars else []))
 
-    def args(self, st, inputs) -> list[torch.Tensor]:
-        """The graph's inputs over this launch's slot storages."""
+    def scalar_input(self, inputs) -> torch.Tensor | None:
+        """This launch's lifted scalars as the graph's float32 input; None if one is finite
+        and beyond float32's range (eager raises "value cannot be converted to type float
+        without overflow", or makes inf: the interpreter runs that launch, as eager)."""
+        vals = [inputs[k][i] if j is None else inputs[k][i][j] for k, i, j in self.scalars]
+        for v in vals:
+            if _F32_MAX < abs(v) < _INF:
+                return None
+        return torch.tensor(vals, dtype=torch.float32)
+
+    def args(self, st, inputs, scalars=None) -> list[torch.Tensor]:
+        """The graph's inputs over this launch's slot storages (`scalars`: scalar_input)."""
         out = ([torch.empty(0, dtype=d, device="cpu").set_(st[s], 0, (n,), (1,))
                 for s, d, n in self.ext]
                + [inputs[k][i].contiguous() for k, i, _, _ in self.hosts])
         if self.scalars:
-            out.append(torch.tensor([inputs[k][i] if j is None else inputs[k][i][j]
-                                     for k, i, j in self.scalars], dtype=torch.float32))
+            out.append(scalars)
         return out
 
     def store(self, outs, st, args) -> None:

@@ -86,10 +86,15 @@ class TieredExecutor:
             if hit is None:
                 return interpret, False
         fn, fxg = hit
+        scalars = None
+        if fxg.scalars:  # Note [Scalars as graph inputs] in fx.py
+            scalars = fxg.scalar_input(inputs)
+            if scalars is None:
+                return interpret, False
         COUNTERS.compiled_launches += 1
 
         def run():
-            args = fxg.args(st, inputs)
+            args = fxg.args(st, inputs, scalars)
             try:
                 with torch.no_grad():
                     outs = fn(*args)

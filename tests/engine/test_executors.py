@@ -282,6 +282,35 @@ def test_float32_runtime_scalars_are_graph_inputs_compiled_once(monkeypatch):
     assert m.compile_failures == {} and m.compiled_launches == 3 and m.compiled_groups == 1
 
 
+def test_graph_input_scalars_at_the_edges_of_float32_match_cpu():
+    """Note [Scalars as graph inputs]: -0.0, inf, nan, values that round to 0 in float32 give
+    CPU's values; a finite value beyond float32's range runs that launch interpreted, so
+    lerp raises eager's overflow error at the sync and the engine keeps working."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, generator=g)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    y = torch.randn(64, generator=g) + 3
+
+    def f(x, y, s):
+        a = x * s + 1
+        return [a, torch.lerp(a, y, s), torch.addcdiv(a, x, y, value=s)]
+    with ae.override(executor="inductor"), ae.adaptive():
+        xn, yn = x.to("neuron"), y.to("neuron")
+        for s in (0.5, -0.0, float("inf"), float("-inf"), float("nan"), 1e-50, 2 ** 60):
+            for o, r in zip([t.cpu() for t in f(xn, yn, s)], f(x, y, s)):
+                torch.testing.assert_close(o, r, equal_nan=True, **TOL)
+                assert torch.equal(o.signbit(), r.signbit()), s
+        assert ae.metrics().compile_failures == {}
+        with pytest.raises(RuntimeError, match="cannot be converted to type float without "
+                                               "overflow"):
+            f(x, y, 1e300)
+        with pytest.raises(RuntimeError, match="cannot be converted to type float without "
+                                               "overflow"):
+            [t.cpu() for t in f(xn, yn, 1e300)]
+        torch.testing.assert_close(f(xn, yn, 0.25)[1].cpu(), f(x, y, 0.25)[1], equal_nan=True,
+                                   **TOL)
+
+
 def test_adamw_over_steps_cpu_eager_and_adaptive_with_each_executor():
     """AdamW (foreach) whose bias corrections change every step: the interpreter gives CPU's
     values bit for bit, eager too; Inductor and tiered compile the optimizer's group once
