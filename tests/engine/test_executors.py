@@ -426,3 +426,6 @@ def test_benchmark_smoke_tiny_sizes():
     assert "| mlp_train | inductor |" in executors.breakdown_table([res])
     # PyTorch's lazy tensors ran the step as graphs (at least one per step)
     assert res["first"]["ltc"]["ltc_graphs_per_step"] >= 1
+    # AdamW's step alone (--optimizer)
+    opt = executors.optimizer_step(["cpu", "interpreter"], d=32, tokens=16, steps=3, warm=1)
+    assert set(opt) == {"cpu", "interpreter"} and all(t > 0 for t in opt.values())
