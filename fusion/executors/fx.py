@@ -254,7 +254,8 @@ def _emitter(op, s_args, s_kw):
             kw = dict(kwargs, **{names[i]: args[i] for i in range(npos, len(args))})
             return g.call_function(target, tuple(args[:npos]), kw)
         return emit
-    if packet.rstrip("_") in ("addcmul", "addcdiv") and not s_args and s_kw == ("value",):
+    if packet.rstrip("_") in ("addcmul", "addcdiv") and op._overloadname == "default" \
+            and not s_args and s_kw == ("value",):  # (not addcmul.out: its out= is written)
         return _addc(packet.rstrip("_"), packet.endswith("_"))
     return None
 

@@ -282,6 +282,25 @@ def test_float32_runtime_scalars_are_graph_inputs_compiled_once(monkeypatch):
     assert m.compile_failures == {} and m.compiled_launches == 3 and m.compiled_groups == 1
 
 
+def test_out_variants_with_runtime_scalars_write_their_out_under_inductor():
+    """`addcmul(..., value=s, out=o)` keeps its scalar baked (the addcmul formula would not
+    write `out`), `mul(x, s, out=o)` takes it as a graph input: both write `out` as CPU."""
+    x, y = torch.rand(8, 6) + 0.5, torch.rand(8, 6) + 0.5
+
+    def f(x, y, s, o1, o2):
+        torch.addcmul(x * 1, x, y, value=s, out=o1)
+        torch.mul(x + 0, s, out=o2)
+        return o1 + 0, o2 + 0
+    with ae.override(executor="inductor"), ae.adaptive():
+        xn, yn = x.to("neuron"), y.to("neuron")
+        for s in (0.5, 0.25):
+            got = [t.cpu() for t in f(xn, yn, s, torch.empty(8, 6, device="neuron"),
+                                      torch.empty(8, 6, device="neuron"))]
+            for o, r in zip(got, f(x, y, s, torch.empty(8, 6), torch.empty(8, 6))):
+                torch.testing.assert_close(o, r, **TOL)
+        assert ae.metrics().compiled_launches >= 1
+
+
 def test_graph_input_scalars_at_the_edges_of_float32_match_cpu():
     """Note [Scalars as graph inputs]: -0.0, inf, nan, values that round to 0 in float32 give
     CPU's values; a finite value beyond float32's range runs that launch interpreted, so
