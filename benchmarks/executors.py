@@ -311,6 +311,36 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
             for k in keys}
 
 
+def optimizer_step(modes, d=512, tokens=1024, steps=12, warm=3) -> dict:
+    """AdamW's step alone on the MLP workload's parameters (ms per step, the median after
+    `warm` steps; the backward before it synced and untimed): the 8 foreach ops that CPU
+    `torch.compile` fuses into one loop (Note [Elementwise groups stream], Note [Scalars as
+    graph inputs] in fusion/executors/fx.py). `cpu-compile` compiles `opt.step`."""
+    out = {}
+    clock = CLOCK[0]
+    for mode in modes:
+        if mode == "ltc":
+            continue
+        with scope(mode) as device:
+            torch.manual_seed(0)
+            model = nn.Sequential(MLPBlock(d), MLPBlock(d)).to(device)
+            x = torch.randn(tokens, d).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            step = torch.compile(opt.step) if mode == "cpu-compile" else opt.step
+            sync = torch.neuron.synchronize if device == "neuron" else (lambda: None)
+            times = []
+            for _ in range(steps):
+                model(x).square().mean().backward()
+                sync()
+                t0 = clock()
+                step()
+                sync()
+                times.append(clock() - t0)
+                opt.zero_grad()
+            out[mode] = statistics.median(times[warm:]) * 1e3
+    return out
+
+
 BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host")
 
 
@@ -451,6 +481,8 @@ def main(argv=None) -> int:
     p.add_argument("--rescope", action="store_true", help="also break down steps that each "
                    "enter their mode's scope anew (the method before the steady state ran "
                    "in one scope per round)")
+    p.add_argument("--optimizer", action="store_true", help="also time AdamW's step alone "
+                   "on the MLP's parameters, per mode")
     p.add_argument("--threads", type=int, help="torch.set_num_threads for every mode, set "
                    "before anything compiles (a shared machine: fewer threads, less noise)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -467,6 +499,12 @@ def main(argv=None) -> int:
                            not a.no_calibrate,
                            not a.no_breakdown and ("rescope" if a.rescope else True)))
     print(table(results))
+    if a.optimizer:
+        opt = optimizer_step(a.modes, **({"d": 32, "tokens": 16, "steps": 4, "warm": 1}
+                                         if a.tiny else {}))
+        print("\nAdamW's step alone, MLP parameters (ms, median): " +
+              ", ".join(f"{m} {t:.2f}" for m, t in opt.items()))
+        results.append({"workload": "adamw_step", "optimizer_ms": opt})
     if not a.no_breakdown:
         print("\nWhere a steady step's time goes (ms, median of 3 steps):")
         print(breakdown_table(results))

@@ -5,9 +5,9 @@ slot's storage seen as its single dtype, as long as the group's views reach) and
 host tensor input; the group's tensors are `as_strided` views of those, as the interpreter
 makes them with `set_`. In-place ops and `out=` stay in the graph as they are: the
 compiler's functionalization turns them into pure ops plus copies back into the inputs.
-Runtime scalars are baked in as constants, so a graph is specific to its scalar values
-(`scalar_key`); a group whose scalars change from launch to launch is not compiled. The
-graph returns the group's written-back slots; each must come out with the layout its later
+Runtime scalars are graph inputs where Note [Scalars as graph inputs] allows, else baked in
+as constants, so a graph is specific to those values (`scalar_key`); a group whose baked
+scalars change from launch to launch is not compiled. The graph returns the group's written-back slots; each must come out with the layout its later
 readers assume (`store` copies when the compiler chose another one).
 
 Note [Views of buffers made in the group]: an op's output is its node's value, but the
@@ -18,10 +18,26 @@ argument has. So a buffer made in the group is viewed other than as made only th
 `as_strided_scatter` into zeros: logical, so layout-proof); from then on every access to that
 buffer, the made view included, goes through that node, so writes through one view reach the
 others.
+
+Note [Scalars as graph inputs]: an optimizer's per-step values (AdamW's bias corrections and
+step size, a scheduled learning rate) change at every launch; baked in, they would compile
+the group anew each step, so such groups ran interpreted. An op's runtime scalars are
+instead one float32 graph input (`FxGroup.scalars`, each a 0-d `select` of it) when the
+op's tensors are all float32 (none from the host) and its scalars are all int or float:
+then eager computes with each scalar cast to float32 (the op math of float32), and a 0-d
+float32 tensor in its place changes neither the result's dtype nor the values. The op takes
+it where its schema has a Tensor (`x * 0.5` reaches `mul.Tensor`), through its packet's
+overload with a Tensor there (`mul.Scalar` -> `mul.Tensor`, `lerp_.Scalar` -> `lerp_.Tensor`),
+or, for addcmul/addcdiv (a Scalar `value` only), as `self + value * t1 * t2` and
+`self + value * t1 / t2` (eager's formulas). A foreach op with scalars runs as its per-tensor
+op on each element (its writes never alias its reads: `check`). A launch with a finite
+scalar beyond float32's range runs interpreted (`scalar_input`: eager raises, or makes inf).
+Any other op bakes its scalars in, as before (`scalar_positions` keys them by value).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -134,12 +150,128 @@ def _aliased_writes(ins) -> str | None:
 
 
 def scalar_positions(exe) -> tuple[tuple[int, int], ...]:
-    """(instr index, runtime input index) of each runtime scalar, in graph order."""
+    """(instr index, runtime input index) of each runtime scalar baked into the graph (Note
+    [Scalars as graph inputs]: not those that are graph inputs), in graph order."""
     pos = []
     for k, ins in enumerate(exe.instrs):
-        for t in _templates(ins):
-            _walk(t, lambda t: pos.append((k, t[1])) if t[0] == "S" else None)
+        if lift(ins) is None:
+            for t in _templates(ins):
+                _walk(t, lambda t: pos.append((k, t[1])) if t[0] == "S" else None)
     return tuple(pos)
+
+
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+_F32_MAX, _INF = torch.finfo(torch.float32).max, float("inf")
+# Ops whose scalars may be graph inputs: arithmetic whose kernels treat a scalar as any value
+# (not pow: eager special-cases exponents 2, 0.5, -1 ..., sqrt(-inf) is nan, pow(-inf, 0.5)
+# inf), and the foreach forms the optimizers use
+_LIFTED = frozenset({"mul", "div", "add", "sub", "rsub", "lerp", "clamp", "clamp_min",
+                     "clamp_max", "addcmul", "addcdiv"})
+
+
+def lift(ins):
+    """How this instr takes its runtime scalars as graph inputs: an emitter
+    `emit(graph, args, kwargs)` (its scalars given as 0-d tensor nodes), or None: baked in.
+    Note [Scalars as graph inputs]; decided by the templates alone (dtypes and scalar types,
+    all in the Program key), so every launch of a group decides alike."""
+    s_args = tuple(i for i, t in enumerate(ins.args) if type(t) is tuple and t and t[0] == "S")
+    s_kw = tuple(sorted(n for n, t in ins.kwargs.items()
+                        if type(t) is tuple and t and t[0] == "S"))
+    packet = ins.op.overloadpacket.__name__
+    if not s_args and not s_kw or packet.removeprefix("_foreach_").rstrip("_") not in _LIFTED:
+        return None
+    ok, tensors = [True], [0]
+
+    def visit(t):
+        if t[0] == "T":
+            tensors[0] += 1
+            ok[0] = ok[0] and t[6] is torch.float32
+        elif t[0] == "H":
+            ok[0] = False
+        else:  # "S": a type name, or a tuple of them (a Scalar[])
+            names = t[2] if type(t[2]) is tuple else (t[2],)
+            ok[0] = ok[0] and all(n in ("int", "float") for n in names)
+    for t in _templates(ins):
+        _walk(t, visit)
+    if not ok[0] or not tensors[0]:
+        return None
+    if packet.startswith("_foreach_") and ins.kwargs:
+        return None
+    return _emitter(ins.op, s_args, s_kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _emitter(op, s_args, s_kw):
+    schema = op._schema.arguments
+    packet = op.overloadpacket.__name__
+    if packet.startswith("_foreach_"):  # per element: its per-tensor op
+        if s_kw:
+            return None
+        base = packet[len("_foreach_"):]
+        core = base.rstrip("_")
+        if core in ("addcmul", "addcdiv"):
+            elem = _addc(core, base.endswith("_")) if s_args == (3,) else None
+        else:
+            ov = getattr(getattr(_aten, base, None), "Scalar", None)
+            per = {"List[Tensor]": "Tensor", "List[number]": "number"}
+            if ov is None or [per.get(str(a.type), str(a.type)) for a in schema] != \
+                    [str(a.type) for a in ov._schema.arguments[:len(schema)]] or any(
+                    not a.kwarg_only and a.default_value is None
+                    for a in ov._schema.arguments[len(schema):]):
+                return None
+            elem = _emitter(ov, s_args, ())
+        if elem is None:
+            return None
+
+        def emit_each(g, args, kwargs):
+            n = len(args[0])
+            return [elem(g, [a[i] if type(a) is list else a for a in args], {})
+                    for i in range(n)]
+        return emit_each
+    names = [a.name for a in schema]
+    lifted = {names[i] for i in s_args} | set(s_kw)
+    if all(str(a.type) in _TENSOR_TYPES for a in schema if a.name in lifted):
+        target = op
+    else:
+        target = None
+        for name in op.overloadpacket.overloads():
+            cand = getattr(op.overloadpacket, name)
+            args = cand._schema.arguments
+            # the same arguments, a Tensor where a scalar is lifted (a Scalar? that is not
+            # a runtime scalar is None: a Tensor? takes it too), the same returns
+            if [a.name for a in args] == names and all(
+                    str(c.type) in _TENSOR_TYPES if c.name in lifted else
+                    str(c.type) == str(a.type) or (str(c.type), str(a.type)) == (
+                        "Optional[Tensor]", "Optional[number]")
+                    for c, a in zip(args, schema)) and \
+                    str(cand._schema.returns) == str(op._schema.returns):
+                target = cand
+                break
+    if target is not None:  # (an argument positional here may be keyword-only there)
+        npos = sum(1 for a in target._schema.arguments if not a.kwarg_only)
+
+        def emit(g, args, kwargs):
+            kw = dict(kwargs, **{names[i]: args[i] for i in range(npos, len(args))})
+            return g.call_function(target, tuple(args[:npos]), kw)
+        return emit
+    if packet.rstrip("_") in ("addcmul", "addcdiv") and op._overloadname == "default" \
+            and not s_args and s_kw == ("value",):  # (not addcmul.out: its out= is written)
+        return _addc(packet.rstrip("_"), packet.endswith("_"))
+    return None
+
+
+def _addc(core, inplace):
+    """addcmul/addcdiv with a tensor `value`: eager's `self + value * t1 * t2` and
+    `self + value * t1 / t2`."""
+    second = _aten.mul.Tensor if core == "addcmul" else _aten.div.Tensor
+    add = _aten.add_.Tensor if inplace else _aten.add.Tensor
+
+    def emit(g, args, kwargs):
+        self, t1, t2 = args[:3]
+        value = args[3] if len(args) > 3 else kwargs["value"]
+        scaled = g.call_function(_aten.mul.Tensor, (t1, value))
+        return g.call_function(add, (self, g.call_function(second, (scaled, t2))))
+    return emit
 
 
 def _freeze(v):
@@ -157,16 +289,33 @@ class FxGroup:
     ext: tuple  # (slot, dtype, elements) per flat input, in placeholder order
     hosts: tuple  # (instr index, input index, dtype, shape) per host tensor input
     outputs: tuple  # (slot, size, stride, dtype) per graph output
+    # (instr index, input index, element index or None) per runtime scalar that is a graph
+    # input, in the order of the `scalars` input (Note [Scalars as graph inputs])
+    scalars: tuple = ()
 
     def example_inputs(self) -> list[torch.Tensor]:
         return ([torch.zeros(n, dtype=d, device="cpu") for _, d, n in self.ext]
-                + [torch.zeros(shape, dtype=d, device="cpu") for _, _, d, shape in self.hosts])
+                + [torch.zeros(shape, dtype=d, device="cpu") for _, _, d, shape in self.hosts]
+                + ([torch.zeros(len(self.scalars))] if self.scalars else []))
 
-    def args(self, st, inputs) -> list[torch.Tensor]:
-        """The graph's inputs over this launch's slot storages."""
-        return ([torch.empty(0, dtype=d, device="cpu").set_(st[s], 0, (n,), (1,))
-                 for s, d, n in self.ext]
-                + [inputs[k][i].contiguous() for k, i, _, _ in self.hosts])
+    def scalar_input(self, inputs) -> torch.Tensor | None:
+        """This launch's lifted scalars as the graph's float32 input; None if one is finite
+        and beyond float32's range (eager raises "value cannot be converted to type float
+        without overflow", or makes inf: the interpreter runs that launch, as eager)."""
+        vals = [inputs[k][i] if j is None else inputs[k][i][j] for k, i, j in self.scalars]
+        for v in vals:
+            if _F32_MAX < abs(v) < _INF:
+                return None
+        return torch.tensor(vals, dtype=torch.float32)
+
+    def args(self, st, inputs, scalars=None) -> list[torch.Tensor]:
+        """The graph's inputs over this launch's slot storages (`scalars`: scalar_input)."""
+        out = ([torch.empty(0, dtype=d, device="cpu").set_(st[s], 0, (n,), (1,))
+                for s, d, n in self.ext]
+               + [inputs[k][i].contiguous() for k, i, _, _ in self.hosts])
+        if self.scalars:
+            out.append(scalars)
+        return out
 
     def store(self, outs, st, args) -> None:
         """Fill the created slots from the graph's outputs, in the layout readers assume."""
@@ -205,6 +354,25 @@ def build(exe, inputs) -> FxGroup:
             _walk(t, visit)
     bases = {s: g.placeholder(f"slot{s}") for s in ext}
     host_nodes = {(k, i): g.placeholder(f"host{k}_{i}") for k, i, _, _ in hosts}
+    # Note [Scalars as graph inputs]: one float32 input, a 0-d select of it per scalar
+    emitters = [lift(ins) for ins in exe.instrs]
+    scalars, scalar_nodes = [], {}
+    for k, ins in enumerate(exe.instrs):
+        if emitters[k] is None:
+            continue
+        for t in _templates(ins):
+            def visit(t, k=k):
+                if t[0] == "S":  # a Scalar[]'s template holds a tuple of type names
+                    js = range(len(t[2])) if type(t[2]) is tuple else (None,)
+                    scalar_nodes[(k, t[1])] = (type(t[2]) is tuple, len(scalars))
+                    scalars.extend((k, t[1], j) for j in js)
+            _walk(t, visit)
+    if scalars:
+        packed = g.placeholder("scalars")
+        for key, (many, at) in scalar_nodes.items():
+            n = sum(1 for s in scalars if s[:2] == key)
+            nodes = [g.call_function(_aten.select.int, (packed, 0, at + j)) for j in range(n)]
+            scalar_nodes[key] = nodes if many else nodes[0]
     views: dict[int, fx.Node] = {}  # view id -> node (the interpreter's `views`)
     created: dict[int, tuple] = {}  # slot -> (node, size, stride, dtype, view id)
     flats: dict[int, fx.Node] = {}  # slot made in the group -> its 1-D storage node
@@ -252,19 +420,24 @@ def build(exe, inputs) -> FxGroup:
             return t[1]
         if tag == "H":
             return host_nodes[(k, t[1])]
+        if emitters[k] is not None:  # Note [Scalars as graph inputs]
+            return scalar_nodes[(k, t[1])]
         v = inputs[k][t[1]]  # "S": baked in (Note [FX form of a group])
         return list(v) if isinstance(v, tuple) else v
 
     for k, ins in enumerate(exe.instrs):
-        node = g.call_function(ins.op, tuple(value(a, k) for a in ins.args),
-                               {n: value(v, k) for n, v in ins.kwargs.items()})
+        args = [value(a, k) for a in ins.args]
+        kwargs = {n: value(v, k) for n, v in ins.kwargs.items()}
+        node = (g.call_function(ins.op, tuple(args), kwargs) if emitters[k] is None
+                else emitters[k](g, args, kwargs))  # a list of nodes for a foreach op
         rets = ins.op._schema.returns
         single = len(rets) == 1 and str(rets[0].type) == "Tensor"
         for li, o in enumerate(ins.outs):
             if o is None:
                 continue
             s, size, stride, dtype, vid = o
-            leaf = node if single else g.call_function(operator.getitem, (node, li))
+            leaf = (node if single else node[li] if type(node) is list else
+                    g.call_function(operator.getitem, (node, li)))
             created[s] = (leaf, size, stride, dtype, vid)
             if vid is not None:
                 views[vid] = leaf
@@ -277,4 +450,4 @@ def build(exe, inputs) -> FxGroup:
     g.output(tuple(result(s) for s in p.outputs))
     gm = fx.GraphModule(torch.nn.Module(), g)
     return FxGroup(gm, tuple((s, d, n) for s, (d, n) in ext.items()), tuple(hosts),
-                   tuple((s,) + created[s][1:4] for s in p.outputs))
+                   tuple((s,) + created[s][1:4] for s in p.outputs), tuple(scalars))

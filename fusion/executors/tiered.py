@@ -12,9 +12,10 @@ group's FX graph (fusion/executors/fx.py; float tolerance, not bit for bit).
 Compiles always run on the one worker thread: it has its own dispatch state (the engine
 flushes with the Python dispatch key disabled, which Inductor's fake tensors need), and
 one compile at a time keeps the wall-clock accounting simple.
-A group that cannot be compiled (random op, float64, scalars that keep changing, an
-Inductor error) runs interpreted; its reason is counted and logged once.
-Caching: compiled callables live in memory per (group, scalar values). Across processes,
+A group that cannot be compiled (random op, float64, baked-in scalars that keep changing:
+Note [Scalars as graph inputs] in fx.py, an Inductor error) runs interpreted; its reason is
+counted and logged once.
+Caching: compiled callables live in memory per (group, baked scalar values). Across processes,
 TorchInductor's own caches (FX graph cache, AOTAutograd cache, generated C++ and the shared
 objects built from it) live under TORCHINDUCTOR_CACHE_DIR, which defaults to
 `$TORCH_NEURONX_NEFF_CACHE_DIR/inductor`; our own cache entries stay Programs as data.
@@ -85,10 +86,15 @@ class TieredExecutor:
             if hit is None:
                 return interpret, False
         fn, fxg = hit
+        scalars = None
+        if fxg.scalars:  # Note [Scalars as graph inputs] in fx.py
+            scalars = fxg.scalar_input(inputs)
+            if scalars is None:
+                return interpret, False
         COUNTERS.compiled_launches += 1
 
         def run():
-            args = fxg.args(st, inputs)
+            args = fxg.args(st, inputs, scalars)
             try:
                 with torch.no_grad():
                     outs = fn(*args)

@@ -230,18 +230,139 @@ def test_an_inductor_failure_runs_interpreted_counted_with_its_reason(monkeypatc
     assert m.compiled_launches == 0 and m.compiled_groups == 0
 
 
-def test_runtime_scalars_that_keep_changing_stay_interpreted(monkeypatch):
+def test_baked_runtime_scalars_that_keep_changing_stay_interpreted(monkeypatch):
+    """Scalars of an op on integer tensors are baked in (Note [Scalars as graph inputs]):
+    a group compiled for MAX_VARIANTS sets of them and launched with another is left to the
+    interpreter."""
     monkeypatch.setattr(tiered, "MAX_VARIANTS", 1)
-    x, b = _inputs(n=40)
+    x, b = (torch.randint(-50, 50, (40, 32)), torch.randint(-50, 50, (32,)))
     xn, bn = x.to("neuron"), b.to("neuron")
     with ae.override(executor="inductor"), ae.adaptive():
         ae.reset_metrics()
-        outs = [((xn + bn) * s).cpu() for s in (0.5, 0.5, 0.25, 0.125)]
+        outs = [((xn + bn) * s).cpu() for s in (3, 3, 5, 7)]
         m = ae.metrics()
-    for s, o in zip((0.5, 0.5, 0.25, 0.125), outs):
-        torch.testing.assert_close(o, (x + b) * s, **TOL)
+    for s, o in zip((3, 3, 5, 7), outs):
+        assert torch.equal(o, (x + b) * s)
     assert m.compiled_launches == 2  # the two launches with the scalars it was compiled for
     assert m.compile_failures == {"runtime scalars change between launches": 1}
+
+
+def test_float32_runtime_scalars_are_graph_inputs_compiled_once(monkeypatch):
+    """Note [Scalars as graph inputs]: float32 ops take their scalars as one graph input, so
+    new values at every launch run the one compiled graph, with CPU's values: through the
+    Tensor slot (`x * s`), a Tensor overload (`lerp`, `clamp`, `pow`), addcmul/addcdiv's
+    formulas, foreach ops per element (Scalar and Scalar[]), an int scalar, an out-of-place
+    foreach op's list of results."""
+    monkeypatch.setattr(tiered, "MAX_VARIANTS", 1)
+    g = torch.Generator().manual_seed(5)
+    x, y, z = (torch.rand(24, 16, generator=g) + 0.5 for _ in range(3))
+
+    def f(x, y, z, s, t, n):
+        a = (x * s).lerp(y, t).clamp(min=s)
+        b = torch.addcmul(a, y, z, value=s).addcdiv(y, z, value=t)
+        xs = [b.clone(), (y + 0).clone()]
+        torch._foreach_add_(xs, [s, t])
+        torch._foreach_mul_(xs, n)
+        outs = torch._foreach_addcdiv(xs, [y, z], [z, y], [t, s])
+        torch._foreach_lerp_(outs, [z, x], s)
+        return outs
+    values = [(0.5, 0.25, 2), (0.75, 0.125, 3), (1.5, 0.5, -1)]
+    expected = [f(x, y, z, *v) for v in values]
+    xn, yn, zn = x.to("neuron"), y.to("neuron"), z.to("neuron")
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        got = []
+        for v in values:
+            got.append([t.cpu() for t in f(xn, yn, zn, *v)])
+            assert ae.explain().compiled == [True]
+        m = ae.metrics()
+    for outs, exp in zip(got, expected):
+        for o, e in zip(outs, exp):
+            torch.testing.assert_close(o, e, **TOL)
+    assert m.compile_failures == {} and m.compiled_launches == 3 and m.compiled_groups == 1
+
+
+def test_out_variants_with_runtime_scalars_write_their_out_under_inductor():
+    """`addcmul(..., value=s, out=o)` keeps its scalar baked (the addcmul formula would not
+    write `out`), `mul(x, s, out=o)` takes it as a graph input: both write `out` as CPU."""
+    x, y = torch.rand(8, 6) + 0.5, torch.rand(8, 6) + 0.5
+
+    def f(x, y, s, o1, o2):
+        torch.addcmul(x * 1, x, y, value=s, out=o1)
+        torch.mul(x + 0, s, out=o2)
+        return o1 + 0, o2 + 0
+    with ae.override(executor="inductor"), ae.adaptive():
+        xn, yn = x.to("neuron"), y.to("neuron")
+        for s in (0.5, 0.25):
+            got = [t.cpu() for t in f(xn, yn, s, torch.empty(8, 6, device="neuron"),
+                                      torch.empty(8, 6, device="neuron"))]
+            for o, r in zip(got, f(x, y, s, torch.empty(8, 6), torch.empty(8, 6))):
+                torch.testing.assert_close(o, r, **TOL)
+        assert ae.metrics().compiled_launches >= 1
+
+
+def test_graph_input_scalars_at_the_edges_of_float32_match_cpu():
+    """Note [Scalars as graph inputs]: -0.0, inf, nan, values that round to 0 in float32 give
+    CPU's values; a finite value beyond float32's range runs that launch interpreted, so
+    lerp raises eager's overflow error at the sync and the engine keeps working."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, generator=g)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    y = torch.randn(64, generator=g) + 3
+
+    def f(x, y, s):
+        a = x * s + 1
+        return [a, torch.lerp(a, y, s), torch.addcdiv(a, x, y, value=s)]
+    with ae.override(executor="inductor"), ae.adaptive():
+        xn, yn = x.to("neuron"), y.to("neuron")
+        for s in (0.5, -0.0, float("inf"), float("-inf"), float("nan"), 1e-50, 2 ** 60):
+            for o, r in zip([t.cpu() for t in f(xn, yn, s)], f(x, y, s)):
+                torch.testing.assert_close(o, r, equal_nan=True, **TOL)
+                assert torch.equal(o.signbit(), r.signbit()), s
+        assert ae.metrics().compile_failures == {}
+        with pytest.raises(RuntimeError, match="cannot be converted to type float without "
+                                               "overflow"):
+            f(x, y, 1e300)
+        with pytest.raises(RuntimeError, match="cannot be converted to type float without "
+                                               "overflow"):
+            [t.cpu() for t in f(xn, yn, 1e300)]
+        torch.testing.assert_close(f(xn, yn, 0.25)[1].cpu(), f(x, y, 0.25)[1], equal_nan=True,
+                                   **TOL)
+
+
+def test_adamw_over_steps_cpu_eager_and_adaptive_with_each_executor():
+    """AdamW (foreach) whose bias corrections change every step: the interpreter gives CPU's
+    values bit for bit, eager too; Inductor and tiered compile the optimizer's group once
+    (its per-step scalars are graph inputs) and match CPU within float32 tolerance."""
+    def train(device, steps=4):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4)).to(device)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        x = torch.randn(8, 16).to(device)
+        for _ in range(steps):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if device == "neuron":
+                torch.neuron.synchronize()
+        state = [v for s in opt.state.values() for v in (s["exp_avg"], s["exp_avg_sq"])]
+        return [t.detach().cpu() for t in list(m.parameters()) + state]
+    cpu = train("cpu")
+    assert all(torch.equal(a, b) for a, b in zip(train("neuron"), cpu))  # eager
+    with ae.override(executor="interpreter"), ae.adaptive():
+        assert all(torch.equal(a, b) for a, b in zip(train("neuron"), cpu))
+    for executor in ("inductor", "auto"):
+        with ae.override(executor=executor, tier_up=1), ae.adaptive():
+            ae.reset_metrics()
+            got = train("neuron")
+            ae.wait_for_compiles()
+            m = ae.metrics()
+        for a, b in zip(got, cpu):
+            torch.testing.assert_close(a, b, **TOL)
+        assert m.compile_failures == {}, executor
+        if executor == "inductor":
+            assert m.interpreted_launches == 0 and m.compiled_launches >= 4
 
 
 def test_auto_interprets_until_tier_up_then_swaps_compiled_code_in():
@@ -324,3 +445,6 @@ def test_benchmark_smoke_tiny_sizes():
     assert "| mlp_train | inductor |" in executors.breakdown_table([res])
     # PyTorch's lazy tensors ran the step as graphs (at least one per step)
     assert res["first"]["ltc"]["ltc_graphs_per_step"] >= 1
+    # AdamW's step alone (--optimizer)
+    opt = executors.optimizer_step(["cpu", "interpreter"], d=32, tokens=16, steps=3, warm=1)
+    assert set(opt) == {"cpu", "interpreter"} and all(t > 0 for t in opt.values())

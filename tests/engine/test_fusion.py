@@ -112,16 +112,23 @@ def test_contraction_limit_per_group():
     assert m.launches == 3 and set(ex.boundaries) == {"contraction limit (1)"}
 
 
-def test_working_set_beyond_sbuf_is_cut():
+def test_working_set_beyond_sbuf_is_cut_unless_the_group_is_elementwise():
+    """Note [Elementwise groups stream]: pointwise ops only run tile by tile (one group,
+    whatever SBUF holds); once a reduction joins, every value the group makes counts."""
     from device import DeviceSpec
     ae.set_device_spec(DeviceSpec(sbuf_bytes=2048))
     try:
         x = rand(256)  # 1 KiB values
-        _, ex, m = lazy(lambda: (((x * 2) + 1) * 3) + 4)
+        chain, ex, m = lazy(lambda: (((x * 2) + 1) * 3) + 4)
+        scan, ex2, m2 = lazy(lambda: ((x * 2) + 1).cumsum(0) * 3 + 4)
     finally:
         ae.set_device_spec(DeviceSpec())
-    assert [g["ops"] for g in ex.groups] == [2, 2]
-    assert ex.boundaries == ["SBUF capacity"]
+    assert [g["ops"] for g in ex.groups] == [4] and ex.boundaries == []
+    assert [g["ops"] for g in ex2.groups] == [2, 2, 1]
+    assert ex2.boundaries == ["SBUF capacity"] * 2
+    xc = x.cpu()
+    torch.testing.assert_close(chain.cpu(), (((xc * 2) + 1) * 3) + 4, rtol=0, atol=0)
+    torch.testing.assert_close(scan.cpu(), ((xc * 2) + 1).cumsum(0) * 3 + 4, rtol=0, atol=0)
 
 
 def test_integer_indexing_is_queued_and_a_boolean_mask_is_a_barrier():
@@ -513,3 +520,37 @@ def test_plan_cache_keys_on_strategy_settings():
     _, _, m4 = lazy(lambda: x @ w @ w)
     _, _, m1 = lazy(lambda: x @ w @ w, max_group_contractions=1)
     assert (m4.launches, m1.launches) == (1, 2)
+
+
+def test_an_adamw_foreach_step_beyond_sbuf_is_one_launch_bit_for_bit():
+    """Note [Elementwise groups stream]: AdamW's 8 foreach ops over parameters larger than
+    SBUF were 8 launches ("SBUF capacity" before each); they are one group now, with CPU's
+    values bit for bit over several steps (the bias corrections change every step)."""
+    from device import DeviceSpec
+
+    def train(device, steps=3):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(32, 32).to(device)  # 4 KiB of weights: 2x the SBUF below
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True)
+        x = torch.randn(4, 32).to(device)
+        for _ in range(steps):
+            m(x).square().mean().backward()
+            if device == "neuron":
+                torch.neuron.synchronize()  # the optimizer step alone in the next flush
+            opt.step()
+            opt.zero_grad()
+            if device == "neuron":
+                torch.neuron.synchronize()
+        return [p.detach().cpu() for p in m.parameters()]
+    cpu = train("cpu")
+    ae.set_device_spec(DeviceSpec(sbuf_bytes=2048))
+    try:
+        with ae.override(queue_low_threshold=0), ae.adaptive():
+            ae.reset_metrics()
+            neuron = train("neuron")
+            ex = ae.explain()
+    finally:
+        ae.set_device_spec(DeviceSpec())
+    assert [g["name"].count("_foreach_") for g in ex.groups] == [8], ex.groups
+    for a, b in zip(neuron, cpu):
+        assert torch.equal(a, b)

@@ -14,7 +14,7 @@ from device import COUNTERS, Device, DeviceSpec
 from fusion.cache import ExecutableCache
 from fusion.flush import Runner
 from fusion.ir import Handle, Node, OpSig
-from fusion.ops import BARRIER, CONTRACTION, POINTWISE, op_class
+from fusion.ops import BARRIER, CONTRACTION, POINTWISE, REDUCTION, op_class
 from fusion.partition import (GraphStrategy, MatmulStrategy, NoneStrategy, dependency_graph,
                               partition)
 from fusion.program import BadProgram, Executable, build_program
@@ -113,10 +113,30 @@ def test_known_non_fusions_of_the_graph_strategy():
     mms = [mm(0, 1, 2)] + [mm(1 + i, 1, 2 + i) for i in range(1, 5)]
     groups, reasons = partition(mms, dependency_graph(mms), GraphStrategy())
     assert [len(g) for g in groups] == [4, 1] and reasons == ["contraction limit (4)"]
-    # the working set must fit in SBUF: two ops each making half of it plus one byte
+    # the working set must fit in SBUF: two ops each making half of it plus one byte, the
+    # second a reduction (Note [Elementwise groups stream]: pointwise ops only would stream)
     half = DeviceSpec().sbuf_bytes // 8 + 1  # float32 elements: 4 bytes each, twice
-    big = [binary(aten.add.Tensor, 0, 1, 2, n=half), binary(aten.add.Tensor, 2, 1, 3, n=half)]
+    big = [binary(aten.add.Tensor, 0, 1, 2, n=half),
+           binary(aten.add.Tensor, 2, 1, 3, n=half, cls=REDUCTION)]
     groups, reasons = partition(big, dependency_graph(big), GraphStrategy())
+    assert reasons == ["SBUF capacity"]
+
+
+def test_a_group_of_pointwise_ops_only_is_not_bounded_by_sbuf():
+    """Note [Elementwise groups stream]: pointwise ops far beyond SBUF stay one group, until
+    an op of another class joins it (then the whole working set counts)."""
+    half = DeviceSpec().sbuf_bytes // 8 + 1
+    chain = [binary(aten.add.Tensor, i, 1, i + 2, n=half) for i in (0, 2, 3, 4)]
+    chain[1:] = [binary(aten.mul.Tensor, i + 1, 1, i + 2, n=half) for i in range(1, 4)]
+    groups, reasons = partition(chain, dependency_graph(chain), GraphStrategy())
+    assert [len(g) for g in groups] == [4] and reasons == []
+    ended = chain + [binary(aten.add.Tensor, 5, 1, 6, n=half, cls=REDUCTION)]
+    groups, reasons = partition(ended, dependency_graph(ended), GraphStrategy())
+    assert [len(g) for g in groups] == [4, 1] and reasons == ["SBUF capacity"]
+    # a contraction first: the bound holds from the start
+    small_mm = [mm(7, 8, 0)] + chain[:2]
+    groups, reasons = partition(small_mm, dependency_graph(small_mm),
+                                GraphStrategy(DeviceSpec(sbuf_bytes=4 * half + 64)))
     assert reasons == ["SBUF capacity"]
 
 
