@@ -104,12 +104,31 @@ class Trace:
     """The nodes queued between two flushes other than "device idle", and per node its
     (meta result, cut); the policy the cuts were made under (lazy or not, the strategy)."""
 
-    __slots__ = ("nodes", "steps", "lazy", "key", "n", "sig")
+    __slots__ = ("nodes", "steps", "lazy", "key", "n", "sig", "first")
 
     def __init__(self, nodes, steps, lazy, key):
         self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
         self.n = len(nodes)
         self.sig = None  # Note [Eager launches]: an eager op's plan key, its buffers all live
+        self.first = first_key(nodes[0].op)  # what it is filed under (`Traces.by_op`)
+
+
+def first_key(op) -> object:
+    """What a trace beginning with op signature `op` is filed under: the op, and its first
+    argument's layout when that is a tensor, as `step` finds it from a call's arguments
+    (Note [Replay]: one signature per layout of a model's matmuls, say, would otherwise
+    share the few places an op has and push each other out, every step)."""
+    t = op.sig[2][0] if op.sig[2] else None
+    if type(t) is tuple and len(t) == 6 and t[0] == "T":
+        return (op.func._op, t[2:6])
+    return op.func._op
+
+
+def call_key(func, args) -> object:
+    """`first_key` of the signature a call `func(*args)` would have."""
+    if args and type(args[0]) is NeuronTensor:
+        return (func._op, args[0]._info[0])
+    return func._op
 
 
 class Traces:
@@ -145,7 +164,7 @@ class Traces:
         if trace is not None and resumes(trace, pos, node, cut):
             self.expect, self.followed = trace, followed
         elif pos == 0:  # a trace may begin with this node (`step` picks the others')
-            for t in self.by_op.get(node.op.func._op, ()):
+            for t in self.by_op.get(first_key(node.op), ()):
                 if resumes(t, 0, node, cut):
                     self.expect = self.followed = t
                     break
@@ -213,7 +232,7 @@ class Traces:
         by_op = self.by_op
         if len(by_op) >= _MAX_TRACES:
             by_op.clear()
-        k = nodes[0].op.func._op
+        k = trace.first
         by_op[k] = [trace] + [t for t in by_op.get(k, ()) if t is not trace][:_PER_OP - 1]
         return trace
 
@@ -223,7 +242,7 @@ class Traces:
         front), with nothing recorded since."""
         self.expect = self.followed = None
         by_op = self.by_op
-        k = trace.nodes[0].op.func._op
+        k = trace.first
         found = by_op.get(k)
         if found is None or found[0] is not trace:
             if found is None and len(by_op) >= _MAX_TRACES:
@@ -243,7 +262,7 @@ def step(eng, func, args, kwargs):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
     with this op are tried, newest first (`follow`). Engine.dispatch_plain has counted it."""
     tr = eng.traces
-    for trace in tr.by_op.get(func._op, ()):
+    for trace in tr.by_op.get(call_key(func, args), ()):
         tr.expect = tr.followed = trace
         out = follow(eng, func, args, kwargs, True)
         if out is not MISS:
