@@ -272,3 +272,94 @@ def test_host_views_are_reused_and_keep_tensor_identity():
         w = x.view(4, 4).t() * 3  # another layout of the same buffer
         assert torch.equal(w.cpu(), xc.view(4, 4).t() * 3)
     assert x._handle.buffer.host is not None  # kept on the buffer for the next launch
+
+
+def test_eager_ops_of_many_layouts_and_bfloat16_launch_from_their_traces(monkeypatch):
+    """Note [Eager launches] with traces filed by their first argument's layout: a matmul
+    of six layouts per step (more than an op's four places) and bfloat16 ops (their launch
+    cost at the faster peak) are launched from their traces in the steady state, with the
+    slow path's values, metrics and timeline."""
+    from adaptive_eager.engine import queue
+    ws = [torch.randn(8, k).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    xs = [torch.randn(k, 2).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    h = torch.randn(8, 8, dtype=torch.bfloat16).to(N)
+
+    def fn():
+        out = sum(w.mm(x) for w, x in zip(ws, xs))
+        return out + (h * h + h).sum()
+
+    queued = []
+    enqueue = queue.Segment.enqueue
+    monkeypatch.setattr(queue.Segment, "enqueue",
+                        lambda self, node, *rest: queued.append(node) or enqueue(self, node, *rest))
+    out, m, timeline = eager_steps(fn, 3)
+    fast = len(queued)
+    assert m.replayed_ops == m.ops
+    slow, ms, timeline_s = eager_steps(fn, 3, replay=False)
+    assert len(queued) - fast == 3 * m.ops  # every op queued without replay...
+    _, m2, _ = eager_steps(fn, 3)
+    assert len(queued) - fast - 3 * m.ops < 2 * m.ops  # ...the last step with it none
+    cpu = sum(w.cpu().mm(x.cpu()) for w, x in zip(ws, xs))
+    hc = h.cpu()
+    assert torch.equal(out, slow) and torch.equal(out, cpu + (hc * hc + hc).sum())
+    assert same_work(m, ms) and same_work(m2, ms) and timeline == timeline_s
+
+
+def test_eager_launch_of_the_last_step_queues_nothing_for_many_layouts(monkeypatch):
+    """The steady state's step queues nothing though one op has six signatures (it did
+    queue each matmul when traces were filed by op alone: four places, evicted each step)."""
+    from adaptive_eager.engine import queue
+    ws = [torch.randn(4, k).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    xs = [torch.randn(k, 2).to(N) for k in (3, 4, 5, 6, 7, 9)]
+
+    def fn():
+        return [w.mm(x) for w, x in zip(ws, xs)][-1]
+
+    for _ in range(3):
+        fn()
+    queued = []
+    enqueue = queue.Segment.enqueue
+    monkeypatch.setattr(queue.Segment, "enqueue",
+                        lambda self, node, *rest: queued.append(node) or enqueue(self, node, *rest))
+    fn()
+    torch.neuron.synchronize()
+    assert queued == []
+
+
+def test_views_found_by_their_keys_are_the_template_paths(monkeypatch):
+    """Note [View keys]: a view given one tensor and ints skips the templates in the steady
+    state, with CPU's values, layouts and aliasing; another global state, int lists against
+    tuples and another layout find their own meta results; a freed storage and another
+    core's tensor still raise."""
+    from adaptive_eager.engine import engine as E
+    xc = torch.randn(4, 6)
+    x = xc.to(N)
+
+    def views(t):
+        return [t.view(6, 4), t.view((3, 8)), t.t(), t.transpose(0, 1), t[1:3], t.detach(),
+                t.expand(2, 4, 6), t.unsqueeze(0), t.view(-1)]
+
+    for _ in range(2):
+        views(x)
+    calls = []
+    template = E.template
+    monkeypatch.setattr(E, "template", lambda *a, **k: calls.append(a[1]) or template(*a, **k))
+    got = views(x)
+    assert calls == []
+    for g, c in zip(got, views(xc)):
+        assert g.shape == c.shape and g.stride() == c.stride() and g.storage_offset() == \
+            c.storage_offset() and torch.equal(g.cpu(), c)
+    got[0][0, 0] = 5.0  # aliasing: the view writes its base
+    xc.view(6, 4)[0, 0] = 5.0
+    assert torch.equal(x.cpu(), xc)
+    y = x.t()  # another layout: its own entry
+    assert torch.equal(y.view(-1).cpu(), xc.t().reshape(-1)) if y.is_contiguous() else True
+    assert torch.equal(x.t().contiguous().view(24).cpu(), xc.t().contiguous().view(24))
+    with torch.inference_mode():  # another global state: inference tensors, as CPU's
+        assert x.view(6, 4).is_inference() == xc.view(6, 4).is_inference()
+    assert x.view(6, 4).is_inference() == xc.view(6, 4).is_inference() is False
+    with pytest.raises(RuntimeError) as e:
+        x.view(5, 5)
+    with pytest.raises(RuntimeError) as ec:
+        xc.view(5, 5)
+    assert str(e.value) == str(ec.value)
