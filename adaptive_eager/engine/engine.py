@@ -742,9 +742,9 @@ _ROUTES: dict = {}
 # argument, on this core and within its buffer, and whose other arguments are ints or lists
 # or tuples of ints, is keyed by (op, that layout, those values with their types): the meta
 # cache keeps the meta result under that key too (for views that check, warn and resize
-# nothing and queue no op), found with the global state it was made under. A view then skips the templates
-# (about 40% of its host time: a GPT step makes ~230 views). Anything else goes the
-# template way, which raises the errors (another core, a freed storage).
+# nothing and queue no op), found with the global state it was made under. A view then
+# skips the templates (about 40% of its host time: a GPT step makes ~230 views). Anything
+# else goes the template way, which raises the errors (another core, a freed storage).
 def _view_key(eng, func, args):
     """Note [View keys]: the key of view call `func(*args)`, or None."""
     a = args[0] if args else None

@@ -55,10 +55,10 @@ _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
 _TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN = range(6)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
-_MAX_TRACES = 1024  # first ops with traces
+_MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
 MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idle ones) is
 # not recorded, so a loop that never syncs keeps flat host memory
-_PER_OP = 4  # traces kept per first op
+_PER_OP = 4  # traces kept per first op and layout
 
 
 def spec(meta):
@@ -135,7 +135,8 @@ class Traces:
     """One core's replay state (Note [Replay]): the trace being recorded (`nodes`; per node,
     `steps`: its meta result and cut), the one expected next, the one this recording has
     followed so far, whether a node of the queued segment was replayed (its online group is
-    behind), and recent traces by their first op."""
+    behind), and recent traces by their first op and its first argument's layout
+    (`first_key`)."""
 
     __slots__ = ("nodes", "steps", "expect", "followed", "replayed", "by_op")
 
@@ -213,7 +214,7 @@ class Traces:
 
     def remember(self, reason: str, lazy: bool, key) -> Trace | None:
         """After a flush: unless it was a device-idle flush (the trace goes on across
-        those), the trace ends and is filed under its first op, newest first; none is
+        those), the trace ends and is filed under its first op (`first_key`), newest first; none is
         expected until the next op picks one (`step`). A trace replayed start to end is the
         one it followed: that one moves to the front instead. The flush took the segment's
         online group with it (`replayed` is cleared). Returns the trace filed, if any."""
@@ -260,7 +261,8 @@ class Traces:
 
 def step(eng, func, args, kwargs):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
-    with this op are tried, newest first (`follow`). Engine.dispatch_plain has counted it."""
+    with this op, its first argument laid out so, are tried, newest first (`follow`).
+    Engine.dispatch_plain has counted it."""
     tr = eng.traces
     for trace in tr.by_op.get(call_key(func, args), ()):
         tr.expect = tr.followed = trace
