@@ -18,8 +18,10 @@ whose answer the trace already holds:
 Everything that depends on this call is done through the Segment's own methods
 (queue.py), in `queue.record`'s order: runtime scalars and their conversion checks, memory
 admission, the flush policy (a flush on the way checks the op again, against the new
-segment), new buffers and their numbering, the source line, results. An op that does not match, or takes another path (host tensors, tensor lists, the
-engine's own handlers), goes the slow way: first the online group is rebuilt from the
+segment), new buffers and their numbering, the source line, results. A 0-d host tensor
+argument is a runtime value (copied at the call, as the template copies it). An op that
+does not match, or takes another path (other host tensors, tensor lists, the engine's own
+handlers), goes the slow way: first the online group is rebuilt from the
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
 for the rest of the trace. Ops that queue nothing (views) leave it on.
@@ -55,7 +57,7 @@ from .source import _source
 MISS = object()  # the op does not match the trace: take the slow path
 MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN = range(6)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST = range(7)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
@@ -68,8 +70,8 @@ def spec(meta):
     """How an op's arguments must look to find `meta` again (per argument: a tensor's
     layout and local buffer index, a runtime scalar's type, a static value), from the
     templates of its signature, with the number of positional arguments and the keyword
-    names, in order; False where replay does not apply (host tensors, tensor lists, a
-    buffer passed twice...). Cached on the meta result."""
+    names, in order; False where replay does not apply (host tensors but 0-d ones, tensor
+    lists, a buffer passed twice...). Cached on the meta result."""
     if meta.replay is not None:
         return meta.replay
     out, at = [], []  # at: the argument position of each local buffer index
@@ -90,6 +92,8 @@ def spec(meta):
                 out.append((_INTS, t[1:]))  # (dims, sizes, output masks)
             elif tag in _ENUM_TAGS:
                 out.append((_ENUM, t))
+            elif tag == "H" and t[3] == () and hasattr(torch, t[2]):  # a 0-d host tensor: a value
+                out.append((_HOST, getattr(torch, t[2])))
             else:
                 break
         elif t is None or type(t) in (int, float, bool, str):
@@ -333,6 +337,11 @@ def follow(eng, func, args, kwargs, counted=False):
             elif kind == _ENUM:
                 if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
                     break
+            elif kind == _HOST:  # as templates.py takes it (a copy of its value, now)
+                if type(a) is not torch.Tensor or a.dtype is not s[1] or a.dim() \
+                        or a.device.type != "cpu" or a.layout is not torch.strided:
+                    break
+                inputs.append(a.detach().clone())
             elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
                     type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
                 break
@@ -416,8 +425,11 @@ def _check(eng, func, args, kwargs, meta, handles, inputs) -> None:
     found = eng.meta_cache.get(key)
     assert (found is None or found is meta) and args_t == meta.op.sig[2] \
         and kwargs_t == meta.op.sig[3] and meta.gstate == key[3], (func, args_t, meta.op.sig)
-    assert hs == handles and ins == inputs and [type(v) for v in ins] == \
-        [type(v) for v in inputs], (func, hs, handles, ins, inputs)
+    assert hs == handles and len(ins) == len(inputs) and all(
+        type(a) is type(b) and (a.dtype == b.dtype and (torch.equal(a, b) or bool(a != a)
+                                                        and bool(b != b))
+                                if type(a) is torch.Tensor else a == b or a != a)
+        for a, b in zip(ins, inputs)), (func, hs, handles, ins, inputs)
 
 
 class _NotRecording(list):

@@ -1,6 +1,8 @@
 """Note [Replay] (adaptive_eager/engine/replay.py): steady-state ops queued from the trace of the same
 step last time. Replay changes host time only: values, launches, flushes and device time are
 those of the slow path, which `replay=False` forces and `check_replay=True` runs beside it."""
+import contextlib
+
 import pytest
 import torch
 
@@ -363,3 +365,45 @@ def test_views_found_by_their_keys_are_the_template_paths(monkeypatch):
     with pytest.raises(RuntimeError) as ec:
         xc.view(5, 5)
     assert str(e.value) == str(ec.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_zero_dim_host_tensors_are_replayed_as_values_read_at_the_call(mode):
+    """Note [Replay]: a 0-d host tensor argument (`y * torch.tensor(1.5)`) is replayed as a
+    runtime value, copied at the call as the template copies it: changing it afterwards (in
+    place, before the flush) does not change the queued op; another dtype or a 1-d host
+    tensor takes the slow path; check_replay agrees, NaN values included."""
+    x = torch.randn(16)
+    xd = x.to(N)
+
+    def fn(x, s, t):
+        y = x
+        for v in (1.5, float("nan"), -2.0):
+            s.fill_(v)
+            y = y * s + t
+        return y * torch.tensor(2.0)
+
+    def run(x, n, **settings):
+        s, t = torch.tensor(0.0), torch.tensor(0.25)
+        ctx = ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
+        with ae.override(**settings), ctx:
+            for _ in range(n - 1):
+                fn(x, s, t)
+                torch.neuron.synchronize()
+            ae.reset_metrics()
+            out = fn(x, s, t)
+            torch.neuron.synchronize()
+            m = ae.metrics()
+        return out.cpu(), m
+
+    out, m = run(xd, 3)
+    ref = fn(x, torch.tensor(0.0), torch.tensor(0.25))
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out, ref, **same)
+    assert m.replayed_ops == m.ops == 7
+    checked, mc = run(xd, 3, check_replay=True)
+    torch.testing.assert_close(checked, ref, **same)
+    assert mc.replayed_ops == 7
+    slow, ms = run(xd, 3, replay=False)
+    torch.testing.assert_close(slow, ref, **same)
+    assert same_work(m, ms) and ms.replayed_ops == 0
