@@ -20,8 +20,8 @@ Everything that depends on this call is done through the Segment's own methods
 admission, the flush policy (a flush on the way checks the op again, against the new
 segment), new buffers and their numbering, the source line, results. A 0-d host tensor
 argument is a runtime value (copied at the call, as the template copies it). An op that
-does not match, or takes another path (other host tensors, tensor lists, the engine's own
-handlers), goes the slow way: first the online group is rebuilt from the
+does not match, or takes another path (other host tensors, a tensor list holding a buffer
+twice, the engine's own handlers), goes the slow way: first the online group is rebuilt from the
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
 for the rest of the trace. Ops that queue nothing (views) leave it on.
@@ -57,7 +57,7 @@ from .source import _source
 MISS = object()  # the op does not match the trace: take the slow path
 MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST = range(7)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS = range(8)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
@@ -70,8 +70,9 @@ def spec(meta):
     """How an op's arguments must look to find `meta` again (per argument: a tensor's
     layout and local buffer index, a runtime scalar's type, a static value), from the
     templates of its signature, with the number of positional arguments and the keyword
-    names, in order; False where replay does not apply (host tensors but 0-d ones, tensor
-    lists, a buffer passed twice...). Cached on the meta result."""
+    names, in order; False where replay does not apply (host tensors but 0-d ones, a
+    tensor list holding a buffer twice, a buffer passed twice...). Cached on the meta
+    result."""
     if meta.replay is not None:
         return meta.replay
     out, at = [], []  # at: the argument position of each local buffer index
@@ -90,6 +91,11 @@ def spec(meta):
                 out.append((_STATIC, float, t))
             elif tag == "L" and all(type(x) in (int, bool) for x in t[1:]):
                 out.append((_INTS, t[1:]))  # (dims, sizes, output masks)
+            elif tag == "L" and t[1:] and all(
+                    type(x) is tuple and len(x) == 6 and x[0] == "T" and x[1] == len(at) + i
+                    for i, x in enumerate(t[1:])):  # a list of tensors, buffers distinct
+                out.append((_TENSORS, tuple((x[2:6], x[1]) for x in t[1:])))
+                at += [len(out) - 1] * (len(t) - 1)
             elif tag in _ENUM_TAGS:
                 out.append((_ENUM, t))
             elif tag == "H" and t[3] == () and hasattr(torch, t[2]):  # a 0-d host tensor: a value
@@ -337,6 +343,21 @@ def follow(eng, func, args, kwargs, counted=False):
             elif kind == _ENUM:
                 if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
                     break
+            elif kind == _TENSORS:  # each as a _TENSOR argument
+                if type(a) not in (list, tuple) or len(a) != len(s[1]):
+                    break
+                for x, (layout, li) in zip(a, s[1]):
+                    if type(x) is not NeuronTensor or x._engine is not eng:
+                        break
+                    lay, nbytes, extent = x._info
+                    h = x._handle
+                    if lay is not layout and lay != layout or h in handles \
+                            or extent > h.nbytes or min(h.nbytes, nbytes) != vbytes[li]:
+                        break
+                    handles.append(h)
+                else:
+                    continue
+                break
             elif kind == _HOST:  # as templates.py takes it (a copy of its value, now)
                 if type(a) is not torch.Tensor or a.dtype is not s[1] or a.dim() \
                         or a.device.type != "cpu" or a.layout is not torch.strided:
