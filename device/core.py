@@ -160,15 +160,7 @@ class Device:
                 COUNTERS.kernel_time_us += cost
                 COUNTERS.kernel_hbm_bytes += launch.nbytes
                 COUNTERS.kernels[launch.name] += 1
-        # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
-        if self.in_flight() >= spec.max_in_flight:
-            self.host_us = max(self.host_us, self._ends[-spec.max_in_flight])
-        launch.start_us = max(self.host_us, self.free_at_us)
-        launch.end_us = launch.start_us + cost
-        self.free_at_us = launch.end_us
-        COUNTERS.device_time_us += cost
-        self.stats["device_time_us"] += cost
-        self._ends.append(launch.end_us)
+        launch.start_us, launch.end_us = self._queue(cost)
         if launch.run is not None:
             try:
                 launch.run()
@@ -182,6 +174,46 @@ class Device:
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, launch.end_us)
         return launch
+
+    def _queue(self, cost: float) -> tuple[float, float]:
+        """A launch of `cost` us enters the queue: its (start, end) on the device clock."""
+        # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
+        ends, limit = self._ends, self.spec.max_in_flight
+        if len(ends) >= limit and self.in_flight() >= limit:
+            self.host_us = max(self.host_us, ends[-limit])
+        start = max(self.host_us, self.free_at_us)
+        self.free_at_us = end = start + cost
+        COUNTERS.device_time_us += cost
+        self.stats["device_time_us"] += cost
+        ends.append(end)
+        return start, end
+
+    def submit_plain(self, name: str, run, cost: float, nbytes: int, flops: float,
+                     low_precision: bool, nodes, context) -> Launch | None:
+        """`submit(Launch(name, run, nbytes, flops, low_precision, context=context,
+        nodes=nodes))` of a plain launch whose cost (`launch_us`) the caller knows (Note
+        [Eager launches]: per op in eager mode): the same clock, counters and timeline
+        entry, without the Launch record unless it fails (returned then; None otherwise)."""
+        self.submits += 1
+        COUNTERS.launches += 1
+        COUNTERS.hbm_bytes += nbytes
+        self.stats["launches"] += 1
+        start, end = self._queue(cost)
+        failed = None
+        try:
+            run()
+        except LaunchError as e:  # kept for the next sync (Note [Simulated asynchrony])
+            failed = Launch(name, run, nbytes, flops, low_precision, context=context,
+                            nodes=nodes)
+            failed.start_us, failed.end_us = start, end
+            failed.error, failed.internal = e.cause, e.internal
+            self._errors.append(failed)
+        if self.realtime:
+            _sleep_us(cost)
+        self._entry(name, "launch", start, cost, nbytes, flops, nodes)
+        if self.blocking:  # the host waits; the caller raises any error at its sync
+            self.host_us = max(self.host_us, end)
+        return failed
 
     # -- the collective stream (Note [Collective stream]) --------------------------------
     def _submit_collective(self, launch: Launch) -> Launch:
@@ -298,11 +330,14 @@ class Device:
         """The launch on the timeline. The sources its ops keep (for their lines) are bounded
         apart: past SOURCE_BUDGET ops kept, the oldest launches lose theirs (down to half the
         budget), so a long run keeps flat memory even with large fused launches."""
-        self.trace.append((launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
-                           launch.flops, launch.nodes))
+        self._entry(launch.name, launch.kind, launch.start_us, cost, launch.nbytes,
+                    launch.flops, launch.nodes)
+
+    def _entry(self, name, kind, start, cost, nbytes, flops, nodes) -> None:
+        self.trace.append((name, kind, start, cost, nbytes, flops, nodes))
         self._tail += 1
-        if launch.nodes:
-            self._kept_ops += len(launch.nodes[0])
+        if nodes:
+            self._kept_ops += len(nodes[0])
             if self._kept_ops > SOURCE_BUDGET:
                 self._drop_sources()
 

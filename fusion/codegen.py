@@ -140,8 +140,9 @@ def _expr(t, i, j, ns, made, body) -> str:
             vid = t[1]
             if vid not in made:
                 made.add(vid)
-                body.append(f"_view(st, views, {vid}, {t[2]}, {t[3]!r}, {t[4]!r}, {t[5]}, "
-                            f"c{i}_{j})")  # (body: the instr's lines before its kernel)
+                # (body: the instr's lines before its kernel; the test inlined: per launch)
+                body.append(f"if views[{vid}] is None: _view(st, views, {vid}, {t[2]}, "
+                            f"{t[3]!r}, {t[4]!r}, {t[5]}, c{i}_{j})")
                 ns[f"c{i}_{j}"] = t[6]
             return f"views[{vid}]"
         if tag == "L":

@@ -45,6 +45,7 @@ class GroupPlan:
     kernel: bool = False  # a custom kernel's launch (Note [Custom kernels] in kernels.py)
     overhead_us: float = 0.0  # its declared fixed cost
     op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
+    cost: tuple = (None, 0.0)  # (spec, its launch's modeled us on that spec): computed once
 
 
 @dataclasses.dataclass
@@ -350,14 +351,24 @@ class Runner:
             st[s] = h.buffer.storage
         views = _host_views(exe, slots, handles, ())
         poisoned, causes, members = set(), {}, [node]
-        launch = dev.submit(Launch(exe.name, functools.partial(
-            exe.run, st, [node.inputs], dev.rng, poisoned, causes, views), gp.nbytes, gp.flops,
-            gp.low_precision, context=members, kind="kernel" if gp.kernel else "launch",
-            overhead_us=gp.overhead_us, nodes=((node.source,), gp.op_costs)))
-        if launch.error is not None or poisoned:
-            self._written(gp, exe, st, poisoned, causes,
-                          launch if launch.error is not None else None, members, {}, {},
-                          handles, views)
+        run = functools.partial(exe.run, st, [node.inputs], dev.rng, poisoned, causes, views)
+        spec, cost = gp.cost
+        if gp.kernel:
+            launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops, gp.low_precision,
+                                       context=members, kind="kernel",
+                                       overhead_us=gp.overhead_us,
+                                       nodes=((node.source,), gp.op_costs)))
+            launch = launch if launch.error is not None else None
+        else:  # a plain launch, its cost known (Note [Eager launches])
+            if spec is not dev.spec:
+                spec = dev.spec
+                cost = spec.launch_us(gp.nbytes, gp.flops, gp.low_precision) + gp.overhead_us
+                gp.cost = spec, cost
+            launch = dev.submit_plain(exe.name, run, cost, gp.nbytes, gp.flops,
+                                      gp.low_precision, ((node.source,), gp.op_costs), members)
+        if launch is not None or poisoned:
+            self._written(gp, exe, st, poisoned, causes, launch, members, {}, {}, handles,
+                          views)
         else:
             nv = exe.n_views
             for s in gp.outputs:

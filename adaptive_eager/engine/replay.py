@@ -18,8 +18,10 @@ whose answer the trace already holds:
 Everything that depends on this call is done through the Segment's own methods
 (queue.py), in `queue.record`'s order: runtime scalars and their conversion checks, memory
 admission, the flush policy (a flush on the way checks the op again, against the new
-segment), new buffers and their numbering, the source line, results. An op that does not match, or takes another path (host tensors, tensor lists, the
-engine's own handlers), goes the slow way: first the online group is rebuilt from the
+segment), new buffers and their numbering, the source line, results. A 0-d host tensor
+argument is a runtime value (copied at the call, as the template copies it). An op that
+does not match, or takes another path (other host tensors, a tensor list holding a buffer
+twice, the engine's own handlers), goes the slow way: first the online group is rebuilt from the
 queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
 (same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
 for the rest of the trace. Ops that queue nothing (views) leave it on.
@@ -33,6 +35,9 @@ with the same plan key, buffers and contexts, the same launch, metrics, report a
 entry, and under launch blocking the same wait (its errors raise at the call). The trace is
 then filed as `remember` files a trace replayed to its end. Everything before (counting,
 checks, admission, the source line, new buffers) and after (results) is the replay's.
+A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
+modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
+record is made unless it fails (the same clock, counters and timeline entry as `submit`).
 """
 from __future__ import annotations
 
@@ -52,21 +57,22 @@ from .source import _source
 MISS = object()  # the op does not match the trace: take the slow path
 MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN = range(6)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS = range(8)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
-_MAX_TRACES = 1024  # first ops with traces
+_MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
 MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idle ones) is
 # not recorded, so a loop that never syncs keeps flat host memory
-_PER_OP = 4  # traces kept per first op
+_PER_OP = 4  # traces kept per first op and layout
 
 
 def spec(meta):
     """How an op's arguments must look to find `meta` again (per argument: a tensor's
     layout and local buffer index, a runtime scalar's type, a static value), from the
     templates of its signature, with the number of positional arguments and the keyword
-    names, in order; False where replay does not apply (host tensors, tensor lists, a
-    buffer passed twice...). Cached on the meta result."""
+    names, in order; False where replay does not apply (host tensors but 0-d ones, a
+    tensor list holding a buffer twice, a buffer passed twice...). Cached on the meta
+    result."""
     if meta.replay is not None:
         return meta.replay
     out, at = [], []  # at: the argument position of each local buffer index
@@ -85,8 +91,15 @@ def spec(meta):
                 out.append((_STATIC, float, t))
             elif tag == "L" and all(type(x) in (int, bool) for x in t[1:]):
                 out.append((_INTS, t[1:]))  # (dims, sizes, output masks)
+            elif tag == "L" and t[1:] and all(
+                    type(x) is tuple and len(x) == 6 and x[0] == "T" and x[1] == len(at) + i
+                    for i, x in enumerate(t[1:])):  # a list of tensors, buffers distinct
+                out.append((_TENSORS, tuple((x[2:6], x[1]) for x in t[1:])))
+                at += [len(out) - 1] * (len(t) - 1)
             elif tag in _ENUM_TAGS:
                 out.append((_ENUM, t))
+            elif tag == "H" and t[3] == () and hasattr(torch, t[2]):  # a 0-d host tensor: a value
+                out.append((_HOST, getattr(torch, t[2])))
             else:
                 break
         elif t is None or type(t) in (int, float, bool, str):
@@ -104,19 +117,39 @@ class Trace:
     """The nodes queued between two flushes other than "device idle", and per node its
     (meta result, cut); the policy the cuts were made under (lazy or not, the strategy)."""
 
-    __slots__ = ("nodes", "steps", "lazy", "key", "n", "sig")
+    __slots__ = ("nodes", "steps", "lazy", "key", "n", "sig", "first")
 
     def __init__(self, nodes, steps, lazy, key):
         self.nodes, self.steps, self.lazy, self.key = nodes, steps, lazy, key
         self.n = len(nodes)
         self.sig = None  # Note [Eager launches]: an eager op's plan key, its buffers all live
+        self.first = first_key(nodes[0].op)  # what it is filed under (`Traces.by_op`)
+
+
+def first_key(op) -> object:
+    """What a trace beginning with op signature `op` is filed under: the op, and its first
+    argument's layout when that is a tensor, as `step` finds it from a call's arguments
+    (Note [Replay]: one signature per layout of a model's matmuls, say, would otherwise
+    share the few places an op has and push each other out, every step)."""
+    t = op.sig[2][0] if op.sig[2] else None
+    if type(t) is tuple and len(t) == 6 and t[0] == "T":
+        return (op.func._op, t[2:6])
+    return op.func._op
+
+
+def call_key(func, args) -> object:
+    """`first_key` of the signature a call `func(*args)` would have."""
+    if args and type(args[0]) is NeuronTensor:
+        return (func._op, args[0]._info[0])
+    return func._op
 
 
 class Traces:
     """One core's replay state (Note [Replay]): the trace being recorded (`nodes`; per node,
     `steps`: its meta result and cut), the one expected next, the one this recording has
     followed so far, whether a node of the queued segment was replayed (its online group is
-    behind), and recent traces by their first op."""
+    behind), and recent traces by their first op and its first argument's layout
+    (`first_key`)."""
 
     __slots__ = ("nodes", "steps", "expect", "followed", "replayed", "by_op")
 
@@ -145,7 +178,7 @@ class Traces:
         if trace is not None and resumes(trace, pos, node, cut):
             self.expect, self.followed = trace, followed
         elif pos == 0:  # a trace may begin with this node (`step` picks the others')
-            for t in self.by_op.get(node.op.func._op, ()):
+            for t in self.by_op.get(first_key(node.op), ()):
                 if resumes(t, 0, node, cut):
                     self.expect = self.followed = t
                     break
@@ -194,7 +227,7 @@ class Traces:
 
     def remember(self, reason: str, lazy: bool, key) -> Trace | None:
         """After a flush: unless it was a device-idle flush (the trace goes on across
-        those), the trace ends and is filed under its first op, newest first; none is
+        those), the trace ends and is filed under its first op (`first_key`), newest first; none is
         expected until the next op picks one (`step`). A trace replayed start to end is the
         one it followed: that one moves to the front instead. The flush took the segment's
         online group with it (`replayed` is cleared). Returns the trace filed, if any."""
@@ -213,7 +246,7 @@ class Traces:
         by_op = self.by_op
         if len(by_op) >= _MAX_TRACES:
             by_op.clear()
-        k = nodes[0].op.func._op
+        k = trace.first
         by_op[k] = [trace] + [t for t in by_op.get(k, ()) if t is not trace][:_PER_OP - 1]
         return trace
 
@@ -223,7 +256,7 @@ class Traces:
         front), with nothing recorded since."""
         self.expect = self.followed = None
         by_op = self.by_op
-        k = trace.nodes[0].op.func._op
+        k = trace.first
         found = by_op.get(k)
         if found is None or found[0] is not trace:
             if found is None and len(by_op) >= _MAX_TRACES:
@@ -241,9 +274,10 @@ class Traces:
 
 def step(eng, func, args, kwargs):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
-    with this op are tried, newest first (`follow`). Engine.dispatch_plain has counted it."""
+    with this op, its first argument laid out so, are tried, newest first (`follow`).
+    Engine.dispatch_plain has counted it."""
     tr = eng.traces
-    for trace in tr.by_op.get(func._op, ()):
+    for trace in tr.by_op.get(call_key(func, args), ()):
         tr.expect = tr.followed = trace
         out = follow(eng, func, args, kwargs, True)
         if out is not MISS:
@@ -309,6 +343,26 @@ def follow(eng, func, args, kwargs, counted=False):
             elif kind == _ENUM:
                 if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
                     break
+            elif kind == _TENSORS:  # each as a _TENSOR argument
+                if type(a) not in (list, tuple) or len(a) != len(s[1]):
+                    break
+                for x, (layout, li) in zip(a, s[1]):
+                    if type(x) is not NeuronTensor or x._engine is not eng:
+                        break
+                    lay, nbytes, extent = x._info
+                    h = x._handle
+                    if lay is not layout and lay != layout or h in handles \
+                            or extent > h.nbytes or min(h.nbytes, nbytes) != vbytes[li]:
+                        break
+                    handles.append(h)
+                else:
+                    continue
+                break
+            elif kind == _HOST:  # as templates.py takes it (a copy of its value, now)
+                if type(a) is not torch.Tensor or a.dtype is not s[1] or a.dim() \
+                        or a.device.type != "cpu" or a.layout is not torch.strided:
+                    break
+                inputs.append(a.detach().clone())
             elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
                     type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
                 break
@@ -392,8 +446,11 @@ def _check(eng, func, args, kwargs, meta, handles, inputs) -> None:
     found = eng.meta_cache.get(key)
     assert (found is None or found is meta) and args_t == meta.op.sig[2] \
         and kwargs_t == meta.op.sig[3] and meta.gstate == key[3], (func, args_t, meta.op.sig)
-    assert hs == handles and ins == inputs and [type(v) for v in ins] == \
-        [type(v) for v in inputs], (func, hs, handles, ins, inputs)
+    assert hs == handles and len(ins) == len(inputs) and all(
+        type(a) is type(b) and (a.dtype == b.dtype and (torch.equal(a, b) or bool(a != a)
+                                                        and bool(b != b))
+                                if type(a) is torch.Tensor else a == b or a != a)
+        for a, b in zip(ins, inputs)), (func, hs, handles, ins, inputs)
 
 
 class _NotRecording(list):

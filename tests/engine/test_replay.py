@@ -1,6 +1,8 @@
 """Note [Replay] (adaptive_eager/engine/replay.py): steady-state ops queued from the trace of the same
 step last time. Replay changes host time only: values, launches, flushes and device time are
 those of the slow path, which `replay=False` forces and `check_replay=True` runs beside it."""
+import contextlib
+
 import pytest
 import torch
 
@@ -272,3 +274,176 @@ def test_host_views_are_reused_and_keep_tensor_identity():
         w = x.view(4, 4).t() * 3  # another layout of the same buffer
         assert torch.equal(w.cpu(), xc.view(4, 4).t() * 3)
     assert x._handle.buffer.host is not None  # kept on the buffer for the next launch
+
+
+def test_eager_ops_of_many_layouts_and_bfloat16_launch_from_their_traces(monkeypatch):
+    """Note [Eager launches] with traces filed by their first argument's layout: a matmul
+    of six layouts per step (more than an op's four places) and bfloat16 ops (their launch
+    cost at the faster peak) are launched from their traces in the steady state, with the
+    slow path's values, metrics and timeline."""
+    from adaptive_eager.engine import queue
+    ws = [torch.randn(8, k).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    xs = [torch.randn(k, 2).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    h = torch.randn(8, 8, dtype=torch.bfloat16).to(N)
+
+    def fn():
+        out = sum(w.mm(x) for w, x in zip(ws, xs))
+        return out + (h * h + h).sum()
+
+    queued = []
+    enqueue = queue.Segment.enqueue
+    monkeypatch.setattr(queue.Segment, "enqueue",
+                        lambda self, node, *rest: queued.append(node) or enqueue(self, node, *rest))
+    out, m, timeline = eager_steps(fn, 3)
+    fast = len(queued)
+    assert m.replayed_ops == m.ops
+    slow, ms, timeline_s = eager_steps(fn, 3, replay=False)
+    assert len(queued) - fast == 3 * m.ops  # every op queued without replay...
+    _, m2, _ = eager_steps(fn, 3)
+    assert len(queued) - fast - 3 * m.ops < 2 * m.ops  # ...the last step with it none
+    cpu = sum(w.cpu().mm(x.cpu()) for w, x in zip(ws, xs))
+    hc = h.cpu()
+    assert torch.equal(out, slow) and torch.equal(out, cpu + (hc * hc + hc).sum())
+    assert same_work(m, ms) and same_work(m2, ms) and timeline == timeline_s
+
+
+def test_eager_launch_of_the_last_step_queues_nothing_for_many_layouts(monkeypatch):
+    """The steady state's step queues nothing though one op has six signatures (it did
+    queue each matmul when traces were filed by op alone: four places, evicted each step)."""
+    from adaptive_eager.engine import queue
+    ws = [torch.randn(4, k).to(N) for k in (3, 4, 5, 6, 7, 9)]
+    xs = [torch.randn(k, 2).to(N) for k in (3, 4, 5, 6, 7, 9)]
+
+    def fn():
+        return [w.mm(x) for w, x in zip(ws, xs)][-1]
+
+    for _ in range(3):
+        fn()
+    queued = []
+    enqueue = queue.Segment.enqueue
+    monkeypatch.setattr(queue.Segment, "enqueue",
+                        lambda self, node, *rest: queued.append(node) or enqueue(self, node, *rest))
+    fn()
+    torch.neuron.synchronize()
+    assert queued == []
+
+
+def test_views_found_by_their_keys_are_the_template_paths(monkeypatch):
+    """Note [View keys]: a view given one tensor and ints skips the templates in the steady
+    state, with CPU's values, layouts and aliasing; another global state, int lists against
+    tuples and another layout find their own meta results; a freed storage and another
+    core's tensor still raise."""
+    from adaptive_eager.engine import engine as E
+    xc = torch.randn(4, 6)
+    x = xc.to(N)
+
+    def views(t):
+        return [t.view(6, 4), t.view((3, 8)), t.t(), t.transpose(0, 1), t[1:3], t.detach(),
+                t.expand(2, 4, 6), t.unsqueeze(0), t.view(-1)]
+
+    for _ in range(2):
+        views(x)
+    calls = []
+    template = E.template
+    monkeypatch.setattr(E, "template", lambda *a, **k: calls.append(a[1]) or template(*a, **k))
+    got = views(x)
+    assert calls == []
+    for g, c in zip(got, views(xc)):
+        assert g.shape == c.shape and g.stride() == c.stride() and g.storage_offset() == \
+            c.storage_offset() and torch.equal(g.cpu(), c)
+    got[0][0, 0] = 5.0  # aliasing: the view writes its base
+    xc.view(6, 4)[0, 0] = 5.0
+    assert torch.equal(x.cpu(), xc)
+    y = x.t()  # another layout: its own entry
+    assert torch.equal(y.view(-1).cpu(), xc.t().reshape(-1)) if y.is_contiguous() else True
+    assert torch.equal(x.t().contiguous().view(24).cpu(), xc.t().contiguous().view(24))
+    with torch.inference_mode():  # another global state: inference tensors, as CPU's
+        assert x.view(6, 4).is_inference() == xc.view(6, 4).is_inference()
+    assert x.view(6, 4).is_inference() == xc.view(6, 4).is_inference() is False
+    with pytest.raises(RuntimeError) as e:
+        x.view(5, 5)
+    with pytest.raises(RuntimeError) as ec:
+        xc.view(5, 5)
+    assert str(e.value) == str(ec.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_zero_dim_host_tensors_are_replayed_as_values_read_at_the_call(mode):
+    """Note [Replay]: a 0-d host tensor argument (`y * torch.tensor(1.5)`) is replayed as a
+    runtime value, copied at the call as the template copies it: changing it afterwards (in
+    place, before the flush) does not change the queued op; another dtype or a 1-d host
+    tensor takes the slow path; check_replay agrees, NaN values included."""
+    x = torch.randn(16)
+    xd = x.to(N)
+
+    def fn(x, s, t):
+        y = x
+        for v in (1.5, float("nan"), -2.0):
+            s.fill_(v)
+            y = y * s + t
+        return y * torch.tensor(2.0)
+
+    def run(x, n, **settings):
+        s, t = torch.tensor(0.0), torch.tensor(0.25)
+        ctx = ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
+        with ae.override(**settings), ctx:
+            for _ in range(n - 1):
+                fn(x, s, t)
+                torch.neuron.synchronize()
+            ae.reset_metrics()
+            out = fn(x, s, t)
+            torch.neuron.synchronize()
+            m = ae.metrics()
+        return out.cpu(), m
+
+    out, m = run(xd, 3)
+    ref = fn(x, torch.tensor(0.0), torch.tensor(0.25))
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out, ref, **same)
+    assert m.replayed_ops == m.ops == 7
+    checked, mc = run(xd, 3, check_replay=True)
+    torch.testing.assert_close(checked, ref, **same)
+    assert mc.replayed_ops == 7
+    slow, ms = run(xd, 3, replay=False)
+    torch.testing.assert_close(slow, ref, **same)
+    assert same_work(m, ms) and ms.replayed_ops == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_tensor_lists_are_replayed(mode):
+    """Note [Replay]: an op given a list of tensors on distinct buffers (`stack`, `cat`) is
+    replayed, each tensor checked as a tensor argument; a list holding one tensor twice,
+    or a later argument naming a listed tensor again, takes the slow path; the values,
+    work and check_replay's answers are the slow path's."""
+    x = torch.randn(4, 4)
+    xd = x.to(N)
+
+    def fn(x):
+        y = x
+        for _ in range(3):
+            y = torch.stack([y, y * 1.5]).sum(0)
+            y = torch.cat([y, x.t()], 1)[:, :4]
+            y = torch.cat([y, y]).view(2, 4, 4).mean(0)  # one tensor twice: the slow path
+        return torch.addcmul(y, y, y)
+
+    def run(n, **settings):
+        ctx = ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
+        with ae.override(**settings), ctx:
+            for _ in range(n - 1):
+                fn(xd)
+                torch.neuron.synchronize()
+            ae.reset_metrics()
+            out = fn(xd)
+            torch.neuron.synchronize()
+            m = ae.metrics()
+        return out.cpu(), m
+
+    out, m = run(3)
+    torch.testing.assert_close(out, fn(x), rtol=1e-6, atol=1e-6)
+    slow, ms = run(3, replay=False)
+    assert torch.equal(out, slow) and same_work(m, ms) and ms.replayed_ops == 0
+    checked, mc = run(3, check_replay=True)
+    assert torch.equal(out, checked) and mc.replayed_ops == m.replayed_ops
+    # 28 ops; not replayed: 9 views (never are) and the 3 doubled cats (main: the stacks and
+    # the other cats too, 10 replayed)
+    assert (m.replayed_ops, m.ops) == (16, 28)

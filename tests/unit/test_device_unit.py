@@ -193,3 +193,46 @@ def test_the_timeline_keeps_the_newest_launches_sources_within_its_budget():
     assert len(kept) >= SOURCE_BUDGET // 2
     names = [t[0] for t in dev.trace if t[1] == "launch"]
     assert len(dev.trace) == n and names == [f"op{i}" for i in range(n - len(names), n)]
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_submit_plain_is_submit_of_a_plain_launch(blocking):
+    """Device.submit_plain (eager launches: no Launch record unless one fails) keeps the
+    clock, the in-flight bound, counters, per-core stats, timeline entries and deferred
+    errors of `submit`, for launches at both precisions."""
+    spec = DeviceSpec(max_in_flight=2)
+    figures = []
+    for plain in (False, True):
+        dev = Device(spec, blocking=blocking)
+        before = (COUNTERS.launches, COUNTERS.hbm_bytes, COUNTERS.device_time_us,
+                  COUNTERS.kernel_launches)
+        ran, errors = [], []
+        for i in range(5):
+            nbytes, flops, low = 725_000 * (i + 1), 1e6 * i, i % 2 == 1
+            run = (lambda i=i: ran.append(i)) if i != 2 else _fails("op 2 failed")
+            nodes = (("src%d" % i,), ((flops, nbytes),))
+            if plain:
+                failed = dev.submit_plain("k%d" % i, run, spec.launch_us(nbytes, flops, low),
+                                          nbytes, flops, low, nodes, ["ctx"])
+            else:
+                launch = dev.submit(Launch("k%d" % i, run, nbytes, flops, low, context=["ctx"],
+                                           nodes=nodes))
+                failed = launch if launch.error is not None else None
+            errors.append(failed and (failed.name, failed.start_us, failed.end_us,
+                                      str(failed.error), failed.context, failed.nodes,
+                                      failed.low_precision))
+            dev.advance_host(1.0)
+        with pytest.raises(DeviceError, match="op 2 failed") as info:
+            dev.synchronize()
+        figures.append((ran, errors, list(dev.trace), dev.host_us, dev.free_at_us,
+                        dev.submits, dict(dev.stats), info.value.launch.name,
+                        COUNTERS.launches - before[0], COUNTERS.hbm_bytes - before[1],
+                        COUNTERS.device_time_us - before[2], COUNTERS.kernel_launches - before[3]))
+    assert figures[0] == figures[1]
+    assert figures[0][1][2] is not None and figures[0][0] == [0, 1, 3, 4]
+
+
+def _fails(msg):
+    def run():
+        raise LaunchError(IndexError(msg))
+    return run
