@@ -16,6 +16,7 @@ tensor parallel) are composed from these: Note [Functional collectives].
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 import torch
@@ -86,6 +87,8 @@ def register() -> None:
             _engine._SPECIAL[getattr(packet, overload)] = collective
     _register_functional()
     _route_work_results()
+    _release_works_at_destroy()
+    _engine.AT_SYNC.append(_look)  # Note [Gloo's thread and the GIL]: a sync is a look
     for op, kernel in sync_batch_norm.KERNELS.items():  # Note [SyncBatchNorm ops]
         _engine._SPECIAL[op] = _functional(kernel)
     patches.after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
@@ -166,6 +169,7 @@ def _route_work_results() -> None:
 
     def work_wait(self, *args, **kwargs):
         done = wait(self, *args, **kwargs)
+        _look()  # Note [Gloo's thread and the GIL]: this one is seen completed
         entry = _ISSUED.get(id(self))
         if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
             if _on_side_stream(entry[1]):  # that stream waits, not compute: first use joins
@@ -266,21 +270,54 @@ def collective(eng, func, args, kwargs):
 # release their Python objects. If that drop is the last reference, and the main thread is
 # at that moment destroying the process group (a DDP model's Reducer freed, holding the GIL
 # while it joins gloo's threads), the two wait for each other forever. So we hold each Work
-# until it was seen completed at an earlier collective: gloo's thread has let go of it by
-# then, and the last reference is always ours, dropped on a Python thread.
+# until it was seen completed at an earlier look: gloo's thread has let go of it by then
+# (it marks the Work completed, then drops it), and the last reference is always ours or
+# the user's, dropped on a Python thread. A look is each collective's issue, each
+# `Work.wait()` (the waited Work is seen completed there), each sync (`torch.neuron.
+# synchronize()`, a read) and `destroy_process_group()` (before and after it: the whole
+# destroy lies between, and if the group died in it gloo's threads were joined). Held
+# longer, a Work kept its tensors allocated (Note [Work results] maps its views to them)
+# until the process's second collective after it, and for good after the last one.
 _WORKS: list[list] = []  # [work, completed when last looked at]
+_WORKS_LOCK = threading.Lock()
+
+
+def _look(new=()) -> None:
+    """Drop the Works seen completed at an earlier look, note which are completed now, and
+    hold `new` (Note [Gloo's thread and the GIL])."""
+    global _WORKS
+    with _WORKS_LOCK:
+        done = [e for e in _WORKS if e[1]]
+        kept = [e for e in _WORKS if not e[1]]
+        for entry in kept:
+            entry[1] = entry[0].is_completed()
+        _WORKS = kept + [[w, False] for w in new]
+    del done  # outside the lock: freeing their tensors frees device memory
 
 
 def _keep_until_done(out) -> None:
-    global _WORKS
-    kept = []
-    for entry in _WORKS:
-        if not entry[1]:  # completed at an earlier look: ours to drop now
-            entry[1] = entry[0].is_completed()
-            kept.append(entry)
-    kept += [[dist.Work.unbox(w), False] for w in tree_flatten(out)[0]
-             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
-    _WORKS = kept
+    _look([dist.Work.unbox(w) for w in tree_flatten(out)[0]
+           if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())])
+
+
+def _release_works_at_destroy() -> None:
+    """`destroy_process_group()` is a look before and after (Note [Gloo's thread and the
+    GIL]): the Works of the collectives before it no longer hold their tensors after it."""
+    import torch.distributed.distributed_c10d as c10d
+    destroy = c10d.destroy_process_group
+    if patches.is_patched(c10d, "destroy_process_group"):
+        return
+
+    def destroy_process_group(group=None):
+        _look()
+        try:
+            return destroy(group)
+        finally:
+            _look()
+    for owner in (c10d, dist):
+        patches.patch(owner, "destroy_process_group", destroy_process_group,
+                      rests_on="torch.distributed.destroy_process_group: no hook tells when a "
+                               "group is destroyed (Note [Gloo's thread and the GIL])")
 
 
 def _size(func, args, kwargs, name) -> int:
