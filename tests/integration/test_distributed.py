@@ -252,6 +252,7 @@ def test_a_collectives_tensors_are_freed_once_dropped(tmp_path, mode):
     views (Note [Work results]) the neuron tensors, until the process's second collective
     after it, and the last ones for good after destroy_process_group(): 16384 bytes of a
     dropped all-reduced tensor stayed allocated."""
+    import warnings
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)
     try:
@@ -266,6 +267,10 @@ def test_a_collectives_tensors_are_freed_once_dropped(tmp_path, mode):
         y = torch.ones(4096, device="neuron")
         work = dist.all_reduce(y, async_op=True)
         work.wait()
+        ae.synchronize()  # a Work the user holds keeps its results (Note [Work results])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Work.result is deprecated
+            assert work.result()[0].device.type == "neuron"
         del work, y
         torch.neuron.synchronize()
         assert torch.neuron.memory_allocated() == base
