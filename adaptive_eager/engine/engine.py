@@ -147,6 +147,7 @@ _LOCK = threading.RLock()
 # Note [Threads] at exit: the threads that ever entered the engine, by ident
 # (`park_daemon_threads`).
 USERS: set[int] = set()
+AT_SYNC: list = []  # called after each sync (integration/distributed.py's look at its Works)
 _get_ident = threading.get_ident
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -511,6 +512,8 @@ class Engine:
         t0 = self.device.host_us
         self.synchronize()
         self.device.mark(reason, "sync", self.device.host_us - t0, t0)
+        for hook in AT_SYNC:
+            hook()
 
     # -- host transfers and ops that need data now (transfer.py, fallback.py) ----------
     @_locked

@@ -16,6 +16,8 @@ tensor parallel) are composed from these: Note [Functional collectives].
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import weakref
 
 import torch
@@ -86,6 +88,8 @@ def register() -> None:
             _engine._SPECIAL[getattr(packet, overload)] = collective
     _register_functional()
     _route_work_results()
+    _release_works_at_destroy()
+    _engine.AT_SYNC.append(_release)  # Note [Gloo's thread and the GIL]
     for op, kernel in sync_batch_norm.KERNELS.items():  # Note [SyncBatchNorm ops]
         _engine._SPECIAL[op] = _functional(kernel)
     patches.after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
@@ -132,8 +136,10 @@ def _neuron_backend(opts, backend_options):
 _DEVICE_OF: dict = {}  # id(host view) -> (weakref to it, the neuron tensor it views)
 
 
-def _remember(v, t) -> None:
-    _DEVICE_OF[id(v)] = (weakref.ref(v, lambda _, k=id(v): _DEVICE_OF.pop(k, None)), t)
+def _remember(v, t):
+    ref = weakref.ref(v, lambda _, k=id(v): _DEVICE_OF.pop(k, None))
+    _DEVICE_OF[id(v)] = (ref, t)
+    return ref
 
 
 def _device_tensor(v):
@@ -166,6 +172,7 @@ def _route_work_results() -> None:
 
     def work_wait(self, *args, **kwargs):
         done = wait(self, *args, **kwargs)
+        _release()  # Note [Gloo's thread and the GIL]
         entry = _ISSUED.get(id(self))
         if entry is not None and entry[0] is self:  # Note [Collective stream] in device/core.py
             if _on_side_stream(entry[1]):  # that stream waits, not compute: first use joins
@@ -235,12 +242,12 @@ def collective(eng, func, args, kwargs):
         if t._handle.poison is not None:  # Note [Poison] in fusion/program.py: as a read,
             eng.synchronize()  # the earliest deferred error first, then this value's
             _raise_launch_error(t._handle.poison)
-    views = {}
+    views, refs = {}, []
 
     def view(t):
         v = buffer_view(t)
         views[id(v)] = t
-        _remember(v, t)  # Note [Work results]
+        refs.append(_remember(v, t))  # Note [Work results]
         return v
 
     with torch._C._DisableTorchDispatch():
@@ -249,7 +256,7 @@ def collective(eng, func, args, kwargs):
         # The group's neuron backend (gloo) runs it: the op's PrivateUse1 kernel asks the
         # group for the backend of the neuron device, and gloo reads host tensors.
         out = func.redispatch(_NEURON_KEYS, *h_args, **h_kwargs)
-    _keep_until_done(out)
+    _keep_until_done(out, refs)
     nbytes = _size(func, args, kwargs, size_arg)
     cost = collective_us(eng.spec, pattern, nbytes, _world(args, kwargs))
     launch = eng.device.submit(Launch(func._schema.name, None, nbytes, 0.0, kind="collective",
@@ -267,20 +274,75 @@ def collective(eng, func, args, kwargs):
 # at that moment destroying the process group (a DDP model's Reducer freed, holding the GIL
 # while it joins gloo's threads), the two wait for each other forever. So we hold each Work
 # until it was seen completed at an earlier collective: gloo's thread has let go of it by
-# then, and the last reference is always ours, dropped on a Python thread.
-_WORKS: list[list] = []  # [work, completed when last looked at]
+# then, and the last reference is always ours, dropped on a Python thread. (gloo's thread
+# marks a Work completed before it lets go of it: a Work dropped at the look that first saw
+# it completed hung a torchrun DDP run at exit, 1 run in 8.)
+# Holding the Work must not hold the user's tensors (Note [Work results] maps its views to
+# them): once a Work is completed (gloo is done with the bytes) and nothing but us holds its
+# Python object (so `result()` can no longer be asked of it), its views are unmapped, and a
+# dropped tensor's memory is freed as on CUDA. That release is looked for at each
+# collective's issue, each `Work.wait()`, each sync (`torch.neuron.synchronize()`, a read)
+# and `destroy_process_group()`; without it the tensors stayed allocated until the
+# process's second collective after them, and for good after the last one.
+_WORKS: list[list] = []  # [work, completed at the last collective, its views' weakrefs,
+#                           the thread that issued it until that thread's next look]
+_WORKS_LOCK = threading.Lock()
 
 
-def _keep_until_done(out) -> None:
+def _keep_until_done(out, views) -> None:
     global _WORKS
-    kept = []
-    for entry in _WORKS:
-        if not entry[1]:  # completed at an earlier look: ours to drop now
+    _release()  # before the new Work: its caller has not been handed it yet
+    with _WORKS_LOCK:
+        done = [e for e in _WORKS if e[1]]  # completed at an earlier look: ours to drop now
+        kept = [e for e in _WORKS if not e[1]]
+        for entry in kept:
             entry[1] = entry[0].is_completed()
-            kept.append(entry)
-    kept += [[dist.Work.unbox(w), False] for w in tree_flatten(out)[0]
-             if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
-    _WORKS = kept
+        _WORKS = kept + [[dist.Work.unbox(w), False, views, threading.get_ident()]
+                         for w in tree_flatten(out)[0]
+                         if isinstance(w, torch.ScriptObject) and "c10d.Work" in str(w._type())]
+    del done  # outside the lock: freeing them may free device memory
+
+
+def _release() -> None:
+    """Unmap the views of the held Works that are completed and held by us alone, so that
+    they no longer hold the user's tensors (Note [Gloo's thread and the GIL])."""
+    freed, me = [], threading.get_ident()
+    with _WORKS_LOCK:
+        for entry in _WORKS:
+            if entry[3] is not None:  # issued: not released before its caller had it
+                if entry[3] != me:
+                    continue
+                entry[3] = None
+            # the refs to the Work's Python object: this list's and getrefcount's own
+            # (gloo marks it completed after its future's callbacks ran: they mapped)
+            if entry[2] and sys.getrefcount(entry[0]) <= 2 and entry[0].is_completed():
+                for ref in entry[2]:
+                    v = ref()
+                    mapped = _DEVICE_OF.get(id(v)) if v is not None else None
+                    if mapped is not None and mapped[0] is ref:
+                        freed.append(_DEVICE_OF.pop(id(v)))
+                entry[2] = []
+    del freed  # outside the lock: the tensors the user dropped are freed here
+
+
+def _release_works_at_destroy() -> None:
+    """The held Works of the collectives before `destroy_process_group()` no longer hold
+    their tensors after it (Note [Gloo's thread and the GIL])."""
+    import torch.distributed.distributed_c10d as c10d
+    destroy = c10d.destroy_process_group
+    if patches.is_patched(c10d, "destroy_process_group"):
+        return
+
+    def destroy_process_group(group=None):
+        _release()
+        try:
+            return destroy(group)
+        finally:
+            _release()
+    for owner in (c10d, dist):
+        patches.patch(owner, "destroy_process_group", destroy_process_group,
+                      rests_on="torch.distributed.destroy_process_group: no hook tells when a "
+                               "group is destroyed (Note [Gloo's thread and the GIL])")
 
 
 def _size(func, args, kwargs, name) -> int:

@@ -31,6 +31,8 @@ AT_IMPORT = {
     "torch.jit.load", "torch.autograd.profiler.profile._start_trace",
     "torch.autograd.profiler.profile.export_chrome_trace",
     "torch.fx.experimental.proxy_tensor.HANDLED_TYPES",
+    "torch.distributed.destroy_process_group",
+    "torch.distributed.distributed_c10d.destroy_process_group",
 }
 AFTER_IMPORTS = {
     "torch._TorchCompileInductorWrapper.__call__",
@@ -73,6 +75,7 @@ def test_installing_again_changes_nothing():
         compile.install()
         compile.register()
         distributed._route_work_results()
+        distributed._release_works_at_destroy()
         distributed._patch_pipeline_stage(sys.modules["torch.distributed.pipelining.stage"])
         distributed._patch_stager(
             sys.modules["torch.distributed.checkpoint._state_dict_stager"])
