@@ -6,29 +6,34 @@ denormals flush to zero. On CPU and in eager mode an op computes under the setti
 call, so the queue must too:
 - a call that changes a process-wide setting first flushes every core's queue, under the old
   value; a call that changes nothing flushes nothing (Dynamo restores them after each trace);
-- flush-to-zero is a flag of each thread's CPU with no getter: its setter is tracked per
-  thread, and a queue holds the ops of one setting only (`Segment.ftz`): an op recorded
-  under another flushes the queue first, and a flush runs under its queue's setting, whichever
-  thread flushes.
+- flush-to-zero is a flag of each thread's CPU (MXCSR's FTZ and DAZ bits) with no getter in
+  torch: it is read by its effect (`thread_ftz`: half the least normal double comes out 0),
+  and a queue holds the ops of one setting only (`Segment.ftz`): an op recorded under another
+  flushes the queue first, and a flush runs under its queue's setting, whichever thread
+  flushes. Read, not tracked from torch's setter: a new thread starts with its creator's flag
+  (the OS copies it), so a thread that never set it may flush to zero (fuzzer seed 326: the
+  noise thread, started while the main thread had it on, flushed the main thread's queued
+  denormals under its inherited flag).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import threading
+import sys
 
 import torch
 
 from .. import patches
 
-_LOCAL = threading.local()  # .ftz: this thread's flush-to-zero, as last set through torch
 FTZ_USED = [False]  # whether any thread ever turned it on: until then ops skip the check
 _set_flush_denormal = torch._C.set_flush_denormal  # the unwrapped setter
+_LEAST = sys.float_info.min  # the least normal double: half of it is subnormal
 
 
 def thread_ftz() -> bool:
-    """Whether this thread's CPU flushes denormals to zero (as set through torch)."""
-    return getattr(_LOCAL, "ftz", False)
+    """Whether this thread's CPU flushes denormals to zero now (its own setting, or the one
+    it inherited from the thread that started it): a subnormal result comes out 0."""
+    return _LEAST * 0.5 == 0.0
 
 
 _SAME = contextlib.nullcontext()
@@ -45,10 +50,11 @@ class _Ftz:
         self.on = on
 
     def __enter__(self):
+        self.before = thread_ftz()
         _set_flush_denormal(self.on)
 
     def __exit__(self, *exc):
-        _set_flush_denormal(thread_ftz())
+        _set_flush_denormal(self.before)
 
 
 def install(flush_all) -> None:
@@ -102,11 +108,9 @@ def install(flush_all) -> None:
                              "was made with")
 
     def set_flush_denormal(mode: bool) -> bool:
-        ok = _set_flush_denormal(mode)
-        if ok:
-            _LOCAL.ftz = bool(mode)
-            FTZ_USED[0] = FTZ_USED[0] or bool(mode)
-        return ok
+        if mode:  # before the flag: a flush in between (a finalizer) must not skip the check
+            FTZ_USED[0] = True
+        return _set_flush_denormal(mode)
     set_flush_denormal.__doc__ = _set_flush_denormal.__doc__
     for owner in (C, torch):
         patches.patch(owner, "set_flush_denormal", set_flush_denormal,

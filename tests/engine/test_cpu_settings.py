@@ -113,6 +113,32 @@ def test_flush_to_zero_of_the_recording_thread(mode):
     assert out["cpu"].item() == 0.0 and (x * 0.5).item() > 0
 
 
+def test_flush_to_zero_a_new_thread_inherits(mode):
+    """A thread starts with its creator's flush-to-zero (the OS copies the flag): one started
+    while this thread had it on, never setting it itself, computes its own ops under it, and a
+    sync there runs this thread's ops queued without it under theirs (fuzzer seed 326: the
+    noise thread, started after a program left it on, flushed the queued denormals to 0)."""
+    x = torch.tensor([1e-39])
+    queued = x.to("neuron") * 0.5  # without flush-to-zero
+    out = {}
+
+    def work():  # flush-to-zero inherited, never set here
+        out["cpu"] = x * 0.5
+        out["neuron"] = (x.to("neuron") * 0.5).cpu()
+        torch.neuron.synchronize()
+
+    assert torch.set_flush_denormal(True)
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        torch.set_flush_denormal(False)
+    _same_bits(queued.cpu(), x * 0.5)
+    assert out["cpu"].item() == 0.0 and (x * 0.5).item() > 0  # (what CPU does there)
+    _same_bits(out["neuron"], out["cpu"])
+
+
 def test_a_call_that_changes_nothing_flushes_nothing():
     with ae.adaptive(strategy="graph"):
         pending = torch.randn(8).to("neuron") + 1  # queued: a flush would have work
