@@ -18,10 +18,13 @@ earlier instr done: the interpreter goes on from the next instr.
 from __future__ import annotations
 
 import dis
+import os
 
 import torch
 
 from device import LaunchError
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # Dynamo's skip rule: by file
 
 _CPU = torch.device("cpu")
 # The instructions that call the kernel: where its own error stops the frame (3.11's PRECALL
@@ -104,7 +107,10 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
             "            e = LaunchError(e, internal=k % 3 != 1)",
             "        return k // 3, e",
             "    return None"]
-    exec(compile("\n".join(src), f"<generated run of {len(instrs)} ops>", "exec"), ns)
+    # Named inside this package: Dynamo skips the package's files (integration/compile.py),
+    # and so it must skip a run that a flush makes inside a compiled region's graph break
+    # (it would trace the run, its host views under no_dispatch).
+    exec(compile("\n".join(src), f"{_HERE}<generated run of {len(instrs)} ops>", "exec"), ns)
     ns["CODE"] = ns["run"].__code__.co_code
     run = ns["run"]
     run.checked, run.fixed = checked, fixed
