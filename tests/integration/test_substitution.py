@@ -312,12 +312,7 @@ def _model_steps(model, seq, substitute, steps=2):
         for _ in range(steps):
             torch.neuron.synchronize()
             ae.reset_metrics()
-            opt.zero_grad()
-            out = m(x)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            losses.append(_sgd_step(m, opt, x, y))
         metrics = ae.metrics()
     return (losses, [p.detach().cpu() for p in m.parameters()],
             [p.grad.cpu() for p in m.parameters()], metrics)
@@ -330,13 +325,18 @@ def _model_steps_cpu(model, seq, steps=2):
     x, y = batches("gpt", 1, seq=seq)[0]
     losses = []
     for _ in range(steps):
-        opt.zero_grad()
-        out = m(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(_sgd_step(m, opt, x, y))
     return losses, [p.detach() for p in m.parameters()], [p.grad for p in m.parameters()]
+
+
+def _sgd_step(m, opt, x, y) -> float:
+    """One training step of a language model (the same on CPU and on neuron): its loss."""
+    opt.zero_grad()
+    out = m(x)
+    loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 @pytest.mark.parametrize("model", [GPT, Llama], ids=["gpt", "llama"])
