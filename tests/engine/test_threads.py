@@ -269,3 +269,25 @@ def test_an_override_restores_only_what_it_set():
         assert ae.is_adaptive()
     finally:
         ae.set_adaptive(False)
+
+
+def test_threads_asking_for_storage_addresses_get_distinct_ones():
+    """Note [Device addresses]: `data_ptr()` holds no engine lock; two threads giving two
+    live buffers their first address at once both read the one bump pointer, and two
+    storages shared an address (fuzzer seed 856: `a.untyped_storage().data_ptr() ==
+    b.untyped_storage().data_ptr()` was True for two tensors)."""
+    import sys
+    tensors = [[torch.empty(4, device="neuron") for _ in range(5000)] for _ in range(3)]
+    ptrs = [None] * 3
+
+    def work(i):
+        ptrs[i] = [t.untyped_storage().data_ptr() for t in tensors[i]]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads switch inside the bump
+    try:
+        _run_threads(work, 3)
+    finally:
+        sys.setswitchinterval(interval)
+    flat = [p for ps in ptrs for p in ps]
+    assert len(set(flat)) == len(flat)
