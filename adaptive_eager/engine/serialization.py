@@ -80,6 +80,11 @@ def _writers(dev) -> int:
 def _host_copy(t) -> torch.UntypedStorage:
     """The buffer's bytes on the host, read once while nothing can have written them: the
     same device buffer, nothing submitted since that could write, no queued op on it."""
+    with t._engine.lock:  # (the checks and the read as one step: Note [Threads])
+        return _host_copy_locked(t)
+
+
+def _host_copy_locked(t) -> torch.UntypedStorage:
     h, eng = t._handle, t._engine
     dev = eng.device
     entry = _HOST_COPIES.get(h.uid)

@@ -6,10 +6,14 @@ tensors by `untyped_storage().data_ptr()` and `nbytes()` (safetensors, Transform
 weights). Each device buffer gets an address in a simulated device address space, on first
 use: unique and non-overlapping while the buffer lives, and never reused (a bump allocator
 over 64 bits), so views of one buffer share it and offsets add up as on CUDA. As a CUDA
-pointer, it cannot be read from the host: `.cpu()` gives the values.
+pointer, it cannot be read from the host: `.cpu()` gives the values. Threads ask for
+addresses with no engine lock held (`data_ptr()` queues nothing): the bump is made under a
+lock of its own, else two threads read one `_next` and two live buffers shared an address.
 """
 from __future__ import annotations
 
+import os
+import threading
 import weakref
 
 import torch
@@ -23,15 +27,28 @@ _BASE = 0x7E00_0000_0000  # nonzero: 0 means "no storage" to safetensors
 _ALIGN = 512  # as CUDA's caching allocator: every allocation starts 512-byte aligned
 _addresses: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Handle -> address
 _next = _BASE
+_lock = threading.Lock()
 
 
 def device_address(handle) -> int:
     global _next
     addr = _addresses.get(handle)
     if addr is None:
-        addr = _addresses[handle] = _next
-        _next += -(-max(handle.nbytes, 1) // _ALIGN) * _ALIGN
+        with _lock:
+            addr = _addresses.get(handle)
+            if addr is None:
+                addr = _addresses[handle] = _next
+                _next += -(-max(handle.nbytes, 1) // _ALIGN) * _ALIGN
     return addr
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at a fork stays held in the child for good."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Note [Storage resize]: PyTorch resizes a wrapper tensor's storage through the C++

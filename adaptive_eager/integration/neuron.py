@@ -111,16 +111,19 @@ def synchronize(device=None) -> None:
 # -- random ----------------------------------------------------------------------------
 def manual_seed(seed: int) -> None:
     """Seed the current core's generator."""
-    _E().flush("rng")  # queued random ops keep the state they were issued under
-    _E().device.rng.manual_seed(int(seed))
+    eng = _E()
+    with eng.lock:  # (another thread's random op queued between the two would draw anew)
+        eng.flush("rng")  # queued random ops keep the state they were issued under
+        eng.device.rng.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     """Seed every core's generator (`torch.manual_seed` calls this); cores first used later
     start from core 0's seed (`_engine.core`)."""
     for eng in list(_engine.ENGINES):
-        eng.flush("rng")
-        eng.device.rng.manual_seed(int(seed))
+        with eng.lock:
+            eng.flush("rng")
+            eng.device.rng.manual_seed(int(seed))
 
 
 def seed() -> None:
@@ -142,14 +145,16 @@ def initial_seed() -> int:
 
 def get_rng_state(device=None) -> torch.Tensor:
     eng = _E(device)
-    eng.flush("rng")
-    return eng.device.rng.state.clone()
+    with eng.lock:
+        eng.flush("rng")
+        return eng.device.rng.state.clone()
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
     eng = _E(device)
-    eng.flush("rng")
-    eng.device.rng.state = state.clone()
+    with eng.lock:
+        eng.flush("rng")
+        eng.device.rng.state = state.clone()
 
 
 def get_rng_state_all() -> list[torch.Tensor]:

@@ -360,9 +360,14 @@ def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memo
 
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
-    device="neuron")` builds on the host, then copies)."""
+    device="neuron")` builds on the host, then copies). An entry into the engine from
+    PyTorch's dispatcher, as Engine.dispatch is: under the engine lock (Note [Threads]).
+    Without it, a 0-d `torch.tensor(v, device="neuron")` queued its copy while another
+    thread queued or flushed: nodes numbered for another segment, a live value left
+    unwritten, another thread's runtime values (wrong results, or an AttributeError)."""
     eng = dst._engine if isinstance(dst, NeuronTensor) else src._engine
-    return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+    with eng.lock:
+        return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
 # Factories whose default kernels write through a resizing `out=`, or call a CPU-only kernel

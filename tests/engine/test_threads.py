@@ -269,3 +269,90 @@ def test_an_override_restores_only_what_it_set():
         assert ae.is_adaptive()
     finally:
         ae.set_adaptive(False)
+
+
+def test_threads_asking_for_storage_addresses_get_distinct_ones():
+    """Note [Device addresses]: `data_ptr()` holds no engine lock; two threads giving two
+    live buffers their first address at once both read the one bump pointer, and two
+    storages shared an address (fuzzer seed 856: `a.untyped_storage().data_ptr() ==
+    b.untyped_storage().data_ptr()` was True for two tensors)."""
+    import sys
+    tensors = [[torch.empty(4, device="neuron") for _ in range(5000)] for _ in range(3)]
+    ptrs = [None] * 3
+
+    def work(i):
+        ptrs[i] = [t.untyped_storage().data_ptr() for t in tensors[i]]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads switch inside the bump
+    try:
+        _run_threads(work, 3)
+    finally:
+        sys.setswitchinterval(interval)
+    flat = [p for ps in ptrs for p in ps]
+    assert len(set(flat)) == len(flat)
+
+
+def _engine_entries():
+    """What users do that reaches the engine, each way PyTorch reaches it: through
+    `__torch_dispatch__`, and through the kernels we register below the Python key
+    (`_copy_from`, factories, `empty`), the generator and storage APIs."""
+    import copy
+    import io
+    x = torch.arange(6.0).reshape(2, 3).to("neuron")
+    yield torch.tensor(2.5, device="neuron")  # a 0-d host value copied in (`_copy_from`)
+    yield torch.tensor([1.0, 2.0], device="neuron")
+    yield torch.full((3,), 3.0, device="neuron") * x[0]
+    yield torch.arange(4, device="neuron") + 1
+    yield torch.randperm(5, device="neuron")
+    yield torch.rand(3, device="neuron")
+    yield x.new_zeros(3).copy_(torch.ones(3))
+    yield torch.empty(2, device="neuron").fill_(1.0)
+    torch.manual_seed(3)
+    torch.neuron.manual_seed(4)
+    torch.neuron.set_rng_state(torch.neuron.get_rng_state())
+    yield x.to(torch.float16)
+    yield (x * 2).cpu()
+    yield (x + 1).sum().item()
+    yield str(x * 3)
+    y = x * 4
+    y.untyped_storage().resize_(y.untyped_storage().nbytes())
+    yield y
+    buf = io.BytesIO()
+    torch.save(x * 5, buf)
+    buf.seek(0)
+    yield torch.load(buf)
+    yield copy.deepcopy(x * 6)
+    torch.neuron.synchronize()
+
+
+def test_every_engine_entry_holds_the_engine_lock(monkeypatch, mode):
+    """Note [Threads]: every way into the engine holds its lock, so ops of other threads
+    never interleave inside it. `torch.tensor(v, device="neuron")` reaches our `_copy_from`
+    below the Python key; it queued its copy with no lock, and with other threads running
+    ops that numbered nodes for another segment and left a live value unwritten (a wrong
+    value in another thread, or an AttributeError in a flush). Checked where the engine
+    changes its queue, runs a flush and allocates, on the calling thread."""
+    from adaptive_eager.engine import engine as engine_mod
+    from adaptive_eager.engine.queue import Segment
+    from device import Device
+    from fusion.flush import Runner
+    unlocked = []
+
+    def checked(cls, name):
+        f = getattr(cls, name)
+
+        def method(*args, **kwargs):
+            if not engine_mod._LOCK._is_owned():
+                import traceback
+                unlocked.append(f"{cls.__name__}.{name}\n" + "".join(traceback.format_stack(limit=8)))
+            return f(*args, **kwargs)
+        monkeypatch.setattr(cls, name, method)
+
+    for cls, name in [(Segment, "enqueue"), (Segment, "take"), (Runner, "run_sig"),
+                      (Device, "alloc"), (Device, "submit"), (Device, "submit_plain")]:
+        checked(cls, name)
+    for out in _engine_entries():
+        if isinstance(out, torch.Tensor):
+            out.cpu()
+    assert not unlocked, unlocked[0]

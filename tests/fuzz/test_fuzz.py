@@ -24,8 +24,8 @@ def test_ci_pass():
 
 
 def test_ci_pass_beside_another_thread():
-    """Policy "threads": the same programs while another thread records, syncs and checks
-    its own ops on the device (fuzzer._Noise)."""
+    """Policy "threads": the same programs while three other threads record, sync and check
+    their own ops on the device (fuzzer._Noise)."""
     fams = [f for f in fuzzer.FAMILIES if f not in fuzzer.CI_EXCLUDED_FAMILIES]
     lines = []
     n, fails = fuzzer.fuzz(CI_SEEDS[:40], ["eager", "graph"], [fuzzer.THREADS], fams,
