@@ -323,6 +323,18 @@ def _engine_entries():
     buf.seek(0)
     yield torch.load(buf)
     yield copy.deepcopy(x * 6)
+    yield x[x > 2]  # a shape only the data tells (run now)
+    yield (x * 7).tolist()
+    z = torch.zeros(2, 3, device="neuron")
+    z[torch.tensor([1])] = torch.tensor(9.0)  # host index and value
+    yield z
+    z.data = x * 8
+    yield z
+    m = torch.nn.Linear(3, 2).to("neuron")
+    m(x).sum().backward()
+    yield m.weight.grad
+    yield torch.ones(4).pin_memory().to("neuron", non_blocking=True)
+    yield torch.neuron.memory_allocated()
     torch.neuron.synchronize()
 
 
