@@ -65,6 +65,30 @@ def test_inductor_compiles_a_fused_group_before_its_first_launch():
     assert m.compile_failures == {}
 
 
+def test_a_compiled_launch_makes_no_host_views_an_interpreted_one_does():
+    """Note [Host views]: TorchInductor's code reads its inputs' storages (FxGroup.args), so
+    a compiled launch makes no CPU tensors over its input buffers; the interpreter still
+    makes and keeps them, and the results are unchanged."""
+    x, b = _inputs()
+    xn, bn = x.to("neuron"), b.to("neuron")
+    ae.synchronize()
+    bufs = [t._handle.buffer for t in (xn, bn)]
+    for buf in bufs:
+        buf.host = None
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        y = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [True]
+        assert ae.metrics().compiled_launches == 1
+    assert [buf.host for buf in bufs] == [None, None]
+    torch.testing.assert_close(y, chain(x, b), **TOL)
+    with ae.adaptive():  # the interpreter: bit for bit eager, its host views kept
+        y = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [False]
+    assert all(buf.host is not None for buf in bufs)
+    assert torch.equal(y, chain(x, b))
+
+
 def test_inductor_in_place_updates_of_inputs_and_strided_views():
     """An optimizer-like update of a buffer from outside the group (written back into its
     storage), reading transposed and sliced views of inputs."""
