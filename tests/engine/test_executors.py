@@ -465,6 +465,8 @@ def test_benchmark_smoke_tiny_sizes():
     # where the step's time goes: compiled launches timed apart from the rest
     b = res["breakdown"]["inductor"]
     assert b["compiled launches"] > 0 and b["compiled"] > 0 and b["host"] > 0
+    # of the host time, the per-op dispatch path: part of it, over every op of the step
+    assert 0 < b["dispatch"] < b["host"] and b["ops dispatched"] > 10
     assert res["breakdown"]["interpreter"].get("compiled launches", 0) == 0
     assert "| mlp_train | inductor |" in executors.breakdown_table([res])
     # PyTorch's lazy tensors ran the step as graphs (at least one per step)
