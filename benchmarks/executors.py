@@ -244,15 +244,36 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
     `FxGroup.args` and `store`), `fused interpreted` (groups of 2+ ops the interpreter runs),
     `single ops` (one-op launches), `flush` (planning and launch bookkeeping: the flushes'
     time less their launches'), and `host` (the rest: dispatch, queueing, autograd, the
-    optimizer's Python). Timers wrap the engine's flush, the device's submit and the FX
-    group's copies, so the figures carry a little of their own overhead. `rescope`: every
+    optimizer's Python), of which `dispatch` is the per-op host path (the neuron tensor's
+    `__torch_dispatch__`, outermost calls, less the flushes run inside it; `ops
+    dispatched` counts them). Timers wrap the engine's flush, the device's submit, the FX
+    group's copies and the dispatch, so the figures carry a little of their own overhead
+    (about 1 us per op dispatched). `rescope`: every
     timed step enters the mode's scope anew (how steady steps were measured before: the
     engine then forgets its replay traces, and with the Inductor executor its plans, at
     every step)."""
     from fusion.executors.fx import FxGroup
+    from adaptive_eager.engine.tensor import NeuronTensor
     eng = ae.engine.engine.ENGINE
     acc = collections.Counter()
     clock = CLOCK[0]
+    depth = [0]
+
+    def timed_dispatch(fn):
+        """The per-op host path: __torch_dispatch__ calls, outermost only, less the flushes
+        they run (a device-idle flush inside an op)."""
+        def dispatch(cls, func, types, args=(), kwargs=None):
+            if depth[0]:
+                return fn(cls, func, types, args, kwargs)
+            depth[0] += 1
+            f0, t0 = acc["flush"], clock()
+            try:
+                return fn(cls, func, types, args, kwargs)
+            finally:
+                acc["dispatch"] += clock() - t0 - (acc["flush"] - f0)
+                acc["ops dispatched"] += 1
+                depth[0] -= 1
+        return classmethod(dispatch)
 
     def timed(key, fn):
         def wrapper(*a, **k):
@@ -285,6 +306,8 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
             return timed("submit", submit)(launch)
         dev.submit, eng.flush = timed_submit, timed("flush", flush)
         FxGroup.args, FxGroup.store = timed("copies", args), timed("copies", store)
+        td = NeuronTensor.__dict__["__torch_dispatch__"]
+        NeuronTensor.__torch_dispatch__ = timed_dispatch(td.__func__)
         try:
             for _ in range(repeats):
                 acc.clear()
@@ -301,14 +324,16 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
                     "single ops": a.get("single ops", 0.0),
                     "flush": a.get("flush", 0.0) - runs,
                     "host": total - a.get("flush", 0.0),
-                    **{k: v for k, v in a.items() if k.endswith("launches")}})
+                    "dispatch": a.get("dispatch", 0.0),
+                    **{k: v for k, v in a.items()
+                       if k.endswith("launches") or k == "ops dispatched"}})
         finally:
             del dev.submit, eng.flush
             FxGroup.args, FxGroup.store = args, store
+            NeuronTensor.__torch_dispatch__ = td
     keys = rows[0].keys() | {k for r in rows for k in r}
-    return {k: (statistics.median(r.get(k, 0) for r in rows) * (1 if k.endswith("launches")
-                                                                  else 1e3))
-            for k in keys}
+    return {k: (statistics.median(r.get(k, 0) for r in rows) * (
+        1 if k.endswith("launches") or k == "ops dispatched" else 1e3)) for k in keys}
 
 
 def optimizer_step(modes, d=512, tokens=1024, steps=12, warm=3) -> dict:
@@ -341,17 +366,20 @@ def optimizer_step(modes, d=512, tokens=1024, steps=12, warm=3) -> dict:
     return out
 
 
-BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host")
+BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host",
+                  "dispatch")
 
 
 def breakdown_table(results) -> str:
-    lines = ["| workload | mode | step (ms) | " + " | ".join(BREAKDOWN_KEYS) +
-             " | launches (compiled/fused interp./single) |",
-             "|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|"]
+    lines = ["| workload | mode | step (ms) | " + " | ".join(
+             "host: of it, dispatch" if k == "dispatch" else k for k in BREAKDOWN_KEYS) +
+             " | ops dispatched | launches (compiled/fused interp./single) |",
+             "|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|---|"]
     for r in results:
         for m, b in r.get("breakdown", {}).items():
             lines.append(f"| {r['workload']} | {m} | {b['step']:.1f} | " +
                          " | ".join(f"{b.get(k, 0):.1f}" for k in BREAKDOWN_KEYS) +
+                         f" | {b.get('ops dispatched', 0):.0f}"
                          f" | {b.get('compiled launches', 0):.0f}/"
                          f"{b.get('fused interpreted launches', 0):.0f}/"
                          f"{b.get('single ops launches', 0):.0f} |")

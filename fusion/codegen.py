@@ -193,7 +193,8 @@ def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:
 # metadata (in-place view ops and resizes are the engine's, before the launch), so the
 # tensor is exactly what `_view` would make. A view whose (slot, layout) two view ids of the
 # program share (one tensor passed as two objects: Note [Tensor identity] in
-# adaptive_eager/engine/templates.py) is always made afresh.
+# adaptive_eager/engine/templates.py) is always made afresh. A launch that runs TorchInductor's
+# code (fusion/executors) reads its slots' storages (`FxGroup.args`): it makes none.
 def host_views(instrs, n_inputs: int) -> tuple:
     """(view id, slot, layout) of the input views a launch may hand in (Note [Host views])."""
     seen: dict = {}

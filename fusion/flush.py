@@ -312,15 +312,18 @@ class Runner:
                         for s in exe.instrs[k].out_slots:
                             causes[s] = launch
             else:
-                views = None if poisoned else _host_views(exe, gp.slots, handles, env)
-                run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes, views)
-                ran = False
+                run = views = None
                 # Note [Executors] in fusion/executors/tiered.py: fused groups only (single
-                # ops stay as eager), and only with valid inputs (poison is the interpreter's)
+                # ops stay as eager), and only with valid inputs (poison is the interpreter's).
+                # A compiled run reads no host views (Note [Host views]): none are made for it
                 if compiled is not None and len(exe.instrs) > 1 and not poisoned:
-                    run, ran = self.executor.launcher(exe, st, inputs, run, poisoned)
+                    run = self.executor.launcher(exe, st, inputs, poisoned)
                 if compiled is not None:
-                    compiled.append(ran)
+                    compiled.append(run is not None)
+                if run is None:
+                    views = None if poisoned else _host_views(exe, gp.slots, handles, env)
+                    run = functools.partial(exe.run, st, inputs, dev.rng, poisoned, causes,
+                                            views)
                 launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops,
                                            gp.low_precision, context=members,
                                            kind="kernel" if gp.kernel else "launch",

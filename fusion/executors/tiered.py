@@ -69,8 +69,9 @@ class TieredExecutor:
         self._lock = threading.Lock()  # counters written by both threads
         self._logged: set[str] = set()
 
-    def launcher(self, exe, st, inputs, interpret, poisoned: set):
-        """The callable that runs this launch: compiled code, or `interpret`."""
+    def launcher(self, exe, st, inputs, poisoned: set):
+        """The callable that runs this launch's compiled code, or None: the interpreter
+        runs it."""
         mine = exe.__dict__.get("_ae_group")  # (executor, group): a lookup by identity
         if mine is not None and mine[0] is self:
             grp = mine[1]
@@ -78,19 +79,19 @@ class TieredExecutor:
             grp = self._group(exe)
             exe._ae_group = (self, grp)
         if grp.bad is not None:
-            return interpret, False
+            return None
         key = scalar_key(grp.positions, inputs) if grp.positions else ()
         hit = grp.variants.get(key)
         if hit is None:
             hit = self._miss(grp, exe, inputs, key)
             if hit is None:
-                return interpret, False
+                return None
         fn, fxg = hit
         scalars = None
         if fxg.scalars:  # Note [Scalars as graph inputs] in fx.py
             scalars = fxg.scalar_input(inputs)
             if scalars is None:
-                return interpret, False
+                return None
         COUNTERS.compiled_launches += 1
 
         def run():
@@ -105,7 +106,7 @@ class TieredExecutor:
                 raise LaunchError(e) from None
             fxg.store(outs, st, args)
         run.compiled = True  # benchmarks/executors.py tells compiled launches apart by it
-        return run, True
+        return run
 
     def _group(self, exe) -> _Group:
         key = exe.program.key

@@ -65,6 +65,30 @@ def test_inductor_compiles_a_fused_group_before_its_first_launch():
     assert m.compile_failures == {}
 
 
+def test_a_compiled_launch_makes_no_host_views_an_interpreted_one_does():
+    """Note [Host views]: TorchInductor's code reads its inputs' storages (FxGroup.args), so
+    a compiled launch makes no CPU tensors over its input buffers; the interpreter still
+    makes and keeps them, and the results are unchanged."""
+    x, b = _inputs()
+    xn, bn = x.to("neuron"), b.to("neuron")
+    ae.synchronize()
+    bufs = [t._handle.buffer for t in (xn, bn)]
+    for buf in bufs:
+        buf.host = None
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        y = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [True]
+        assert ae.metrics().compiled_launches == 1
+    assert [buf.host for buf in bufs] == [None, None]
+    torch.testing.assert_close(y, chain(x, b), **TOL)
+    with ae.adaptive():  # the interpreter: bit for bit eager, its host views kept
+        y = chain(xn, bn).cpu()
+        assert ae.explain().compiled == [False]
+    assert all(buf.host is not None for buf in bufs)
+    assert torch.equal(y, chain(x, b))
+
+
 def test_inductor_in_place_updates_of_inputs_and_strided_views():
     """An optimizer-like update of a buffer from outside the group (written back into its
     storage), reading transposed and sliced views of inputs."""
@@ -441,6 +465,8 @@ def test_benchmark_smoke_tiny_sizes():
     # where the step's time goes: compiled launches timed apart from the rest
     b = res["breakdown"]["inductor"]
     assert b["compiled launches"] > 0 and b["compiled"] > 0 and b["host"] > 0
+    # of the host time, the per-op dispatch path: part of it, over every op of the step
+    assert 0 < b["dispatch"] < b["host"] and b["ops dispatched"] > 10
     assert res["breakdown"]["interpreter"].get("compiled launches", 0) == 0
     assert "| mlp_train | inductor |" in executors.breakdown_table([res])
     # PyTorch's lazy tensors ran the step as graphs (at least one per step)
