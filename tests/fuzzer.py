@@ -912,8 +912,9 @@ class _Noise:
 
     def __exit__(self, *exc):
         self.stop.set()
+        deadline = time.monotonic() + 120  # (all of them: within the worker's timeout)
         for t in self.threads:
-            t.join(timeout=120)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         sys.setswitchinterval(self.interval)
         if any(t.is_alive() for t in self.threads):
             self.problems.append("it did not finish in 120 s")
@@ -1707,7 +1708,8 @@ def fuzz(seeds, modes=MODES, policies=POLICIES, families=None, minutes=None, do_
                 found[sig] = {**f, "seed": seed, "count": 1, "configs": [f["config"]],
                               "snippet": snippet(small, f["config"])}
                 log(f"\n=== seed {seed}: {f['config']} {f['kind']}: {f['detail'][:400]}\n"
-                    + (f"stderr: ...{f['stderr'][-400:]}\n" if f.get("stderr") else "")
+                    + (f"stderr: ...{f['stderr'][-(4000 if f['kind'] == 'hang' else 400):]}\n"
+                       if f.get("stderr") else "")  # (a hang: every thread's stack)
                     + f"{found[sig]['snippet']}\n")
     finally:
         if own:
