@@ -170,6 +170,14 @@ def _direct(eng, dst, src) -> bool:
     return not eng.device._pending  # (Note [Collective stream] in device/core.py)
 
 
+def queues_copy(eng, args) -> bool:
+    """Note [Guarded replay] in replay.py: would `copy_` (matching a trace: two tensors of
+    this core) be queued by its handler now, not copied at the call (Note [Direct copies])?
+    A trace's copy_ was queued before, so its signature is not new (`_first_sight`)."""
+    src = args[1]
+    return type(src) is NeuronTensor and not _direct(eng, args[0], src)
+
+
 def _first_sight(eng, func, args, kwargs) -> bool:
     """Is this the first time this copy_'s signature is seen (Note [Direct copies])?"""
     args_t, kwargs_t = template(eng, func, args, kwargs)[:2]
