@@ -21,10 +21,10 @@ admission, the flush policy (a flush on the way checks the op again, against the
 segment), new buffers and their numbering, the source line, results. A 0-d host tensor
 argument is a runtime value (copied at the call, as the template copies it). An op that
 does not match, or takes another path (other host tensors, a tensor list holding a buffer
-twice, the engine's own handlers but Note [Guarded replay]'s), goes the slow way: first the
-online group is rebuilt from the queued nodes (`catch_up`); then, if the node it queued is
-the trace's at that position (same op signature, buffers, bytes and cut), the replay goes
-on (`resumes`), else it ends for the rest of the trace. Ops that queue nothing (views) leave it on.
+twice, the engine's own handlers), goes the slow way: first the online group is rebuilt from the
+queued nodes (`catch_up`); then, if the node it queued is the trace's at that position
+(same op signature, buffers, bytes and cut), the replay goes on (`resumes`), else it ends
+for the rest of the trace. Ops that queue nothing (views) leave it on.
 
 Note [Eager launches]: in eager mode every op is flushed alone, so its trace is one node,
 and the flush that ends it runs a plan keyed by that node and its buffers, all live (Note
