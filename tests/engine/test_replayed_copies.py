@@ -77,9 +77,10 @@ def _fresh(program, dev):
 @pytest.mark.parametrize("program", [copies, setitem], ids=["copy_", "setitem"])
 def test_steady_state_copies_and_setitem_take_the_fast_path(program, mode):
     """The steady step calls no template and no shape inference; every copy_ it queues is
-    replayed (eager: each is done at the call, Note [Direct copies]); values and versions
-    are CPU's, and the work and timeline those of the slow path (`replay=False`), which
-    check_replay agrees with op by op."""
+    replayed (eager: each is done at the call, Note [Direct copies], on the host views its
+    buffers keep, Note [Host views]); values and versions are CPU's, and the work and
+    timeline those of the slow path (`replay=False`), which check_replay agrees with op by
+    op."""
     cpu = _fresh(program, "cpu")
     state = _fresh(program, N)
     run(program, state, mode)  # (warm: compiles)
@@ -89,7 +90,7 @@ def test_steady_state_copies_and_setitem_take_the_fast_path(program, mode):
     def spied():
         with pytest.MonkeyPatch.context() as mp:
             for module, name in [(E, "template"), (T, "template"), (R, "template"),
-                                 (E, "infer"), (E, "infer_view")]:
+                                 (E, "infer"), (E, "infer_view"), (T, "buffer_view")]:
                 f = getattr(module, name)
                 mp.setattr(module, name, lambda *a, _f=f, _n=name, **k: calls.append(_n)
                            or _f(*a, **k))
