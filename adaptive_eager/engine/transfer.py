@@ -141,10 +141,11 @@ def copy_(eng, func, args, kwargs):
 # When nothing queued touches either buffer (always, in eager mode) and both values are in
 # HBM, the copy is done at the call instead, as a host write is (`write`): CPU's copy_ on
 # host views of the two buffers (those they keep, Note [Host views] in fusion/codegen.py;
-# its broadcast, casts, overlap checks and errors, at the call, word for word), then one launch of the op on the device queue, costed as the
-# op's one-op executable is (bytes of both views read, of dst written; one FLOP per
-# element), and counted as eager counts an op (one op, one flush, a group of one). No
-# executable is looked up or compiled: the cache counters do not move. The op path keeps
+# its broadcast, casts, overlap checks and errors, at the call, word for word), then one
+# launch of the op on the device queue, costed as the op's one-op executable is (bytes of
+# both views read, of dst written; one FLOP per element), and counted as eager counts an op
+# (one op, one flush, a group of one). No executable is looked up or compiled: the cache
+# counters do not move. The op path keeps
 # what needs it: a copy_ among queued work (adaptive mode fuses it there), pending or
 # poisoned values, float64 (Note [float64 policy]), complex into real (CPU's warning),
 # buffers a collective is writing.
