@@ -404,7 +404,7 @@ class Engine:
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
         if func._op is _SELECT and not kwargs:  # Note [View inference]: `a[i]`
-            out = results.select_at(self, func, args, route)
+            out = results.select_at(self, func, args, route, _view_key)
             if out is not None:
                 return out
         vkey = cls == VIEW and not kwargs and _view_key(self, func, args)
@@ -422,8 +422,10 @@ class Engine:
                                                                 kwargs_t, handles)
             if meta is not _RUN_NOW:
                 meta.gstate = key[3]
-                if route.special is not None or route.composite is not None:
-                    # Engine.dispatch must not replay it past a handler of ours (Note [Replay])
+                if route.special is not None and func._op not in replay.GUARDS \
+                        or route.composite is not None:
+                    # Engine.dispatch must not replay it past a handler of ours (Note [Replay],
+                    # Note [Guarded replay])
                     meta.replay = False
             if len(self.meta_cache) >= 100_000:  # bound memory under ever-new shapes
                 self.meta_cache.clear()
@@ -699,6 +701,7 @@ _SPECIAL = {
     aten._conj.default: _materialized(aten.conj_physical.default),
     aten._neg_view.default: _materialized(aten.neg.default),
 }
+replay.GUARDS[aten.copy_.default._op] = transfer.queues_copy  # Note [Guarded replay]
 for _op in transfer.LIKE:
     _SPECIAL[_op] = transfer.like
 _SPECIAL[aten.block_diag.default] = _block_diag

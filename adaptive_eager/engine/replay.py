@@ -64,6 +64,17 @@ _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`
 MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idle ones) is
 # not recorded, so a loop that never syncs keeps flat host memory
 _PER_OP = 4  # traces kept per first op and layout
+# Note [Guarded replay]: an op the engine's own handler takes (`_SPECIAL` in engine.py) is
+# never replayed (Engine.dispatch tries the trace before the handler), except those with a
+# guard here, by `func._op`: `guard(eng, args)`, asked once when the op matches the trace,
+# before anything is counted or flushed, says whether the handler, called now, would queue
+# the op through Engine.dispatch_plain with these arguments (else: MISS, and the handler
+# decides). The replay then does what that path does. `copy_` between two tensors of one
+# core is queued unless it is copied at the call (transfer.queues_copy, Note [Direct
+# copies]); its signature is in the trace, so it is not new (no first-sight flush). A copy
+# that stops matching after the guard (a flush on the way) takes dispatch_plain, as the
+# handler would have. So `buf.copy_(y)` and `a[i] = y` loops on queued values are replayed.
+GUARDS: dict = {}
 
 
 def spec(meta):
@@ -107,7 +118,8 @@ def spec(meta):
         else:
             break
     else:
-        meta.replay = (tuple(out), len(args_t), tuple(k for k, _ in kwargs_t))
+        meta.replay = (tuple(out), len(args_t), tuple(k for k, _ in kwargs_t),
+                       GUARDS.get(meta.op.func._op))
         return meta.replay
     meta.replay = False
     return False
@@ -294,7 +306,7 @@ def follow(eng, func, args, kwargs, counted=False):
     flush on the way may have happened, as the slow path would have done it); MISSED if it
     stopped matching after this call counted the op (as Engine.dispatch_plain counts every
     op, once: `counted` says it already did)."""
-    ok = ours = False  # ours: this call counted the op
+    ok = ours = guarded = False  # ours: this call counted the op; guarded: its guard held
     seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = tr.expect
@@ -366,9 +378,10 @@ def follow(eng, func, args, kwargs, counted=False):
             elif type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
                     type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
                 break
-        else:
-            if meta.gstate == _global_state():
-                ok = True
+        else:  # (a guard is asked once: at the call, where the handler would decide)
+            if meta.gstate == _global_state() and (sp[3] is None or guarded
+                                                   or sp[3](eng, args)):
+                ok = guarded = True
         if not ok:
             break
         ok = False

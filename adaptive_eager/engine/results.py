@@ -66,11 +66,12 @@ def _view(eng, leaf, handles, args):
         return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
 
 
-def select_at(eng, func, args, route):
+def select_at(eng, func, args, route, view_key):
     """Note [View inference]: `x.select(dim, i)` (`a[i]`) is the view at index 0 shifted by
     i strides: its index is a runtime value, as an op's runtime scalars are, not a new
-    signature per row. The view at 0 comes from the meta cache (inferred once per layout);
-    None where the op path decides (an index out of range or a bad dim: CPU's error)."""
+    signature per row. The view at 0 comes from the meta cache (inferred once per layout),
+    found by its view key (`view_key`: Note [View keys]) or its template; None where the op
+    path decides (an index out of range or a bad dim: CPU's error)."""
     if len(args) != 3:
         return None
     x, dim, index = args
@@ -84,8 +85,11 @@ def select_at(eng, func, args, route):
     if not 0 <= d < len(shape) or not -shape[d] <= index < shape[d]:
         return None
     step = (index + shape[d] if index < 0 else index) * x.stride(d)
-    args_t, kwargs_t = template(eng, func, (x, dim, 0), {}, route.scalars)[:2]
-    meta = eng.meta_cache.get((func._op, args_t, kwargs_t, _global_state()))
+    vkey = view_key(eng, func, (x, dim, 0))
+    meta = eng.meta_cache.get(vkey) if vkey else None
+    if meta is None or meta.gstate != _global_state():
+        args_t, kwargs_t = template(eng, func, (x, dim, 0), {}, route.scalars)[:2]
+        meta = eng.meta_cache.get((func._op, args_t, kwargs_t, _global_state()))
     if meta is not None and meta.single and not meta.warns and meta.leaves[0][0] == "view":
         _, li, size, stride, off, dtype, ((_, _, _, dt), nbytes, extent) = meta.leaves[0]
     else:  # the view at 0 through the op path, which infers and caches it

@@ -140,11 +140,12 @@ def copy_(eng, func, args, kwargs):
 # probed and compiled an executable for every row (~500-900x CPU per assignment in eager).
 # When nothing queued touches either buffer (always, in eager mode) and both values are in
 # HBM, the copy is done at the call instead, as a host write is (`write`): CPU's copy_ on
-# host views of the two buffers (its broadcast, casts, overlap checks and errors, at the
-# call, word for word), then one launch of the op on the device queue, costed as the
-# op's one-op executable is (bytes of both views read, of dst written; one FLOP per
-# element), and counted as eager counts an op (one op, one flush, a group of one). No
-# executable is looked up or compiled: the cache counters do not move. The op path keeps
+# host views of the two buffers (those they keep, Note [Host views] in fusion/codegen.py;
+# its broadcast, casts, overlap checks and errors, at the call, word for word), then one
+# launch of the op on the device queue, costed as the op's one-op executable is (bytes of
+# both views read, of dst written; one FLOP per element), and counted as eager counts an op
+# (one op, one flush, a group of one). No executable is looked up or compiled: the cache
+# counters do not move. The op path keeps
 # what needs it: a copy_ among queued work (adaptive mode fuses it there), pending or
 # poisoned values, float64 (Note [float64 policy]), complex into real (CPU's warning),
 # buffers a collective is writing.
@@ -170,6 +171,14 @@ def _direct(eng, dst, src) -> bool:
     return not eng.device._pending  # (Note [Collective stream] in device/core.py)
 
 
+def queues_copy(eng, args) -> bool:
+    """Note [Guarded replay] in replay.py: would `copy_` (matching a trace: two tensors of
+    this core) be queued by its handler now, not copied at the call (Note [Direct copies])?
+    A trace's copy_ was queued before, so its signature is not new (`_first_sight`)."""
+    src = args[1]
+    return type(src) is NeuronTensor and not _direct(eng, args[0], src)
+
+
 def _first_sight(eng, func, args, kwargs) -> bool:
     """Is this the first time this copy_'s signature is seen (Note [Direct copies])?"""
     args_t, kwargs_t = template(eng, func, args, kwargs)[:2]
@@ -192,8 +201,12 @@ def device_copy(eng, dst, src):
     if sext > hs.nbytes:
         _out_of_bounds(sl[0], sl[1], sl[2], src.dtype, hs.nbytes)
     with torch._C._DisableTorchDispatch():
-        d = buffer_view(dst)
-        s = d if src is dst else buffer_view(src)  # (one tensor twice: CPU's is_same)
+        bd, bs = hd.buffer, hs.buffer
+        if bd is bs or bd is None or bs is None or not (dn and sn):  # (one buffer: two
+            d = buffer_view(dst)  # tensors, made afresh)
+            s = d if src is dst else buffer_view(src)  # (one tensor twice: CPU's is_same)
+        else:
+            d, s = _host_view(dst, hd), _host_view(src, hs)
         try:
             d.copy_(s)
         except Exception as e:  # CPU refuses it: CPU's error, at the call
@@ -209,6 +222,22 @@ def device_copy(eng, dst, src):
     if eng.device.blocking:
         eng.synchronize()
     return dst
+
+
+def _host_view(v, h):
+    """`buffer_view(v)` (v's handle `h` holds a buffer): the CPU tensor a launch last read or
+    wrote the buffer through, when laid out as v, else a new one, kept for the next
+    (Note [Host views] in fusion/codegen.py: a device copy reads and writes the buffers
+    eager ops just wrote and will read, as a launch does)."""
+    buf = h.buffer
+    size, stride, offset, _ = v._info[0]
+    key = (size, stride, offset, v.dtype)
+    hv = buf.host
+    if hv is not None and hv[0] == key:
+        return hv[1]
+    t = torch.empty(0, dtype=v.dtype, device="cpu").set_(buf.storage, offset, size, stride)
+    buf.host = (key, t)
+    return t
 
 
 def copy(eng, func, args, kwargs):
