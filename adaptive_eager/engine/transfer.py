@@ -120,14 +120,15 @@ def copy_(eng, func, args, kwargs):
                 if _direct(eng, dst, src):
                     return device_copy(eng, dst, src)
         return eng.dispatch_plain(func, args, kwargs)
-    eng.metrics.ops += 1
     if isinstance(dst, NeuronTensor):  # host -> device
         if isinstance(src, UninitializedTensorMixin):
             raise _uninitialized(src)
-        if src.dim() == 0:
+        if src.dim() == 0:  # an op with a host value (which counts it: once)
             return eng.dispatch_plain(func, args, kwargs)
+        eng.metrics.ops += 1
         eng.write(dst, src)
         return dst
+    eng.metrics.ops += 1
     with torch._C._DisableTorchDispatch():  # device -> host
         dst.copy_(eng.read(src, "d2h"))
     return dst

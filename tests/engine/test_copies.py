@@ -151,3 +151,18 @@ def test_a_device_storage_constructor_raises_instead_of_crashing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.split() == ["3", "2"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("copy", ["0-d host value", "host", "to host", "device"])
+def test_a_copy_counts_one_op(mode, copy):
+    """Each `copy_` is one op in the metrics, as every op is (the copy of a 0-d host value
+    into a device tensor was counted twice: by its handler and by the op path it takes)."""
+    dst = torch.zeros(3, device=N)
+    src = {"0-d host value": torch.tensor(2.0), "host": torch.ones(3),
+           "to host": torch.ones(3, device=N), "device": torch.ones(3, device=N)}[copy]
+    target = torch.zeros(3) if copy == "to host" else dst
+    torch.neuron.synchronize()
+    before = ae.metrics().ops
+    target.copy_(src)
+    assert ae.metrics().ops - before == 1
+    assert torch.equal(target.cpu(), torch.full((3,), 2.0 if copy.startswith("0-d") else 1.0))

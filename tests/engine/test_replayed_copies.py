@@ -41,7 +41,9 @@ def run(fn, state, mode, n=3, last=contextlib.nullcontext, **settings):
             out = fn(*state)
             torch.neuron.synchronize()
         m = ae.metrics()
-        timeline = [t[:2] + t[3:6] for t in dev.trace]
+        # (durations to the ns: they are differences of clock readings, whose last bits
+        # depend on how far the clock has run in this process)
+        timeline = [t[:2] + (round(t[3], 3),) + t[4:6] for t in dev.trace]
     outs = out if isinstance(out, (list, tuple)) else [out]
     return [o.cpu() for o in outs], m, timeline
 
