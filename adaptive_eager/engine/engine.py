@@ -635,7 +635,7 @@ def _bumps_fused_versions(eng, func, args, kwargs):
     written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
         raise RuntimeError(_INFERENCE_WRITE)
-    out = eng.dispatch_plain(func, args, kwargs)
+    out = replay.handled_step(eng, func, args, kwargs)  # Note [Handled replay]
     torch.autograd.graph.increment_version(written)
     return out
 
