@@ -77,13 +77,14 @@ _PER_OP = 4  # traces kept per first op and layout
 GUARDS: dict = {}
 # Note [Handled replay]: an op the engine's own handler takes and no guard lets through
 # (Note [Guarded replay]) is never replayed by Engine.dispatch (its meta's `replay` is
-# False). A handler that does its own work around an op queued unchanged
-# (in-place foreach ops and fused optimizer steps: `_bumps_versions`, `_bumps_fused_versions`
-# refuse inference tensors, then bump autograd versions) may replay the op itself: `handled_step`, called where it would call
-# Engine.dispatch_plain, counts the op and follows the expected trace (or begins one, as
-# dispatch_plain does: `step`) with the spec the replay would use were there no handler
-# (`meta.handled`), else takes dispatch_plain. So the handler's checks and version bumps
-# happen on every call, before and after the op, as on the slow path.
+# False). A handler that does its own work around an op queued unchanged (in-place foreach
+# ops and fused optimizer steps: `_bumps_versions` and `_bumps_fused_versions` refuse
+# inference tensors, then bump autograd versions) may replay the op itself: `handled_step`,
+# called where it would call Engine.dispatch_plain, counts the op and follows the expected
+# trace (or begins one, as dispatch_plain does: `step`) with the spec the replay would use
+# were there no handler (`meta.handled`), else takes dispatch_plain. So the handler's
+# checks and version bumps happen on every call, before and after the op, as on the slow
+# path.
 
 
 def spec(meta):
