@@ -621,7 +621,7 @@ def _bumps_versions(eng, func, args, kwargs):
     written = [args[0]] if isinstance(args[0], torch.Tensor) else list(args[0])
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
         raise RuntimeError(_INFERENCE_WRITE)  # CPU's words (its per-tensor fallback checks)
-    out = eng.dispatch_plain(func, args, kwargs)
+    out = replay.handled_step(eng, func, args, kwargs)  # Note [Handled replay]
     torch.autograd.graph.increment_version(written)
     return out
 
@@ -635,7 +635,7 @@ def _bumps_fused_versions(eng, func, args, kwargs):
     written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
         raise RuntimeError(_INFERENCE_WRITE)
-    out = eng.dispatch_plain(func, args, kwargs)
+    out = replay.handled_step(eng, func, args, kwargs)  # Note [Handled replay]
     torch.autograd.graph.increment_version(written)
     return out
 

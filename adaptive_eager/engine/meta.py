@@ -30,7 +30,7 @@ class MetaResult:
     """What an op signature produces, computed once by meta execution (see Engine.infer)."""
 
     __slots__ = ("leaves", "spec", "single", "f64", "op", "resize", "checks", "gstate",
-                 "replay", "warns")
+                 "replay", "warns", "handled")
 
     def __init__(self, leaves, spec, op, resize=(), checks=(), warns=()):
         self.warns = warns  # (text, category) CPU warns with at every call of this signature
@@ -46,6 +46,7 @@ class MetaResult:
         self.spec = spec
         self.gstate = None  # the global state it was computed under (the engine sets it)
         self.replay = None  # Note [Replay]: how its calls' arguments look (replay.spec)
+        self.handled = None  # Note [Handled replay]: the same, for its handler's replay
 
 
 

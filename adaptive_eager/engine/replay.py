@@ -75,6 +75,16 @@ _PER_OP = 4  # traces kept per first op and layout
 # that stops matching after the guard (a flush on the way) takes dispatch_plain, as the
 # handler would have. So `buf.copy_(y)` and `a[i] = y` loops on queued values are replayed.
 GUARDS: dict = {}
+# Note [Handled replay]: an op the engine's own handler takes and no guard lets through
+# (Note [Guarded replay]) is never replayed by Engine.dispatch (its meta's `replay` is
+# False). A handler that does its own work around an op queued unchanged (in-place foreach
+# ops and fused optimizer steps: `_bumps_versions` and `_bumps_fused_versions` refuse
+# inference tensors, then bump autograd versions) may replay the op itself: `handled_step`,
+# called where it would call Engine.dispatch_plain, counts the op and follows the expected
+# trace (or begins one, as dispatch_plain does: `step`) with the spec the replay would use
+# were there no handler (`meta.handled`), else takes dispatch_plain. So the handler's
+# checks and version bumps happen on every call, before and after the op, as on the slow
+# path.
 
 
 def spec(meta):
@@ -284,14 +294,38 @@ class Traces:
         self.nodes, self.steps = [], []
 
 
-def step(eng, func, args, kwargs):
+def handled_step(eng, func, args, kwargs):
+    """Note [Handled replay]: what Engine.dispatch_plain does with an op a handler queues
+    unchanged, from the trace where it matches."""
+    eng.count_op()
+    tr = eng.traces
+    out = MISS
+    if tr.expect is not None:
+        out = follow(eng, func, args, kwargs, True, True)
+    elif not tr.nodes:
+        out = step(eng, func, args, kwargs, True)
+    if out is MISS:
+        return eng.dispatch_plain(func, args, kwargs, counted=True)
+    return out
+
+
+def _handled_spec(meta):
+    """Note [Handled replay]: `spec` of a meta result whose `replay` its handler made False."""
+    if meta.handled is None:
+        meta.replay, was = None, meta.replay
+        meta.handled = spec(meta)
+        meta.replay = was
+    return meta.handled
+
+
+def step(eng, func, args, kwargs, handled=False):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
     with this op, its first argument laid out so, are tried, newest first (`follow`).
     Engine.dispatch_plain has counted it."""
     tr = eng.traces
     for trace in tr.by_op.get(call_key(func, args), ()):
         tr.expect = tr.followed = trace
-        out = follow(eng, func, args, kwargs, True)
+        out = follow(eng, func, args, kwargs, True, handled)
         if out is not MISS:
             return out
         if tr.nodes:  # (a flush on the way cannot queue a node: never taken)
@@ -300,12 +334,12 @@ def step(eng, func, args, kwargs):
     return MISS
 
 
-def follow(eng, func, args, kwargs, counted=False):
+def follow(eng, func, args, kwargs, counted=False, handled=False):
     """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace at its
     position and return its result. MISS if it does not match (nothing is changed, but a
     flush on the way may have happened, as the slow path would have done it); MISSED if it
     stopped matching after this call counted the op (as Engine.dispatch_plain counts every
-    op, once: `counted` says it already did)."""
+    op, once: `counted` says it already did). `handled`: Note [Handled replay]."""
     ok = ours = guarded = False  # ours: this call counted the op; guarded: its guard held
     seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
@@ -325,6 +359,8 @@ def follow(eng, func, args, kwargs, counted=False):
         if func is not op.func:
             break
         sp = meta.replay if meta.replay is not None else spec(meta)
+        if sp is False and handled:
+            sp = _handled_spec(meta)
         if sp is False or len(args) != sp[1] or (tuple(kwargs) != sp[2] if kwargs else sp[2]):
             break
         tn = trace.nodes[pos]

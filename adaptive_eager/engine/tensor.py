@@ -360,10 +360,20 @@ def _device(engine) -> torch.device:
 
 def engine_of(args, kwargs):
     """The engine of the first neuron tensor among an op's arguments (in tree_flatten's
-    order: the positional ones up to the first container are looked at without it)."""
+    order: the positional ones, and the items of lists and tuples among them holding no
+    container, are looked at without it: a foreach op's lists are walked once)."""
     for v in args:
         if type(v) is NeuronTensor:
             return v._engine
+        if type(v) is list or type(v) is tuple:
+            for x in v:
+                if type(x) is NeuronTensor:
+                    return x._engine
+                if isinstance(x, (list, tuple, dict)):
+                    break
+            else:
+                continue
+            break
         if isinstance(v, (list, tuple, dict)):
             break
     for v in tree_flatten((args, kwargs))[0]:

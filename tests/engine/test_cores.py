@@ -284,3 +284,28 @@ def test_new_tensor_lands_on_its_tensors_core():
     assert x.new_tensor([1.0], device="neuron").device == torch.device("neuron:1")
     assert x.new_tensor([1.0], device="neuron:0").device == torch.device("neuron:0")
     assert x.new_tensor([1.0], device="cpu").device == torch.device("cpu")
+
+
+def test_an_ops_engine_is_its_first_neuron_tensors_in_tree_flatten_order(monkeypatch):
+    """engine_of (the core an op runs on) walks positional lists of tensors without
+    flattening (a foreach op's), with tree_flatten's answer: the first neuron tensor."""
+    from torch.utils._pytree import tree_flatten
+    from adaptive_eager.engine import tensor
+    from adaptive_eager.engine.tensor import NeuronTensor, engine_of
+    a, b = torch.ones(2, device="neuron:0"), torch.ones(2, device="neuron:1")
+    c = torch.ones(2)
+    cases = [((a, b), {}), ((b, a), {}), (([b, a], [a]), {}), ((1.0, [c, b], a), {}),
+             (([c], (c, 2), [a, b]), {}), (([c, [b]], a), {}), (([c], {"x": b}, a), {}),
+             (([], [b, a]), {}), (([c],), {"other": a}), (((c, (a,)), b), {})]
+    for args, kwargs in cases:
+        first = next(t for t in tree_flatten((args, kwargs))[0] if type(t) is NeuronTensor)
+        assert engine_of(args, kwargs) is first._engine, (args, kwargs)
+    flattened = []
+    monkeypatch.setattr(tensor, "tree_flatten", lambda t: flattened.append(t) or tree_flatten(t))
+    for args in (([a, b], [b], 0.5), (1.0, (c, b), [a]), ([c, c], [c], a)):
+        assert engine_of(args, {}) is next(t for t in tree_flatten(args)[0]
+                                           if type(t) is NeuronTensor)._engine
+    assert flattened == []  # (the foreach ops' host time: Note [Handled replay])
+    # a foreach op across cores: CUDA's error, naming the first list's core
+    with pytest.raises(RuntimeError, match="neuron:1"):
+        torch._foreach_add_([b], [a])

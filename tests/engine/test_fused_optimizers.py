@@ -1,6 +1,8 @@
 """torch.optim's fused steps (`fused=True`, Trainer's default `adamw_torch_fused`) are device
 ops (issue 24): CPU's values bit for bit, 0 CPU fallbacks, fused with the step's other ops in
 adaptive mode."""
+import contextlib
+
 import pytest
 import torch
 
@@ -117,3 +119,36 @@ def test_fused_step_runs_interpreted_under_the_inductor_executor():
     assert all(torch.equal(a, b) for a, b in zip(neuron, cpu))
     assert m.cpu_fallbacks == {} and m.compiled_groups == 0
     assert any("fused optimizer step" in r for r in m.compile_failures), m.compile_failures
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_a_steady_fused_step_is_replayed_through_its_version_bumping_handler(adaptive):
+    """Note [Handled replay]: a steady fused step is replayed (its `_foreach_add_` of the
+    steps and `_fused_adamw_`), CPU's values bit for bit, and still bumps versions: a graph
+    that saved the parameters before the step raises in backward."""
+    def run(device):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        m.to(device)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        x = torch.randn(5, 8).to(device)
+        ctx = ae.adaptive() if adaptive and device == "neuron" else contextlib.nullcontext()
+        with ctx:
+            for i in range(4):
+                opt.zero_grad()
+                m(x).square().sum().backward()
+                stale = m(x).sum() if i == 3 else None  # saves the parameters
+                ae.synchronize()
+                ae.reset_metrics()
+                opt.step()
+                ae.synchronize()
+            counts = (ae.metrics().ops, ae.metrics().replayed_ops)
+            if device == "neuron":  # (CPU's fused kernels bump no version: no error there)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    stale.backward()
+        return [p.detach().cpu() for p in m.parameters()], counts
+
+    cpu, _ = run("cpu")
+    neuron, counts = run("neuron")
+    assert all(torch.equal(a, b) for a, b in zip(neuron, cpu))
+    assert counts == (2, 2), counts  # (main: (2, 0))

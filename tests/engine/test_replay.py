@@ -165,6 +165,7 @@ def test_ops_of_our_handlers_are_not_replayed_past_the_handler():
     assert torch.equal(out.cpu(), ref)
     # an op such a handler queued is followed only where its guard says the handler would
     # queue it (Note [Guarded replay]: `copy_`'s, here; tests/engine/test_replayed_copies.py)
+    # or by the handler itself (Note [Handled replay]: the foreach op's)
     a, b = torch.zeros(4).to(N), torch.ones(4).to(N)
     with ae.adaptive(strategy="graph"):
         for _ in range(3):
@@ -447,3 +448,90 @@ def test_tensor_lists_are_replayed(mode):
     # 28 ops; not replayed: 9 views (never are) and the 3 doubled cats (main: the stacks and
     # the other cats too, 10 replayed)
     assert (m.replayed_ops, m.ops) == (16, 28)
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_adamw_foreach_steps_are_replayed_through_the_version_bumping_handler(mode):
+    """Note [Handled replay]: torch.optim.AdamW(foreach=True)'s in-place foreach ops are
+    replayed, their handler still refusing inference tensors and bumping versions: the
+    values are CPU's bit for bit, the work and timeline the slow path's, and a tensor saved
+    for backward then written by a replayed foreach op fails backward as on CPU."""
+    from adaptive_eager.engine.engine import ENGINE
+
+    def train(dev, n=4, **settings):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4)).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        x = torch.randn(5, 8).to(dev)
+        ctx = ae.adaptive() if mode == "adaptive" and dev == N else contextlib.nullcontext()
+        with ae.override(**settings), ctx:
+            for _ in range(n):
+                opt.zero_grad()
+                model(x).square().sum().backward()
+                if dev == N:  # the step alone
+                    torch.neuron.synchronize()
+                    ae.reset_metrics()
+                    ENGINE.device.trace.clear()
+                opt.step()
+        if dev != N:
+            return list(model.parameters()), None, None
+        torch.neuron.synchronize()
+        m = ae.metrics()  # (the sync's wait: the clock's sums, rounded as they fall)
+        timeline = [t[:2] + (round(t[3], 6),) + t[4:6] for t in ENGINE.device.trace]
+        return [p.detach().cpu() for p in model.parameters()], m, timeline
+
+    ref, _, _ = train("cpu")
+    out, m, timeline = train(N)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    # 8 ops: _foreach_mul_ (weight decay), _foreach_lerp_, _foreach_mul_, _foreach_addcmul_
+    # (grads twice: not replayed), _foreach_sqrt, _foreach_div_ and _foreach_addcdiv_ (each
+    # step's bias corrections: new static values), _foreach_add_; main replayed 1 (sqrt)
+    assert (m.ops, m.replayed_ops) == (8, 5), (m.ops, m.replayed_ops)
+    slow, ms, timeline_s = train(N, replay=False)
+    assert all(torch.equal(a, b) for a, b in zip(slow, ref))
+    assert same_work(m, ms) and ms.replayed_ops == 0 and timeline == timeline_s
+    checked, mc, _ = train(N, check_replay=True)
+    assert all(torch.equal(a, b) for a, b in zip(checked, ref)) and mc.replayed_ops == 5
+
+    def versions(dev):
+        """Parameters saved for backward, then written by a foreach op (as `step()` before
+        `backward()` writes them): each backward raises, on the replayed path too."""
+        ps = [torch.ones(4).to(dev).requires_grad_() for _ in range(2)]
+        ctx = ae.adaptive() if mode == "adaptive" and dev == N else contextlib.nullcontext()
+        replayed = []
+        with ctx:
+            for _ in range(4):
+                if dev == N:
+                    ae.reset_metrics()
+                y = (ps[0] * ps[1]).sum()
+                with torch.no_grad():
+                    torch._foreach_mul_(ps, 0.5)
+                if dev == N:
+                    torch.neuron.synchronize()
+                    replayed.append(ae.metrics().replayed_ops)
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    y.backward()
+        return [p._version for p in ps], [p.detach().cpu() for p in ps], replayed
+
+    vc, pc, _ = versions("cpu")
+    vn, pn, replayed = versions(N)
+    assert vn == vc and all(torch.equal(a, b) for a, b in zip(pn, pc))
+    assert replayed[-1] == 3, replayed  # mul, sum and _foreach_mul_ (main: 2)
+    # the handler still refuses an inference tensor before anything is counted or queued
+    with torch.inference_mode():
+        inf = [torch.ones(4).to(N) for _ in range(2)]
+    ctx = ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
+    with ctx:
+        ts = [torch.ones(4).to(N) for _ in range(2)]
+        for _ in range(3):
+            torch._foreach_mul_(ts, 0.5)
+            torch.neuron.synchronize()
+        ae.reset_metrics()
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            torch._foreach_mul_(inf, 0.5)
+        assert ae.metrics().ops == 0
+        torch._foreach_mul_(ts, 0.5)
+        torch.neuron.synchronize()
+        assert (ae.metrics().ops, ae.metrics().replayed_ops) == (1, 1)
+    assert torch.equal(ts[0].cpu(), torch.full((4,), 0.5 ** 4))
