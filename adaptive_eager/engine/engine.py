@@ -26,7 +26,7 @@ from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
-from fusion.host import host_kernels
+from fusion import host as _host
 
 from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer
@@ -477,12 +477,16 @@ class Engine:
     def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
         """Run flushed `nodes` (Runner.run; `sig`: their plan key, with `refs` the handles;
         `substitute`: Note [Substitution])."""
-        self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
-        try:
-            with host_kernels(), cpu_settings.ftz(self.seg.ftz):
-                report = (self.runner.run(nodes, refs, reason, strategy, substitute)
-                          if sig is None
-                          else self.runner.run_sig(nodes, refs, sig, reason, strategy))
+        runner = self.runner
+        runner.done = 0  # what _interrupted reads if the flush stops before it starts
+        args = (runner.run, nodes, refs, reason, strategy, substitute) if sig is None \
+            else (runner.run_sig, nodes, refs, sig, reason, strategy)
+        try:  # Note [Host calls] in fusion/host.py; Note [CPU settings] for flush-to-zero
+            if cpu_settings.FTZ_USED[0]:
+                with cpu_settings.ftz(self.seg.ftz):
+                    report = _host.host_call(*args)
+            else:
+                report = _host.host_call(*args)
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
             self.traces.forget()
