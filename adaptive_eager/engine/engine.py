@@ -348,8 +348,15 @@ class Engine:
             try:
                 if kwargs and kwargs.get("generator") is not None:
                     return self._with_generator(func, args, kwargs)
-                if self.traces.expect is not None:  # Note [Replay]: the steady state's path
+                tr = self.traces
+                if tr.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
+                    if out is not MISS:
+                        if out is not MISSED:
+                            return out
+                        return self.dispatch_plain(func, args, kwargs, counted=True)
+                if tr.expect is None and not tr.nodes:  # the op may begin a trace (every
+                    out = replay.step(self, func, args, kwargs)  # op in eager mode)
                     if out is not MISS:
                         if out is not MISSED:
                             return out
@@ -392,10 +399,6 @@ class Engine:
             self.count_op()
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
-        elif route.cls is not VIEW and self.traces.expect is None and not self.traces.nodes:
-            out = replay.step(self, func, args, kwargs)  # the op may begin a trace
-            if out is not MISS and out is not MISSED:
-                return out
         cls = route.cls
         if cls is None:
             return run_now(self, func, args, kwargs, fallback=True)
