@@ -178,9 +178,14 @@ class Device:
     def _queue(self, cost: float) -> tuple[float, float]:
         """A launch of `cost` us enters the queue: its (start, end) on the device clock."""
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
+        # (End times only grow: `limit` launches are in flight when the limit-th newest has
+        # not ended; the ended ones are pruned once there are twice as many.)
         ends, limit = self._ends, self.spec.max_in_flight
-        if len(ends) >= limit and self.in_flight() >= limit:
-            self.host_us = max(self.host_us, ends[-limit])
+        if len(ends) >= limit:
+            if len(ends) > 2 * limit:
+                self.in_flight()
+            if len(ends) >= limit and ends[-limit] > self.host_us:
+                self.host_us = ends[-limit]
         start = max(self.host_us, self.free_at_us)
         self.free_at_us = end = start + cost
         COUNTERS.device_time_us += cost

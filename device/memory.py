@@ -57,20 +57,18 @@ class HBM:
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
-            self._reserve(nbytes)
-
-    def _reserve(self, nbytes: int) -> None:
-        if self.used + nbytes > self.capacity:
-            self.num_ooms += 1
-            raise NeuronOutOfMemoryError(
-                f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
-                f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
-                f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
-                f"scope) or use smaller batches; the device stays usable."
-            )
-        self.used += nbytes
-        self.peak = max(self.peak, self.used)
-        self.num_allocs += 1
+            if self.used + nbytes > self.capacity:
+                self.num_ooms += 1
+                raise NeuronOutOfMemoryError(
+                    f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
+                    f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
+                    f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
+                    f"scope) or use smaller batches; the device stays usable."
+                )
+            self.used = used = self.used + nbytes
+            if used > self.peak:
+                self.peak = used
+            self.num_allocs += 1
 
     def check_host(self, nbytes: int) -> None:
         """Refuse (NeuronOutOfMemoryError) a large allocation this host's RAM cannot back."""

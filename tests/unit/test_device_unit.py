@@ -98,6 +98,37 @@ def test_the_host_waits_beyond_max_in_flight():
     assert dev.host_us == pytest.approx(ends[0])
 
 
+def test_the_in_flight_bound_holds_without_pruning_per_launch(monkeypatch):
+    """The host waits for the launch `max_in_flight` back, exactly as counting the launches
+    not ended by the host's time says (a reference kept here), over launches of varied
+    costs and host steps; the ended ones are pruned only once twice the bound are held (an
+    eager launch no longer pays a prune each), so the held end times stay bounded."""
+    import random
+    limit = 3
+    dev = Device(DeviceSpec(max_in_flight=limit))
+    prunes = []
+    in_flight = Device.in_flight
+    monkeypatch.setattr(Device, "in_flight", lambda self: prunes.append(1) or in_flight(self))
+    rng = random.Random(0)
+    host = free = 0.0
+    ends = []
+    for i in range(200):
+        nbytes = rng.choice([0, 725_000, 7_250_000])
+        cost = dev.spec.launch_us(nbytes, 0.0)
+        if sum(e > host for e in ends) >= limit:  # the reference: count the unfinished ones
+            host = max(host, sorted(e for e in ends if e > host)[-limit])
+        start = max(host, free)
+        free = start + cost
+        ends.append(free)
+        launch = dev.submit(_launch(nbytes=nbytes))
+        assert (launch.start_us, launch.end_us) == pytest.approx((start, free))
+        assert dev.host_us == pytest.approx(host) and len(dev._ends) <= 2 * limit + 1
+        step = rng.choice([0.0, 1.0, 20.0])
+        dev.advance_host(step)
+        host += step
+    assert len(prunes) < 200 // limit
+
+
 def test_blocking_device_waits_for_every_launch():
     dev = Device(blocking=True)
     launch = dev.submit(_launch())
