@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -193,12 +194,13 @@ class Device:
         ends.append(end)
         return start, end
 
-    def submit_plain(self, name: str, run, cost: float, nbytes: int, flops: float,
-                     low_precision: bool, nodes, context) -> Launch | None:
-        """`submit(Launch(name, run, nbytes, flops, low_precision, context=context,
-        nodes=nodes))` of a plain launch whose cost (`launch_us`) the caller knows (Note
-        [Eager launches]: per op in eager mode): the same clock, counters and timeline
-        entry, without the Launch record unless it fails (returned then; None otherwise)."""
+    def submit_plain(self, name: str, run, args: tuple, cost: float, nbytes: int,
+                     flops: float, low_precision: bool, nodes, context) -> Launch | None:
+        """`submit(Launch(name, partial(run, *args), nbytes, flops, low_precision,
+        context=context, nodes=nodes))` of a plain launch whose cost (`launch_us`) the
+        caller knows (Note [Eager launches]: per op in eager mode): the same clock, counters
+        and timeline entry, without the Launch record (nor the partial) unless it fails
+        (returned then; None otherwise)."""
         self.submits += 1
         COUNTERS.launches += 1
         COUNTERS.hbm_bytes += nbytes
@@ -206,10 +208,10 @@ class Device:
         start, end = self._queue(cost)
         failed = None
         try:
-            run()
+            run(*args)
         except LaunchError as e:  # kept for the next sync (Note [Simulated asynchrony])
-            failed = Launch(name, run, nbytes, flops, low_precision, context=context,
-                            nodes=nodes)
+            failed = Launch(name, functools.partial(run, *args), nbytes, flops, low_precision,
+                            context=context, nodes=nodes)
             failed.start_us, failed.end_us = start, end
             failed.error, failed.internal = e.cause, e.internal
             self._errors.append(failed)

@@ -466,20 +466,21 @@ class Engine:
         trace = self.traces.remember(reason, lazy, self.strategy.key)
         if trace is not None and not lazy and trace.n == 1 and all(report.sig[3]):
             trace.sig = report.sig  # Note [Eager launches] in replay.py
-        self._ran(report, reason)
+        if self.device.blocking:  # the host waits (errors raise here)
+            self.synchronize()
 
     def launch(self, node, handles: list, trace) -> None:
         """Note [Eager launches] in replay.py: eager op `node`, replayed from one-op `trace`
         with its buffers `handles` (numbered as a segment of its own would number them), is
         run as `flush("eager")` would run that segment, without queuing it."""
-        nodes = [node]
-        report = self._run(nodes, handles, "eager", self.eager_strategy, trace.sig)
+        self._run([node], handles, "eager", self.eager_strategy, trace.sig)
         self.traces.again(trace)
-        self._ran(report, "eager")
+        if self.device.blocking:  # the host waits (errors raise here)
+            self.synchronize()
 
     def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
         """Run flushed `nodes` (Runner.run; `sig`: their plan key, with `refs` the handles;
-        `substitute`: Note [Substitution])."""
+        `substitute`: Note [Substitution]) and count the flush (its metrics)."""
         runner = self.runner
         runner.done = 0  # what _interrupted reads if the flush stops before it starts
         args = (runner.run, nodes, refs, reason, strategy, substitute) if sig is None \
@@ -495,17 +496,12 @@ class Engine:
             self.traces.forget()
             raise
         self.last_report = report
-        return report
-
-    def _ran(self, report, reason: str) -> None:
-        """A flush's metrics; under launch blocking, the host waits (errors raise here)."""
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes
         for k, v in report.plan.sizes.items():
             sizes[k] += v
-        if self.device.blocking:
-            self.synchronize()
+        return report
 
     @_locked
     def synchronize(self) -> None:

@@ -243,7 +243,7 @@ def test_submit_plain_is_submit_of_a_plain_launch(blocking):
             run = (lambda i=i: ran.append(i)) if i != 2 else _fails("op 2 failed")
             nodes = (("src%d" % i,), ((flops, nbytes),))
             if plain:
-                failed = dev.submit_plain("k%d" % i, run, spec.launch_us(nbytes, flops, low),
+                failed = dev.submit_plain("k%d" % i, run, (), spec.launch_us(nbytes, flops, low),
                                           nbytes, flops, low, nodes, ["ctx"])
             else:
                 launch = dev.submit(Launch("k%d" % i, run, nbytes, flops, low, context=["ctx"],
