@@ -241,6 +241,12 @@ for w in caught:
 assert not ae.native_hooks()
 x = torch.randn(4, 4).to("neuron")
 torch.testing.assert_close((x @ x + 1).cpu(), x.cpu() @ x.cpu() + 1)
+from fusion import host                    # Note [Host calls]: the Python guard
+assert host.host_call is host._python_host_call
+y, c = x, x.cpu()
+for _ in range(4):                         # eager ops launched from their traces
+    y, c = (y * 1.5 + 1).mH, (c * 1.5 + 1).mH
+assert torch.equal(y.cpu(), c) and ae.metrics().replayed_ops > 0
 p = torch.randn(3).pin_memory()            # the Python path
 assert p.is_pinned()
 torch.manual_seed(0); a = torch.rand(3, device="neuron").cpu()
