@@ -329,9 +329,7 @@ class Device:
 
     # -- memory ----------------------------------------------------------------------
     def alloc(self, nbytes: int, storage=None) -> Buffer:
-        buf = Buffer(nbytes)
-        buf.allocate(self.hbm, storage)
-        return buf
+        return Buffer(nbytes, self.hbm, storage)
 
     def _trace(self, launch: Launch, cost: float) -> None:
         """The launch on the timeline. The sources its ops keep (for their lines) are bounded

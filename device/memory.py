@@ -107,27 +107,25 @@ class HBM:
 class Buffer:
     """A device allocation: nbytes of simulated HBM, backed by host bytes once written.
 
-    The HBM bytes are reserved when the buffer first gets storage (a value written back or an
-    `empty` allocation) and released when the last reference to the buffer goes away.
+    The HBM bytes are reserved when the buffer is made (a value written back or an `empty`
+    allocation) and released when the last reference to the buffer goes away.
     """
 
     __slots__ = ("nbytes", "storage", "_hbm", "host", "__weakref__")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, hbm: HBM, storage: torch.UntypedStorage | None = None):
+        """`nbytes` reserved in `hbm` (its out-of-memory error if they do not fit), backed by
+        `storage` (new host bytes if None)."""
+        self._hbm = None  # (set once reserved: what __del__ releases)
         self.nbytes = nbytes
-        self.storage: torch.UntypedStorage | None = None
-        self._hbm: HBM | None = None
         # (layout, CPU tensor over `storage` with it): the last view a launch read it
         # through or wrote it as (Note [Host views] in fusion/codegen.py)
         self.host = None
-
-    def allocate(self, hbm: HBM, storage: torch.UntypedStorage | None = None) -> None:
-        assert self.storage is None
-        hbm.reserve(self.nbytes)
+        hbm.reserve(nbytes)
         self._hbm = hbm
         if storage is None:
-            storage = torch.UntypedStorage(self.nbytes)
-        assert storage.nbytes() >= self.nbytes, (storage.nbytes(), self.nbytes)
+            storage = torch.UntypedStorage(nbytes)
+        assert storage.nbytes() >= nbytes, (storage.nbytes(), nbytes)
         self.storage = storage
 
     def __del__(self):

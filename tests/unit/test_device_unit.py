@@ -190,6 +190,28 @@ def test_hbm_capacity_oom_message_and_frees():
     del b
 
 
+def test_a_buffer_reserves_its_bytes_when_made(monkeypatch):
+    """`Buffer(nbytes, hbm, storage)` (what Device.alloc makes, per eager launch: one frame):
+    reserved at once and backed by the storage given (or new host bytes); one HBM refuses is
+    not made and releases nothing when collected (no error from its finalizer)."""
+    import gc
+    import sys
+    from device.memory import Buffer
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    hbm = HBM(1024)
+    st = torch.UntypedStorage(512)
+    a = Buffer(512, hbm, st)
+    b = Buffer(256, hbm)
+    assert a.storage is st and b.storage.nbytes() == 256 and hbm.used == 768
+    with pytest.raises(NeuronOutOfMemoryError):
+        Buffer(512, hbm)
+    gc.collect()
+    assert hbm.used == 768 and hbm.num_ooms == 1 and unraisable == []
+    del a, b
+    assert hbm.used == 0 and hbm.num_frees == 2
+
+
 def test_hbm_release_more_than_used_is_an_internal_error():
     hbm = HBM(1024)
     hbm.reserve(512)
