@@ -8,9 +8,9 @@ import json
 import torch
 
 from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-from torch._ops import HigherOrderOperator
+from torch._C import _len_torch_dispatch_stack
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 
 from .integration import registration as _registration
 from .errors import FlushInterrupted, NeuronFallbackError, NeuronInductorError, NeuronRuntimeError
@@ -216,12 +216,15 @@ class adaptive(TorchDispatchMode):
         # Python wrappers (they cost as much as the op's whole engine path). Then a neuron
         # op, with no other mode on the stack, goes to its engine at once: the engine of
         # the first argument when it is a neuron tensor, as NeuronTensor's dispatch finds
-        # it (engine_of's flattening of every argument only when it is not).
+        # it (engine_of's flattening of every argument only when it is not). The checks are
+        # C calls: an OpOverload's exact type is no HigherOrderOperator (whose isinstance
+        # runs a Python __instancecheck__), and the mode stack is empty when its length is
+        # 0 (torch's _get_current_dispatch_mode_stack builds a list in two Python frames).
         prior = _set_eval_frame(None)
         try:
-            if isinstance(func, HigherOrderOperator):
+            if type(func) is not OpOverload and isinstance(func, HigherOrderOperator):
                 return func(*args, **(kwargs or {}))
-            if types == (NeuronTensor,) and not _dispatch_mode_stack():
+            if types == (NeuronTensor,) and not _len_torch_dispatch_stack():
                 # The only mode: go straight to the engine (what func() would reach
                 # anyway). Under other modes, redispatch so that they see the op too.
                 a = args[0] if args else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -178,9 +179,14 @@ class Device:
     def _queue(self, cost: float) -> tuple[float, float]:
         """A launch of `cost` us enters the queue: its (start, end) on the device clock."""
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
+        # (End times only grow: `limit` launches are in flight when the limit-th newest has
+        # not ended; the ended ones are pruned once there are twice as many.)
         ends, limit = self._ends, self.spec.max_in_flight
-        if len(ends) >= limit and self.in_flight() >= limit:
-            self.host_us = max(self.host_us, ends[-limit])
+        if len(ends) >= limit:
+            if len(ends) > 2 * limit:
+                self.in_flight()
+            if len(ends) >= limit and ends[-limit] > self.host_us:
+                self.host_us = ends[-limit]
         start = max(self.host_us, self.free_at_us)
         self.free_at_us = end = start + cost
         COUNTERS.device_time_us += cost
@@ -188,12 +194,13 @@ class Device:
         ends.append(end)
         return start, end
 
-    def submit_plain(self, name: str, run, cost: float, nbytes: int, flops: float,
-                     low_precision: bool, nodes, context) -> Launch | None:
-        """`submit(Launch(name, run, nbytes, flops, low_precision, context=context,
-        nodes=nodes))` of a plain launch whose cost (`launch_us`) the caller knows (Note
-        [Eager launches]: per op in eager mode): the same clock, counters and timeline
-        entry, without the Launch record unless it fails (returned then; None otherwise)."""
+    def submit_plain(self, name: str, run, args: tuple, cost: float, nbytes: int,
+                     flops: float, low_precision: bool, nodes, context) -> Launch | None:
+        """`submit(Launch(name, partial(run, *args), nbytes, flops, low_precision,
+        context=context, nodes=nodes))` of a plain launch whose cost (`launch_us`) the
+        caller knows (Note [Eager launches]: per op in eager mode): the same clock, counters
+        and timeline entry, without the Launch record (nor the partial) unless it fails
+        (returned then; None otherwise)."""
         self.submits += 1
         COUNTERS.launches += 1
         COUNTERS.hbm_bytes += nbytes
@@ -201,10 +208,10 @@ class Device:
         start, end = self._queue(cost)
         failed = None
         try:
-            run()
+            run(*args)
         except LaunchError as e:  # kept for the next sync (Note [Simulated asynchrony])
-            failed = Launch(name, run, nbytes, flops, low_precision, context=context,
-                            nodes=nodes)
+            failed = Launch(name, functools.partial(run, *args), nbytes, flops, low_precision,
+                            context=context, nodes=nodes)
             failed.start_us, failed.end_us = start, end
             failed.error, failed.internal = e.cause, e.internal
             self._errors.append(failed)
@@ -322,9 +329,7 @@ class Device:
 
     # -- memory ----------------------------------------------------------------------
     def alloc(self, nbytes: int, storage=None) -> Buffer:
-        buf = Buffer(nbytes)
-        buf.allocate(self.hbm, storage)
-        return buf
+        return Buffer(nbytes, self.hbm, storage)
 
     def _trace(self, launch: Launch, cost: float) -> None:
         """The launch on the timeline. The sources its ops keep (for their lines) are bounded

@@ -57,20 +57,18 @@ class HBM:
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
-            self._reserve(nbytes)
-
-    def _reserve(self, nbytes: int) -> None:
-        if self.used + nbytes > self.capacity:
-            self.num_ooms += 1
-            raise NeuronOutOfMemoryError(
-                f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
-                f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
-                f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
-                f"scope) or use smaller batches; the device stays usable."
-            )
-        self.used += nbytes
-        self.peak = max(self.peak, self.used)
-        self.num_allocs += 1
+            if self.used + nbytes > self.capacity:
+                self.num_ooms += 1
+                raise NeuronOutOfMemoryError(
+                    f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
+                    f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
+                    f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
+                    f"scope) or use smaller batches; the device stays usable."
+                )
+            self.used = used = self.used + nbytes
+            if used > self.peak:
+                self.peak = used
+            self.num_allocs += 1
 
     def check_host(self, nbytes: int) -> None:
         """Refuse (NeuronOutOfMemoryError) a large allocation this host's RAM cannot back."""
@@ -109,27 +107,25 @@ class HBM:
 class Buffer:
     """A device allocation: nbytes of simulated HBM, backed by host bytes once written.
 
-    The HBM bytes are reserved when the buffer first gets storage (a value written back or an
-    `empty` allocation) and released when the last reference to the buffer goes away.
+    The HBM bytes are reserved when the buffer is made (a value written back or an `empty`
+    allocation) and released when the last reference to the buffer goes away.
     """
 
     __slots__ = ("nbytes", "storage", "_hbm", "host", "__weakref__")
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, hbm: HBM, storage: torch.UntypedStorage | None = None):
+        """`nbytes` reserved in `hbm` (its out-of-memory error if they do not fit), backed by
+        `storage` (new host bytes if None)."""
+        self._hbm = None  # (set once reserved: what __del__ releases)
         self.nbytes = nbytes
-        self.storage: torch.UntypedStorage | None = None
-        self._hbm: HBM | None = None
         # (layout, CPU tensor over `storage` with it): the last view a launch read it
         # through or wrote it as (Note [Host views] in fusion/codegen.py)
         self.host = None
-
-    def allocate(self, hbm: HBM, storage: torch.UntypedStorage | None = None) -> None:
-        assert self.storage is None
-        hbm.reserve(self.nbytes)
+        hbm.reserve(nbytes)
         self._hbm = hbm
         if storage is None:
-            storage = torch.UntypedStorage(self.nbytes)
-        assert storage.nbytes() >= self.nbytes, (storage.nbytes(), self.nbytes)
+            storage = torch.UntypedStorage(nbytes)
+        assert storage.nbytes() >= nbytes, (storage.nbytes(), nbytes)
         self.storage = storage
 
     def __del__(self):

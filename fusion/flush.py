@@ -354,9 +354,10 @@ class Runner:
             st[s] = h.buffer.storage
         views = _host_views(exe, slots, handles, ())
         poisoned, causes, members = set(), {}, [node]
-        run = functools.partial(exe.run, st, [node.inputs], dev.rng, poisoned, causes, views)
+        args = (st, [node.inputs], dev.rng, poisoned, causes, views)
         spec, cost = gp.cost
         if gp.kernel:
+            run = functools.partial(exe.run, *args)
             launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops, gp.low_precision,
                                        context=members, kind="kernel",
                                        overhead_us=gp.overhead_us,
@@ -367,7 +368,7 @@ class Runner:
                 spec = dev.spec
                 cost = spec.launch_us(gp.nbytes, gp.flops, gp.low_precision) + gp.overhead_us
                 gp.cost = spec, cost
-            launch = dev.submit_plain(exe.name, run, cost, gp.nbytes, gp.flops,
+            launch = dev.submit_plain(exe.name, exe.run, args, cost, gp.nbytes, gp.flops,
                                       gp.low_precision, ((node.source,), gp.op_costs), members)
         if launch is not None or poisoned:
             self._written(gp, exe, st, poisoned, causes, launch, members, {}, {}, handles,

@@ -53,6 +53,27 @@ def host_kernels():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), new)
 
 
+
+# Note [Host calls]: a flush runs under `host_kernels()`, and in eager mode a flush is one op:
+# the Python guard (reading the thread's key sets, building the new ones, entering and leaving
+# a pybind context manager) cost about as much as the rest of an eager launch's bookkeeping.
+# `host_call(fn, *args)` is `fn(*args)` under the same keys; with the native hooks (Note
+# [Native hooks] in adaptive_eager/integration/native.py) it is one C call that sets them
+# and restores them on return, by value or by exception (csrc/neuron_hooks.cpp `host_call`);
+# without them, the guard.
+def _python_host_call(fn, *args):
+    with host_kernels():
+        return fn(*args)
+
+
+host_call = _python_host_call
+
+
+def use_native_host_call(fn) -> None:
+    """Note [Host calls]: `host_call` is the native hooks' `fn` from now on (registration)."""
+    global host_call
+    host_call = fn
+
 # Note [C++ warnings]: a TORCH_WARN inside a `torch.ops` call is not turned into a Python
 # warning when that call returns: it waits in the warning buffer of the outermost Python call
 # into torch (the user's `torch.add(..., out=t)`, or in adaptive mode whatever call flushes)

@@ -26,7 +26,7 @@ from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
-from fusion.host import host_kernels
+from fusion import host as _host
 
 from .. import config as _config
 from . import cpu_settings, hooks, replay, results, transfer
@@ -348,8 +348,15 @@ class Engine:
             try:
                 if kwargs and kwargs.get("generator") is not None:
                     return self._with_generator(func, args, kwargs)
-                if self.traces.expect is not None:  # Note [Replay]: the steady state's path
+                tr = self.traces
+                if tr.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
+                    if out is not MISS:
+                        if out is not MISSED:
+                            return out
+                        return self.dispatch_plain(func, args, kwargs, counted=True)
+                if tr.expect is None and not tr.nodes:  # the op may begin a trace (every
+                    out = replay.step(self, func, args, kwargs)  # op in eager mode)
                     if out is not MISS:
                         if out is not MISSED:
                             return out
@@ -392,10 +399,6 @@ class Engine:
             self.count_op()
         if route is None:
             route = _ROUTES.get(func._op) or _route(func)
-        elif route.cls is not VIEW and self.traces.expect is None and not self.traces.nodes:
-            out = replay.step(self, func, args, kwargs)  # the op may begin a trace
-            if out is not MISS and out is not MISSED:
-                return out
         cls = route.cls
         if cls is None:
             return run_now(self, func, args, kwargs, fallback=True)
@@ -463,42 +466,42 @@ class Engine:
         trace = self.traces.remember(reason, lazy, self.strategy.key)
         if trace is not None and not lazy and trace.n == 1 and all(report.sig[3]):
             trace.sig = report.sig  # Note [Eager launches] in replay.py
-        self._ran(report, reason)
+        if self.device.blocking:  # the host waits (errors raise here)
+            self.synchronize()
 
     def launch(self, node, handles: list, trace) -> None:
         """Note [Eager launches] in replay.py: eager op `node`, replayed from one-op `trace`
         with its buffers `handles` (numbered as a segment of its own would number them), is
         run as `flush("eager")` would run that segment, without queuing it."""
-        nodes = [node]
-        report = self._run(nodes, handles, "eager", self.eager_strategy, trace.sig)
+        self._run([node], handles, "eager", self.eager_strategy, trace.sig)
         self.traces.again(trace)
-        self._ran(report, "eager")
+        if self.device.blocking:  # the host waits (errors raise here)
+            self.synchronize()
 
     def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
         """Run flushed `nodes` (Runner.run; `sig`: their plan key, with `refs` the handles;
-        `substitute`: Note [Substitution])."""
-        self.runner.done = 0  # what _interrupted reads if the flush stops before it starts
-        try:
-            with host_kernels(), cpu_settings.ftz(self.seg.ftz):
-                report = (self.runner.run(nodes, refs, reason, strategy, substitute)
-                          if sig is None
-                          else self.runner.run_sig(nodes, refs, sig, reason, strategy))
+        `substitute`: Note [Substitution]) and count the flush (its metrics)."""
+        runner = self.runner
+        runner.done = 0  # what _interrupted reads if the flush stops before it starts
+        args = (runner.run, nodes, refs, reason, strategy, substitute) if sig is None \
+            else (runner.run_sig, nodes, refs, sig, reason, strategy)
+        try:  # Note [Host calls] in fusion/host.py; Note [CPU settings] for flush-to-zero
+            if cpu_settings.FTZ_USED[0]:
+                with cpu_settings.ftz(self.seg.ftz):
+                    report = _host.host_call(*args)
+            else:
+                report = _host.host_call(*args)
         except BaseException as e:
             _interrupted(self, nodes, refs, e)
             self.traces.forget()
             raise
         self.last_report = report
-        return report
-
-    def _ran(self, report, reason: str) -> None:
-        """A flush's metrics; under launch blocking, the host waits (errors raise here)."""
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes
         for k, v in report.plan.sizes.items():
             sizes[k] += v
-        if self.device.blocking:
-            self.synchronize()
+        return report
 
     @_locked
     def synchronize(self) -> None:

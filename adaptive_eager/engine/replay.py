@@ -35,6 +35,9 @@ with the same plan key, buffers and contexts, the same launch, metrics, report a
 entry, and under launch blocking the same wait (its errors raise at the call). The trace is
 then filed as `remember` files a trace replayed to its end. Everything before (counting,
 checks, admission, the source line, new buffers) and after (results) is the replay's.
+Engine.dispatch tries the traces beginning with an op (`step`) before it routes the op, so a
+replayed eager op never enters Engine.dispatch_plain; it is counted once it matches (`follow`),
+before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
 modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
 record is made unless it fails (the same clock, counters and timeline entry as `submit`).
@@ -320,12 +323,13 @@ def _handled_spec(meta):
 
 def step(eng, func, args, kwargs, handled=False):
     """Note [Replay]: the first op of a trace picks the trace: the recent traces that began
-    with this op, its first argument laid out so, are tried, newest first (`follow`).
-    Engine.dispatch_plain has counted it."""
+    with this op, its first argument laid out so, are tried, newest first (`follow`: MISS,
+    nothing counted, if none matches; MISSED if one stopped matching once counted).
+    Engine.dispatch calls it before counting the op; `handled_step` (`handled`), after."""
     tr = eng.traces
     for trace in tr.by_op.get(call_key(func, args), ()):
         tr.expect = tr.followed = trace
-        out = follow(eng, func, args, kwargs, True, handled)
+        out = follow(eng, func, args, kwargs, handled, handled)  # (handled_step counted it)
         if out is not MISS:
             return out
         if tr.nodes:  # (a flush on the way cannot queue a node: never taken)
@@ -463,7 +467,7 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
     if meta.f64:
         eng.check_dtype_f64()
     # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
-    # (a __torch_dispatch__ or _unsafe_view, or Engine.dispatch_plain)
+    # (a __torch_dispatch__, the scope's or _unsafe_view; or Engine.dispatch)
     node = tn.again(inputs, _source(3))
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)

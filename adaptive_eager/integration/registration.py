@@ -8,6 +8,7 @@ import importlib
 import torch
 
 from fusion import substitute as _substitute
+from fusion import host
 from fusion.ir import extent_bytes
 from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..config import DEVICE_TYPE
@@ -88,6 +89,7 @@ def _install_native() -> bool:
     _engine.use_native_current(mod.current_device, lambda k: mod.set_device(k, neuron.device_count()))
     transfer.use_cpu_generator(_cpu_generator)
     neuron.use_native(mod, neuron.device_count())
+    host.use_native_host_call(mod.host_call)  # Note [Host calls] in fusion/host.py
     return True
 
 

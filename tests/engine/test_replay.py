@@ -238,6 +238,43 @@ def test_eager_ops_are_launched_from_their_traces_with_the_slow_paths_work(monke
     assert ENGINE.last_report.n_ops == 1 and ENGINE.last_report.plan_hit
 
 
+def test_eager_ops_replayed_from_traces_skip_the_plain_dispatch(monkeypatch):
+    """Note [Eager launches]: Engine.dispatch tries the traces beginning with an op before
+    routing it, so a steady-state eager op never enters Engine.dispatch_plain (its route,
+    count and trace lookup were a frame each), and is counted once, with the slow path's
+    clock: the same start time of every launch."""
+    from adaptive_eager.engine import engine as E
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+
+    def fn():
+        return torch.add(chain(x * a, 6), a, alpha=2)
+
+    def steps(**kw):
+        with ae.override(**kw):
+            for _ in range(2):
+                fn()
+                torch.neuron.synchronize()
+            dev = E.ENGINE.device
+            dev.trace.clear()
+            ae.reset_metrics()
+            t0 = dev.host_us
+            calls.clear()
+            out = fn()
+            torch.neuron.synchronize()
+            m = ae.metrics()
+            return out.cpu(), m, [t[:2] + (round(t[2] - t0, 6),) + t[3:6] for t in dev.trace]
+
+    calls = []
+    plain = E.Engine.dispatch_plain
+    monkeypatch.setattr(E.Engine, "dispatch_plain",
+                        lambda self, *a, **k: calls.append(a[0]) or plain(self, *a, **k))
+    out, m, timeline = steps()
+    assert calls == [] and m.replayed_ops == m.ops == 14
+    slow, ms, timeline_s = steps(replay=False)
+    assert len(calls) == 14 and ms.replayed_ops == 0
+    assert torch.equal(out, slow) and same_work(m, ms) and timeline == timeline_s
+
+
 def test_an_eager_launch_from_a_trace_raises_at_the_call_under_launch_blocking():
     x = torch.arange(5.).to(N)
 

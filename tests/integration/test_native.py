@@ -241,6 +241,12 @@ for w in caught:
 assert not ae.native_hooks()
 x = torch.randn(4, 4).to("neuron")
 torch.testing.assert_close((x @ x + 1).cpu(), x.cpu() @ x.cpu() + 1)
+from fusion import host                    # Note [Host calls]: the Python guard
+assert host.host_call is host._python_host_call
+y, c = x, x.cpu()
+for _ in range(4):                         # eager ops launched from their traces
+    y, c = (y * 1.5 + 1).mH, (c * 1.5 + 1).mH
+assert torch.equal(y.cpu(), c) and ae.metrics().replayed_ops > 0
 p = torch.randn(3).pin_memory()            # the Python path
 assert p.is_pinned()
 torch.manual_seed(0); a = torch.rand(3, device="neuron").cpu()
@@ -299,3 +305,66 @@ def test_the_build_finds_ninja_or_names_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ninja", None)  # not installed
     with pytest.raises(RuntimeError, match=r"no ninja, which torch's C\+\+ build needs"):
         native._with_ninja(empty)
+
+
+# -- host calls ----------------------------------------------------------------------------
+@needs_native
+def test_host_call_runs_under_host_kernels_keys_in_one_call():
+    """Note [Host calls] in fusion/host.py: the flush's host kernels run through the native
+    `host_call`, under exactly the dispatch keys `host_kernels()` sets: outside any dispatch,
+    inside a __torch_dispatch__ (Conjugate excluded: the view keys back on, the Python keys
+    off) and under a dispatch mode; the thread's keys are restored on return and when the
+    call raises (the very exception goes through)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from fusion import host
+    hc = native.module().host_call
+    assert host.host_call is hc
+
+    def keys():
+        return (torch._C._dispatch_tls_local_include_set().raw_repr(),
+                torch._C._dispatch_tls_local_exclude_set().raw_repr())
+
+    seen = []
+
+    def probe():
+        before = keys()
+        with host.host_kernels():
+            want = keys()
+        assert hc(keys) == want != before and keys() == before
+        assert hc(lambda a, b=0: (a, b), 1, 2) == (1, 2)
+        err = ValueError("from the kernel")
+
+        def boom():
+            raise err
+        with pytest.raises(ValueError) as e:
+            hc(boom)
+        assert e.value is err and keys() == before
+        seen.append(before)
+
+    class Probe(torch.Tensor):
+        @staticmethod
+        def __new__(cls):
+            return torch.Tensor._make_wrapper_subclass(cls, (1,))
+
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            probe()
+            return torch.zeros(1)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            probe()
+            return func(*args, **(kwargs or {}))
+
+    probe()
+    outside = seen[0]
+    Probe() + 1
+    assert len(seen) >= 2 and seen[-1] != outside  # inside dispatch: other keys
+    n = len(seen)
+    with Mode():
+        torch.ones(1) + 1
+    assert len(seen) > n
+    with pytest.raises(TypeError, match="needs a function"):
+        hc()

@@ -98,6 +98,37 @@ def test_the_host_waits_beyond_max_in_flight():
     assert dev.host_us == pytest.approx(ends[0])
 
 
+def test_the_in_flight_bound_holds_without_pruning_per_launch(monkeypatch):
+    """The host waits for the launch `max_in_flight` back, exactly as counting the launches
+    not ended by the host's time says (a reference kept here), over launches of varied
+    costs and host steps; the ended ones are pruned only once twice the bound are held (an
+    eager launch no longer pays a prune each), so the held end times stay bounded."""
+    import random
+    limit = 3
+    dev = Device(DeviceSpec(max_in_flight=limit))
+    prunes = []
+    in_flight = Device.in_flight
+    monkeypatch.setattr(Device, "in_flight", lambda self: prunes.append(1) or in_flight(self))
+    rng = random.Random(0)
+    host = free = 0.0
+    ends = []
+    for i in range(200):
+        nbytes = rng.choice([0, 725_000, 7_250_000])
+        cost = dev.spec.launch_us(nbytes, 0.0)
+        if sum(e > host for e in ends) >= limit:  # the reference: count the unfinished ones
+            host = max(host, sorted(e for e in ends if e > host)[-limit])
+        start = max(host, free)
+        free = start + cost
+        ends.append(free)
+        launch = dev.submit(_launch(nbytes=nbytes))
+        assert (launch.start_us, launch.end_us) == pytest.approx((start, free))
+        assert dev.host_us == pytest.approx(host) and len(dev._ends) <= 2 * limit + 1
+        step = rng.choice([0.0, 1.0, 20.0])
+        dev.advance_host(step)
+        host += step
+    assert len(prunes) < 200 // limit
+
+
 def test_blocking_device_waits_for_every_launch():
     dev = Device(blocking=True)
     launch = dev.submit(_launch())
@@ -159,6 +190,28 @@ def test_hbm_capacity_oom_message_and_frees():
     del b
 
 
+def test_a_buffer_reserves_its_bytes_when_made(monkeypatch):
+    """`Buffer(nbytes, hbm, storage)` (what Device.alloc makes, per eager launch: one frame):
+    reserved at once and backed by the storage given (or new host bytes); one HBM refuses is
+    not made and releases nothing when collected (no error from its finalizer)."""
+    import gc
+    import sys
+    from device.memory import Buffer
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    hbm = HBM(1024)
+    st = torch.UntypedStorage(512)
+    a = Buffer(512, hbm, st)
+    b = Buffer(256, hbm)
+    assert a.storage is st and b.storage.nbytes() == 256 and hbm.used == 768
+    with pytest.raises(NeuronOutOfMemoryError):
+        Buffer(512, hbm)
+    gc.collect()
+    assert hbm.used == 768 and hbm.num_ooms == 1 and unraisable == []
+    del a, b
+    assert hbm.used == 0 and hbm.num_frees == 2
+
+
 def test_hbm_release_more_than_used_is_an_internal_error():
     hbm = HBM(1024)
     hbm.reserve(512)
@@ -212,7 +265,7 @@ def test_submit_plain_is_submit_of_a_plain_launch(blocking):
             run = (lambda i=i: ran.append(i)) if i != 2 else _fails("op 2 failed")
             nodes = (("src%d" % i,), ((flops, nbytes),))
             if plain:
-                failed = dev.submit_plain("k%d" % i, run, spec.launch_us(nbytes, flops, low),
+                failed = dev.submit_plain("k%d" % i, run, (), spec.launch_us(nbytes, flops, low),
                                           nbytes, flops, low, nodes, ["ctx"])
             else:
                 launch = dev.submit(Launch("k%d" % i, run, nbytes, flops, low, context=["ctx"],

@@ -10,6 +10,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <torch/csrc/utils/disable_torch_function.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
@@ -300,6 +301,36 @@ py::tuple generator_info(const at::Generator& g) {
                         impl->is_default_ ? py::none() : py::cast(impl->own_));
 }
 
+// -- host kernels ---------------------------------------------------------------------------
+// Note [Host calls] in fusion/host.py: `host_call(fn, *args)` is `fn(*args)` under
+// fusion.host.host_kernels()'s dispatch keys, in one C call (the Python guard costs several
+// pybind calls per eager launch). Inside a __torch_dispatch__ (Conjugate excluded): the
+// thread's keys, with the view keys (Conjugate, Negative, ZeroTensor) back on and the Python
+// keys (Python, PythonTLSSnapshot) off; outside: torch._C._DisableTorchDispatch's keys off.
+// The keys are restored on return, by value or by exception.
+PyObject* host_call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "host_call(fn, *args) needs a function");
+    return nullptr;
+  }
+  auto local = c10::impl::tls_local_dispatch_key_set();
+  if (local.excluded_.has(c10::DispatchKey::Conjugate)) {
+    const c10::DispatchKeySet view_keys({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
+                                         c10::DispatchKey::ZeroTensor});
+    const c10::DispatchKeySet python_keys({c10::DispatchKey::Python,
+                                           c10::DispatchKey::PythonTLSSnapshot});
+    c10::impl::ForceDispatchKeyGuard guard(local.included_,
+                                           (local.excluded_ - view_keys) | python_keys);
+    return PyObject_Vectorcall(args[0], args + 1, nargs - 1, nullptr);
+  }
+  torch::DisableTorchDispatch guard;
+  return PyObject_Vectorcall(args[0], args + 1, nargs - 1, nullptr);
+}
+
+PyMethodDef g_host_call_def = {"host_call", reinterpret_cast<PyCFunction>(
+    reinterpret_cast<void (*)()>(&host_call)), METH_FASTCALL,
+    "host_call(fn, *args): fn(*args) under fusion.host.host_kernels()'s dispatch keys"};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -317,5 +348,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("default_generator", [](int k) {  // torch.neuron.default_generators[k]
     return g_hooks.getDefaultGenerator(static_cast<c10::DeviceIndex>(k));
   });
+  m.attr("host_call") = py::reinterpret_steal<py::object>(PyCFunction_New(&g_host_call_def, nullptr));
   m.def("is_pinned_ptr", [](uintptr_t p) { return is_pinned_ptr(reinterpret_cast<void*>(p)); });
 }
