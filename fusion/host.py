@@ -53,7 +53,6 @@ def host_kernels():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), new)
 
 
-
 # Note [Host calls]: a flush runs under `host_kernels()`, and in eager mode a flush is one op:
 # the Python guard (reading the thread's key sets, building the new ones, entering and leaving
 # a pybind context manager) cost about as much as the rest of an eager launch's bookkeeping.
@@ -73,6 +72,7 @@ def use_native_host_call(fn) -> None:
     """Note [Host calls]: `host_call` is the native hooks' `fn` from now on (registration)."""
     global host_call
     host_call = fn
+
 
 # Note [C++ warnings]: a TORCH_WARN inside a `torch.ops` call is not turned into a Python
 # warning when that call returns: it waits in the warning buffer of the outermost Python call
