@@ -154,3 +154,19 @@ def test_nothing_is_filled_in_from_outside(package):
     used to be set by the modules that define them)."""
     bad = [b for path in _modules(package) for b in _filled_from_outside(path)]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("module", ["fusion.host", "fusion.program", "fusion.flush"])
+def test_a_fusion_module_imported_before_torch(module):
+    """`import fusion.host` before torch: torch's import loads the backend, which imports
+    fusion's modules, and met fusion.host half made (`cannot import name 'QUIET_OPS' from
+    partially initialized module`: torch then refused the backend)."""
+    import os
+    import subprocess
+    import sys
+    code = (f"import {module}\nimport torch\n"
+            "assert (torch.ones(2, device='neuron') + 1).cpu().tolist() == [2.0, 2.0]\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
