@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from typing import Callable
 from device import COUNTERS
 
 from .program import FORMAT_VERSION, BadProgram, Executable, Program
+
+_SERIALS = itertools.count(1)
 
 log = logging.getLogger("adaptive_eager.cache")
 MAGIC = b"ADAPTIVE-EAGER-NEFF\n"
@@ -36,6 +39,10 @@ class ExecutableCache:
             collections.OrderedDict()
         self._bytes = 0
         self.bad: dict[tuple, str] = {}  # program key -> why its compile failed
+        # which cache this is, for the compile history (Note [Compile causes]): never reused,
+        # as an id() is once the cache is freed (a new cache at the old one's address took
+        # a settings change's compile for an eviction)
+        self.serial = next(_SERIALS)
 
     def __len__(self):
         return len(self._mem)

@@ -115,7 +115,7 @@ class Runner:
             self.compile_hook(program)
         exe = Executable(program)
         us = self.device.spec.compile_us(len(program.instrs))
-        HISTORY.cause(program, id(self.cache), nodes, us)  # Note [Compile causes]
+        HISTORY.cause(program, self.cache.serial, nodes, us)  # Note [Compile causes]
         log.info("compile %s (%d ops, %.0f ms modeled)", program.name[:100],
                  len(program.instrs), us / 1e3)
         COUNTERS.compiles += 1
