@@ -137,6 +137,18 @@ def _locked(method):
     return locked
 
 
+def entry(kernel):
+    """Note [Threads]: `kernel`, an entry into the engine from PyTorch's dispatcher other than
+    Engine.dispatch (a kernel registered below the Python key: `torch.tensor(v,
+    device="neuron")`'s copy, a factory), run under the engine lock as every entry is."""
+    @functools.wraps(kernel)
+    def entered(*args, **kwargs):
+        USERS.add(_get_ident())
+        with _LOCK:  # (read at the call: a forked child has a lock of its own)
+            return kernel(*args, **kwargs)
+    return entered
+
+
 # Note [Threads]: one engine lock, shared by the engines of every core. Every entry point (an
 # op, a host read or write, an allocation, a sync, a settings change) holds it, so the ops of
 # several threads run in some serial order of each thread's ops, sharing the queues, caches
@@ -502,6 +514,14 @@ class Engine:
         for k, v in report.plan.sizes.items():
             sizes[k] += v
         return report
+
+    @_locked
+    def with_rng(self, fn):
+        """`fn(rng)` on the device RNG once the queued random ops have drawn from it (they keep
+        the state they were issued under), with no other thread's random op between: how
+        seeding, reading and setting its state touch it."""
+        self.flush("rng")
+        return fn(self.device.rng)
 
     @_locked
     def synchronize(self) -> None:

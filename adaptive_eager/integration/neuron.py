@@ -111,19 +111,16 @@ def synchronize(device=None) -> None:
 # -- random ----------------------------------------------------------------------------
 def manual_seed(seed: int) -> None:
     """Seed the current core's generator."""
-    eng = _E()
-    with eng.lock:  # (another thread's random op queued between the two would draw anew)
-        eng.flush("rng")  # queued random ops keep the state they were issued under
-        eng.device.rng.manual_seed(int(seed))
+    seed = int(seed)
+    _E().with_rng(lambda rng: rng.manual_seed(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     """Seed every core's generator (`torch.manual_seed` calls this); cores first used later
     start from core 0's seed (`_engine.core`)."""
+    seed = int(seed)
     for eng in list(_engine.ENGINES):
-        with eng.lock:
-            eng.flush("rng")
-            eng.device.rng.manual_seed(int(seed))
+        eng.with_rng(lambda rng: rng.manual_seed(seed))
 
 
 def seed() -> None:
@@ -144,17 +141,13 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device=None) -> torch.Tensor:
-    eng = _E(device)
-    with eng.lock:
-        eng.flush("rng")
-        return eng.device.rng.state.clone()
+    return _E(device).with_rng(lambda rng: rng.state)  # (a copy)
 
 
 def set_rng_state(state: torch.Tensor, device=None) -> None:
-    eng = _E(device)
-    with eng.lock:
-        eng.flush("rng")
-        eng.device.rng.state = state.clone()
+    def set_state(rng):
+        rng.state = state  # (the generator copies it)
+    _E(device).with_rng(set_state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:

@@ -37,16 +37,15 @@ def register() -> None:
     _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
     _engine._SPECIAL[torch.ops.aten.record_stream.default] = neuron.record_stream
     _lib = torch.library.Library("aten", "IMPL")
-    _lib.impl("empty.memory_format", _empty, "PrivateUse1")
-    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
-    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
-    for op in _HOST_FACTORIES:
-        _lib.impl(op, _host_factory(op), "PrivateUse1")
-    _lib.impl("_efficientzerotensor", _efficientzerotensor, "PrivateUse1")
-    _lib.impl("as_strided", _as_strided, "PrivateUse1")
-    # FSDP1 calls it under no_dispatch(), past the Python key: the kernel is needed here too
-    _lib.impl("record_stream", lambda t, s: neuron.record_stream(None, None, (t, s), {}),
-              "PrivateUse1")
+    # Kernels below the Python key: entries into the engine, under its lock (Note [Threads])
+    kernels = {"empty.memory_format": _empty, "empty_strided": _empty_strided,
+               "_copy_from": _copy_from, "_efficientzerotensor": _efficientzerotensor,
+               "as_strided": _as_strided,
+               # FSDP1 calls it under no_dispatch(), past the Python key
+               "record_stream": lambda t, s: neuron.record_stream(None, None, (t, s), {}),
+               **{op: _host_factory(op) for op in _HOST_FACTORIES}}
+    for name, kernel in kernels.items():
+        _lib.impl(name, _engine.entry(kernel), "PrivateUse1")
     autocast.register(_LIBS)  # torch.autocast(device_type="neuron"): CUDA's policy
     _register_fused_rnn_cells()
     # Note [Substitution]: the kernel library is imported when a flush first looks for it
@@ -79,9 +78,7 @@ def _install_native() -> bool:
         _engine.core(k).sync("synchronize")
 
     def rng(k):  # a core's default generator is its device RNG: queued draws first
-        eng = _engine.core(k)
-        eng.flush("rng")
-        return eng.device.rng.gen
+        return _engine.core(k).with_rng(_gen)
 
     if not _native.install(neuron.device_count(), sync, rng):
         return False
@@ -99,9 +96,11 @@ def _cpu_generator(g):
     k, default, own = _native.module().generator_info(g)
     if not default:
         return own
-    eng = _engine.core(k)
-    eng.flush("rng")
-    return eng.device.rng.gen
+    return _engine.core(k).with_rng(_gen)
+
+
+def _gen(rng):
+    return rng.gen
 
 
 def _refuse_other_layouts() -> None:
@@ -362,14 +361,12 @@ def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memo
 
 def _copy_from(src, dst, non_blocking=False):
     """Reached instead of `copy_` where PyTorch excludes Python dispatch (`torch.tensor(...,
-    device="neuron")` builds on the host, then copies). An entry into the engine from
-    PyTorch's dispatcher, as Engine.dispatch is: under the engine lock (Note [Threads]).
-    Without it, a 0-d `torch.tensor(v, device="neuron")` queued its copy while another
-    thread queued or flushed: nodes numbered for another segment, a live value left
-    unwritten, another thread's runtime values (wrong results, or an AttributeError)."""
+    device="neuron")` builds on the host, then copies). Registered under the engine lock
+    (`_engine.entry`): without it, a 0-d `torch.tensor(v, device="neuron")` queued its copy
+    while another thread queued or flushed: nodes numbered for another segment, a live value
+    left unwritten, another thread's runtime values (wrong results, or an AttributeError)."""
     eng = dst._engine if isinstance(dst, NeuronTensor) else src._engine
-    with eng.lock:
-        return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+    return transfer.copy_(eng, torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
 
 
 # Factories whose default kernels write through a resizing `out=`, or call a CPU-only kernel
@@ -399,7 +396,7 @@ def _host_factory(name):
         if gen is not None:
             gen = transfer.on_host(gen, None)  # a neuron generator's CPU one, or the error
         eng = neuron._E(kwargs.get("device"))
-        with eng.lock, torch._C._DisableTorchDispatch():
+        with torch._C._DisableTorchDispatch():
             try:
                 meta = op(*args, **dict(kwargs, device=torch.device("meta")))
             except Exception:  # CPU's own words where CPU refuses it too (the meta kernels'

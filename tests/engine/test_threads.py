@@ -308,6 +308,8 @@ def _engine_entries():
     yield torch.rand(3, device="neuron")
     yield x.new_zeros(3).copy_(torch.ones(3))
     yield torch.empty(2, device="neuron").fill_(1.0)
+    yield torch.empty_strided((2, 2), (1, 2), device="neuron").fill_(2.0)
+    yield torch.ops.aten._efficientzerotensor([3], device="neuron")
     torch.manual_seed(3)
     torch.neuron.manual_seed(4)
     torch.neuron.set_rng_state(torch.neuron.get_rng_state())
