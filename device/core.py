@@ -399,9 +399,10 @@ class DeviceRNG:
     Random ops get it as their `generator=` (an overload that takes one, `rand.generator` for
     `rand`). Swapping its state into the CPU's default generator instead was a race: another
     thread's CPU draws (a data-augmentation thread) ran inside the swap, taking the device's
-    numbers and losing their own. The few ops with no generator overload (`native_dropout`,
-    attention's dropout) still swap (the lock keeps two cores' swaps apart; a CPU thread's
-    draws meanwhile still race: adaptive_eager/LIMITS.md)."""
+    numbers and losing their own. `native_dropout`, which has no such overload, is composed as
+    CPU composes it, drawing from this generator (`_native_dropout`). A random op with neither
+    still swaps (the lock keeps two cores' swaps apart; a CPU thread's draws meanwhile race):
+    none reaches the engine today (CUDA's, MPS's and cuDNN's fused kernels)."""
 
     def __init__(self, seed: int = 67280421310721):
         self.gen = torch.Generator()
@@ -434,8 +435,22 @@ class DeviceRNG:
                 gen.set_state(saved)
 
 
+def _native_dropout(input, p, train=None, *, generator):
+    """CPU's `native_dropout` (aten/src/ATen/native/Dropout.cpp, `native_dropout_cpu`), op for
+    op, its mask drawn from `generator`: the same values as CPU's kernel drawing from a
+    default generator in the same state."""
+    if input.numel() == 0 or train is False:  # (draws nothing)
+        return torch.ops.aten.native_dropout.default(input, p, train)
+    p1m = 1.0 - p
+    scale = 0.0 if p1m == 0 else 1.0 / p1m
+    mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(p1m, generator=generator)
+    # (C++'s `mul_(double)` is `mul_.Scalar`, which rounds the scale to a half's dtype first)
+    return torch.ops.aten.mul_.Scalar(input.mul(mask), scale), mask
+
+
 _SWAP = threading.Lock()
-_WITH_GENERATOR: dict = {}
+# op -> its form taking `generator=` (None: none)
+_WITH_GENERATOR: dict = {torch.ops.aten.native_dropout.default: _native_dropout}
 
 
 def with_generator(op):

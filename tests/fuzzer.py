@@ -130,8 +130,8 @@ def stmt_info(code: str) -> dict:
     return {"defs": defs, "muts": muts, "reads": reads,
             "backward": ".backward(" in code, "sync": bool(_SYNC.search(code)),
             "random": bool(re.search(r"\b(rand|randn|randint|randperm|rand_like|randn_like|"
-                                     r"dropout|bernoulli|normal_|uniform_|multinomial|random_)\b",
-                                     code)),
+                                     r"dropout|native_dropout|bernoulli|normal_|uniform_|"
+                                     r"multinomial|random_)\b", code)),
             "deletes": code[4:].strip() if code.startswith("del ") else None}
 
 
@@ -502,7 +502,9 @@ class Gen:
         if a is not None:
             opts += [f"{v} = torch.rand_like({a})", f"{v} = F.dropout({a}, {r.choice([0.0, 0.5, 1.0])})",
                      f"{v} = torch.bernoulli({a}.sigmoid())", f"{a}.uniform_()", f"{a}.normal_()",
-                     f"{v} = torch.randn_like({a})"]
+                     f"{v} = torch.randn_like({a})",
+                     f"{v} = torch.native_dropout({a}, {r.choice([0.0, 0.3, 1.0])}, "
+                     f"{r.choice([True, False, None])})[0]"]
         return r.choice(opts)
 
     def f_shape(self):

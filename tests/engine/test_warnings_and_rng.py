@@ -82,3 +82,51 @@ def test_a_uint8_mask_is_deprecated_once_per_call_as_on_cpu(mode):
         return r.cpu().tolist(), [str(m.message) for m in w]
     cpu, dev = run("cpu"), run(N)
     assert dev == cpu and len(cpu[1]) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_dropout_draws_as_cpu_does_from_the_devices_generator(dtype, mode):
+    """`native_dropout` has no overload taking a generator: it swapped the device's state into
+    CPU's default generator, so a CPU thread drawing meanwhile took the device's numbers. It
+    is composed as CPU's kernel composes it, from the device's generator: CPU's values."""
+    x = torch.randn(4, 33, dtype=dtype)
+    for p, train in [(0.3, True), (0.0, True), (1.0, True), (0.5, False), (0.5, None)]:
+        torch.manual_seed(5)
+        want = torch.native_dropout(x, p, train)
+        torch.manual_seed(5)
+        got = torch.native_dropout(x.to(N), p, train)
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w), (p, train)
+    torch.manual_seed(5)
+    torch.native_dropout(x, 0.3, True)
+    cpu_after = torch.rand(3)
+    torch.manual_seed(5)
+    torch.native_dropout(x.to(N), 0.3, True)
+    assert torch.equal(torch.rand(3, device=N).cpu(), cpu_after)  # drew as many as CPU
+    with pytest.raises(RuntimeError, match="bernoulli_ expects p to be in"):
+        torch.native_dropout(x.to(N), 1.5, True)[0].cpu()
+
+
+def test_native_dropout_leaves_a_cpu_threads_draws_alone():
+    """A CPU thread drawing from the default generator while neuron runs `native_dropout`
+    gets the numbers its seed gives (the swap gave it the device's, about once per run)."""
+    import threading
+    n, seen = 2000, []
+    ref = torch.Generator().manual_seed(11)
+    want = [torch.rand(8, generator=ref) for _ in range(n)]
+    stop = threading.Event()
+
+    def draws():
+        for _ in range(n):
+            seen.append(torch.rand(8))
+        stop.set()
+
+    torch.manual_seed(11)
+    t = threading.Thread(target=draws)
+    x = torch.randn(64, 64, device=N)
+    t.start()
+    while not stop.is_set():
+        torch.native_dropout(x, 0.5, True)[0].sum().item()
+    t.join()
+    bad = sum(not torch.equal(a, b) for a, b in zip(seen, want))
+    assert bad == 0, f"{bad} of {n} CPU draws were not the CPU generator's"
