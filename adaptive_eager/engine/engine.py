@@ -418,8 +418,8 @@ class Engine:
             return run_now(self, func, args, kwargs, fallback=False)
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
-        if func._op is _SELECT and not kwargs:  # Note [View inference]: `a[i]`
-            out = results.select_at(self, func, args, route, _view_key)
+        if (func._op is _SELECT or func._op is _SLICE) and not kwargs:  # Note [View
+            out = results.view_at(self, func, args, route, _view_key)  # inference]: `a[i]`
             if out is not None:
                 return out
         vkey = cls == VIEW and not kwargs and _view_key(self, func, args)
@@ -758,7 +758,7 @@ class _Route(NamedTuple):
     scalars: tuple  # fusion.ir.scalar_positions
 
 
-_SELECT = aten.select.int._op
+_SELECT, _SLICE = aten.select.int._op, aten.slice.Tensor._op
 
 
 # keyed by `func._op`, the C++ operator behind an OpOverload: an OpOverload hashes through a

@@ -284,9 +284,10 @@ def _flops(func, args, kwargs, out) -> float:
 # per row of a row loop. A view whose meta run succeeds with no warning and returns only
 # views of its arguments' buffers is answered from that run alone; anything else (an error:
 # CPU's probe decides it; a warning; a non-view leaf) takes the full inference. And
-# `select(dim, i)`, the view of `a[i]`, takes its index as a runtime value: it is the view at
-# index 0 (one signature per layout) shifted by i strides (results.select_at); an index out
-# of range or a bad dim takes the op path, which raises CPU's error.
+# `select(dim, i)` (`a[i]`) and `slice(dim, i, j, step)` (`a[i:j]`, `narrow`) take their index
+# as a runtime value: the view at index 0 (one signature per layout and length) shifted by i
+# strides (results.view_at); an index out of range, a bad dim or step, or an empty result
+# takes the op path, which raises CPU's error.
 def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | None:
     """Note [View inference]: the meta result of view op `func`, or None (use `infer`)."""
     with torch._C._DisableTorchDispatch(), warnings.catch_warnings(record=True) as caught:

@@ -18,6 +18,8 @@ from .source import _user_stacklevel
 from .templates import template
 
 aten = torch.ops.aten
+_SELECT, _SLICE = aten.select.int._op, aten.slice.Tensor._op
+_INT64_MAX = 2 ** 63 - 1
 _PYTHON_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
                 | torch._C.DispatchKeySet(torch._C.DispatchKey.PythonTLSSnapshot))
 
@@ -66,40 +68,71 @@ def _view(eng, leaf, handles, args):
         return NeuronTensor(eng, handles[li], size, stride, off, dtype, info=info)
 
 
-def select_at(eng, func, args, route, view_key):
-    """Note [View inference]: `x.select(dim, i)` (`a[i]`) is the view at index 0 shifted by
-    i strides: its index is a runtime value, as an op's runtime scalars are, not a new
-    signature per row. The view at 0 comes from the meta cache (inferred once per layout),
-    found by its view key (`view_key`: Note [View keys]) or its template; None where the op
-    path decides (an index out of range or a bad dim: CPU's error)."""
-    if len(args) != 3:
+def view_at(eng, func, args, route, view_key):
+    """Note [View inference]: `x.select(dim, i)` (`a[i]`) and `x.slice(dim, i, j, step)`
+    (`a[i:j]`, `narrow`) are the view at index 0 shifted by i strides: the index is a runtime
+    value, as an op's runtime scalars are, not a new signature per offset. The view at 0 comes
+    from the meta cache (inferred once per layout and length), found by its view key
+    (`view_key`: Note [View keys]) or its template; None where the op path decides (CPU's
+    errors, empty views)."""
+    at = _at_zero(func, args)
+    if at is None:
         return None
-    x, dim, index = args
-    if type(x) is not NeuronTensor or type(dim) is not int or type(index) is not int \
-            or not index:
-        return None
-    shape = x.shape
-    if 0 in shape:  # an empty view's offset may lie past its buffer: the op path makes it
-        return None
-    d = dim + len(shape) if dim < 0 else dim
-    if not 0 <= d < len(shape) or not -shape[d] <= index < shape[d]:
-        return None
-    step = (index + shape[d] if index < 0 else index) * x.stride(d)
-    vkey = view_key(eng, func, (x, dim, 0))
+    x, zero, step = at
+    vkey = view_key(eng, func, zero)
     meta = eng.meta_cache.get(vkey) if vkey else None
     if meta is None or meta.gstate != _global_state():
-        args_t, kwargs_t = template(eng, func, (x, dim, 0), {}, route.scalars)[:2]
+        args_t, kwargs_t = template(eng, func, zero, {}, route.scalars)[:2]
         meta = eng.meta_cache.get((func._op, args_t, kwargs_t, _global_state()))
     if meta is not None and meta.single and not meta.warns and meta.leaves[0][0] == "view":
         _, li, size, stride, off, dtype, ((_, _, _, dt), nbytes, extent) = meta.leaves[0]
     else:  # the view at 0 through the op path, which infers and caches it
-        first = eng.dispatch_plain(func, (x, dim, 0), {}, route, counted=True)
+        first = eng.dispatch_plain(func, zero, {}, route, counted=True)
         if type(first) is not NeuronTensor or first._handle is not x._handle:
             return None
         (size, stride, off, dt), nbytes, extent = first._info
         dtype = first.dtype
     info = ((size, stride, off + step, dt), nbytes, extent + step * x.element_size())
     return _view(eng, ("view", 0, size, stride, off + step, dtype, info), [x._handle], args)
+
+
+def _at_zero(func, args):
+    """(x, the arguments of the same view at index 0, the shift in elements) of a `select` or
+    `slice` call with a non-empty result at an index in range (ATen's wrapping and clamping of
+    `slice`'s bounds); None otherwise (index 0 itself, bad arguments: the op path)."""
+    x = args[0] if args else None
+    if type(x) is not NeuronTensor:
+        return None
+    shape, strides = x._info[0][:2]  # (`x.shape`, `x.stride()`: slower)
+    n = len(shape)
+    if 0 in shape:  # an empty view's offset may lie past its buffer: the op path makes it
+        return None
+    if func._op is _SELECT:
+        if len(args) != 3 or type(args[1]) is not int or type(args[2]) is not int:
+            return None
+        dim, index = args[1] + n if args[1] < 0 else args[1], args[2]
+        if not 0 <= dim < n or not -shape[dim] <= index < shape[dim]:
+            return None
+        index = index + shape[dim] if index < 0 else index
+        return (x, (x, dim, 0), index * strides[dim]) if index else None
+    rest = args[1:]
+    if len(rest) > 4:
+        return None
+    dim, start, end, step = (*rest, *(0, None, None, 1)[len(rest):])
+    if type(dim) is not int or type(step) is not int or step <= 0 or any(
+            v is not None and (type(v) is not int or v == _INT64_MAX) for v in (start, end)):
+        return None  # (INT64_MAX: ATen's "no bound", read its own way)
+    dim = dim + n if dim < 0 else dim
+    if not 0 <= dim < n:
+        return None
+    size = shape[dim]
+    start = 0 if start is None else start + size if start < 0 else start
+    end = size if end is None else end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    if start == 0 or end == start:
+        return None
+    return x, (x, dim, 0, end - start, step), start * strides[dim]
 
 
 def inplace_view(eng, func, args, kwargs):

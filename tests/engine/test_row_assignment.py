@@ -249,3 +249,54 @@ def test_views_of_an_empty_tensor_are_cpus(mode):
             assert (got.shape, got.stride(), got.storage_offset()) == (
                 want.shape, want.stride(), want.storage_offset())
             assert torch.equal(got.cpu(), want)
+
+
+def test_slice_at_any_offset_is_cpus_view(mode):
+    """Note [View inference]: `x.slice(dim, i, j, step)` (`a[i:j]`, `narrow`) is the view at 0
+    of the same length shifted by i strides: every dim, bound (negative, past the end, None),
+    step, base offset and stride, as CPU's; a bad step or dim, CPU's error."""
+    import itertools
+    base = torch.randn(6, 5, 7, generator=_g())
+    xs = [lambda t: t, lambda t: t[1:, 2:].transpose(0, 2), lambda t: t[:, :1].expand(6, 3, 7),
+          lambda t: t[::2, 1::2]]
+    bounds = [None, -9, -3, -1, 0, 1, 2, 4, 9]
+    for f in xs:
+        c, n = f(base), f(base.to(N))
+        for dim in range(-c.dim(), c.dim()):
+            for start, end, step in itertools.product(bounds, bounds, (1, 2, 3)):
+                got = torch.ops.aten.slice.Tensor(n, dim, start, end, step)
+                want = torch.ops.aten.slice.Tensor(c, dim, start, end, step)
+                assert (got.shape, got.stride(), got.storage_offset()) == (
+                    want.shape, want.stride(), want.storage_offset()), (dim, start, end, step)
+                assert torch.equal(got.cpu(), want)
+        for args in [(0, 1, 3, 0), (0, 1, 3, -1), (5, 1, 3, 1), (-4, 1, 3, 1)]:
+            with pytest.raises((RuntimeError, IndexError)) as e_cpu:
+                torch.ops.aten.slice.Tensor(c, *args)
+            with pytest.raises(type(e_cpu.value)) as e_dev:
+                torch.ops.aten.slice.Tensor(n, *args)
+            assert str(e_dev.value) == str(e_cpu.value)
+    t = base.to(N)
+    assert torch.equal(t.narrow(1, 2, 3).cpu(), base.narrow(1, 2, 3))
+    with torch.inference_mode():
+        assert not t[2:4].is_inference() and t[2:4].equal(t[2:4])
+        inf = torch.ones(5, 2, device=N)
+    assert inf[1:3].is_inference() and inf[-2:].tolist() == [[1., 1.]] * 2
+
+
+def test_slices_at_new_offsets_infer_no_signature(mode, monkeypatch):
+    """`a[i:i + 2]` for every row i is one signature (the view at 0), not one per offset: no
+    shape inference and no meta-cache entry per new offset (each cost ~50 us)."""
+    from adaptive_eager.engine import engine as engine_mod
+    a = torch.randn(64, 3, generator=_g())
+    n = a.to(N)
+    n[1:3], n.narrow(0, 1, 4)  # the views at 0 of lengths 2 and 4, inferred once
+    calls = []
+    for name in ("infer", "infer_view"):
+        f = getattr(engine_mod, name)
+        monkeypatch.setattr(engine_mod, name, lambda *a, _f=f, **k: calls.append(1) or _f(*a, **k))
+    size = len(n._engine.meta_cache)
+    for i in range(2, 60):
+        assert torch.equal(n[i:i + 2].cpu(), a[i:i + 2])
+        assert torch.equal(n.narrow(0, i, 4).cpu(), a.narrow(0, i, 4))
+    assert not calls
+    assert len(n._engine.meta_cache) == size
