@@ -1,6 +1,6 @@
 """Note [Guarded replay] (adaptive_eager/engine/replay.py): a steady-state `copy_` between two
 tensors of one core that its handler would queue (Note [Direct copies]) is replayed from the
-trace like any op, and the view of `a[i]` is found by its view key (results.select_at, Note
+trace like any op, and the view of `a[i]` is found by its view key (results.view_at, Note
 [View keys]): `buf.copy_(y)` and `a[i] = y` loops skip the templates and shape inference in
 the steady state, with the slow path's values, versions, launches, flushes, device time and
 timeline (`replay=False`), and CPU's values and errors."""
