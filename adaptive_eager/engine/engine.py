@@ -418,8 +418,8 @@ class Engine:
             return run_now(self, func, args, kwargs, fallback=False)
         if cls == INPLACE_VIEW:
             return results.inplace_view(self, func, args, kwargs)
-        if (func._op is _SELECT or func._op is _SLICE) and not kwargs:  # Note [View
-            out = results.view_at(self, func, args, route, _view_key)  # inference]: `a[i]`
+        if (func._op is _SELECT or func._op is _SLICE) and not kwargs:  # `a[i]`, `a[i:j]`:
+            out = results.view_at(self, func, args, route, _view_key)  # Note [View inference]
             if out is not None:
                 return out
         vkey = cls == VIEW and not kwargs and _view_key(self, func, args)
