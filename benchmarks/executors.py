@@ -238,6 +238,50 @@ def calibrate(mode, step, repeats=3) -> list[dict]:
     return best
 
 
+GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+@contextlib.contextmanager
+def timed_gemms(acc, clock):
+    """Inductor's extern GEMM calls (`extern_kernels.mm/addmm/bmm/baddbmm`, looked up at
+    each call by the generated code) timed into acc["gemm"], counted in acc["gemm calls"]:
+    CPU `torch.compile`'s code and the Inductor executor's make the same calls, so the step
+    less its GEMMs compares what each adds around them (GEMMs are ~90% of the MLP step and
+    move by several ms between modes of one run)."""
+    from torch._inductor.select_algorithm import extern_kernels as ek
+    saved = {n: getattr(ek, n) for n in GEMMS}
+
+    def timed(fn):
+        def gemm(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc["gemm"] += clock() - t0
+                acc["gemm calls"] += 1
+        return gemm
+    for n, f in saved.items():
+        setattr(ek, n, timed(f))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(ek, n, f)
+
+
+def _compile_breakdown(step, repeats) -> dict:
+    """`breakdown` of CPU `torch.compile`'s step: the step and its GEMMs only."""
+    acc, rows = collections.Counter(), []
+    timed_step(step)
+    with timed_gemms(acc, CLOCK[0]):
+        for _ in range(repeats):
+            acc.clear()
+            total = timed_step(step)
+            rows.append({"step": total, "gemm": acc["gemm"], "gemm calls": acc["gemm calls"]})
+    return {k: statistics.median(r[k] for r in rows) * (1 if k == "gemm calls" else 1e3)
+            for k in rows[0]}
+
+
 def breakdown(mode, step, repeats=3, rescope=False) -> dict:
     """Where one steady step's wall time goes (ms per step, the median of `repeats` steps):
     `compiled` (TorchInductor's code), `copies` (its inputs and outputs at the group's edges:
@@ -246,12 +290,15 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
     time less their launches'), and `host` (the rest: dispatch, queueing, autograd, the
     optimizer's Python), of which `dispatch` is the per-op host path (the neuron tensor's
     `__torch_dispatch__`, outermost calls, less the flushes run inside it; `ops
-    dispatched` counts them). Timers wrap the engine's flush, the device's submit, the FX
-    group's copies and the dispatch, so the figures carry a little of their own overhead
-    (about 1 us per op dispatched). `rescope`: every
+    dispatched` counts them). `gemm`: of `compiled`, Inductor's extern GEMM calls
+    (`timed_gemms`; for `cpu-compile`, only `step` and `gemm` are measured). Timers wrap the
+    engine's flush, the device's submit, the FX group's copies, the GEMMs and the dispatch, so
+    the figures carry a little of their own overhead (about 1 us per op dispatched). `rescope`: every
     timed step enters the mode's scope anew (how steady steps were measured before: the
     engine then forgets its replay traces, and with the Inductor executor its plans, at
     every step)."""
+    if mode == "cpu-compile":
+        return _compile_breakdown(step, repeats)
     from fusion.executors.fx import FxGroup
     from adaptive_eager.engine.tensor import NeuronTensor
     eng = ae.engine.engine.ENGINE
@@ -311,7 +358,8 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
         try:
             for _ in range(repeats):
                 acc.clear()
-                with scope(mode) if rescope else contextlib.nullcontext():
+                with scope(mode) if rescope else contextlib.nullcontext(), \
+                        timed_gemms(acc, clock):
                     total = timed_step(step)
                 a = dict(acc)
                 runs = sum(a.get(k, 0.0) for k in ("compiled", "fused interpreted",
@@ -325,15 +373,17 @@ def breakdown(mode, step, repeats=3, rescope=False) -> dict:
                     "flush": a.get("flush", 0.0) - runs,
                     "host": total - a.get("flush", 0.0),
                     "dispatch": a.get("dispatch", 0.0),
+                    "gemm": a.get("gemm", 0.0),
                     **{k: v for k, v in a.items()
-                       if k.endswith("launches") or k == "ops dispatched"}})
+                       if k.endswith(("launches", "calls")) or k == "ops dispatched"}})
         finally:
             del dev.submit, eng.flush
             FxGroup.args, FxGroup.store = args, store
             NeuronTensor.__torch_dispatch__ = td
     keys = rows[0].keys() | {k for r in rows for k in r}
     return {k: (statistics.median(r.get(k, 0) for r in rows) * (
-        1 if k.endswith("launches") or k == "ops dispatched" else 1e3)) for k in keys}
+        1 if k.endswith(("launches", "calls")) or k == "ops dispatched" else 1e3))
+        for k in keys}
 
 
 def optimizer_step(modes, d=512, tokens=1024, steps=12, warm=3) -> dict:
@@ -368,21 +418,26 @@ def optimizer_step(modes, d=512, tokens=1024, steps=12, warm=3) -> dict:
 
 BREAKDOWN_KEYS = ("compiled", "copies", "fused interpreted", "single ops", "flush", "host",
                   "dispatch")
+_HEADS = {"dispatch": "host: of it, dispatch"}
 
 
 def breakdown_table(results) -> str:
-    lines = ["| workload | mode | step (ms) | " + " | ".join(
-             "host: of it, dispatch" if k == "dispatch" else k for k in BREAKDOWN_KEYS) +
+    lines = ["| workload | mode | step (ms) | GEMM (Inductor's extern calls) | step - GEMM | " +
+             " | ".join(_HEADS.get(k, k) for k in BREAKDOWN_KEYS) +
              " | ops dispatched | launches (compiled/fused interp./single) |",
-             "|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|---|"]
+             "|---|---|---|---|---|" + "---|" * len(BREAKDOWN_KEYS) + "---|---|"]
     for r in results:
         for m, b in r.get("breakdown", {}).items():
-            lines.append(f"| {r['workload']} | {m} | {b['step']:.1f} | " +
-                         " | ".join(f"{b.get(k, 0):.1f}" for k in BREAKDOWN_KEYS) +
-                         f" | {b.get('ops dispatched', 0):.0f}"
-                         f" | {b.get('compiled launches', 0):.0f}/"
-                         f"{b.get('fused interpreted launches', 0):.0f}/"
-                         f"{b.get('single ops launches', 0):.0f} |")
+            if m == "cpu-compile":  # its step and GEMMs only (`_compile_breakdown`)
+                rest = " | ".join("-" for _ in BREAKDOWN_KEYS) + " | - | - |"
+            else:
+                rest = (" | ".join(f"{b.get(k, 0):.1f}" for k in BREAKDOWN_KEYS) +
+                        f" | {b.get('ops dispatched', 0):.0f}"
+                        f" | {b.get('compiled launches', 0):.0f}/"
+                        f"{b.get('fused interpreted launches', 0):.0f}/"
+                        f"{b.get('single ops launches', 0):.0f} |")
+            lines.append(f"| {r['workload']} | {m} | {b['step']:.1f} | {b.get('gemm', 0):.1f} | "
+                         f"{b['step'] - b.get('gemm', 0):.1f} | " + rest)
     return "\n".join(lines)
 
 
@@ -430,7 +485,8 @@ def run(workload, size, modes, rounds, per_round, first_n, do_calibrate=True,
            "steady": steady(modes, steps, rounds, per_round) if rounds else {}}
     if do_breakdown:
         ours = [m for m in modes if m not in ("cpu", "cpu-compile", "ltc")]
-        res["breakdown"] = {m: breakdown(m, steps[m]) for m in ours}
+        res["breakdown"] = {m: breakdown(m, steps[m]) for m in ours + [
+            m for m in modes if m == "cpu-compile"]}
         if do_breakdown == "rescope":  # how the steady steps were measured before
             res["breakdown"].update({f"{m}, scope per step": breakdown(m, steps[m], rescope=True)
                                      for m in ours})

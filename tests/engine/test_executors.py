@@ -467,7 +467,10 @@ def test_benchmark_smoke_tiny_sizes():
     assert b["compiled launches"] > 0 and b["compiled"] > 0 and b["host"] > 0
     # of the host time, the per-op dispatch path: part of it, over every op of the step
     assert 0 < b["dispatch"] < b["host"] and b["ops dispatched"] > 10
+    # of the compiled time, Inductor's extern GEMM calls (the step's 4 + 8 matmuls), timed
+    assert b["gemm calls"] == 12 and 0 < b["gemm"] < b["compiled"]
     assert res["breakdown"]["interpreter"].get("compiled launches", 0) == 0
+    assert res["breakdown"]["interpreter"]["gemm"] == 0  # (the interpreter runs ATen's mm)
     assert "| mlp_train | inductor |" in executors.breakdown_table([res])
     # PyTorch's lazy tensors ran the step as graphs (at least one per step)
     assert res["first"]["ltc"]["ltc_graphs_per_step"] >= 1
