@@ -360,6 +360,9 @@ class Engine:
             try:
                 if kwargs and kwargs.get("generator") is not None:
                     return self._with_generator(func, args, kwargs)
+                route = _ROUTES.get(func._op) or _route(func)
+                if route.view:  # Note [Replayed views]: never in a trace
+                    return self.dispatch_plain(func, args, kwargs, route)
                 tr = self.traces
                 if tr.expect is not None:  # Note [Replay]: the steady state's path
                     out = replay.follow(self, func, args, kwargs)
@@ -373,7 +376,6 @@ class Engine:
                         if out is not MISSED:
                             return out
                         return self.dispatch_plain(func, args, kwargs, counted=True)
-                route = _ROUTES.get(func._op) or _route(func)
                 if route.special is not None:
                     return route.special(self, func, args, kwargs)
                 if route.composite is not None:  # Note [Composite ops in inference mode]
@@ -756,6 +758,7 @@ class _Route(NamedTuple):
     composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
     cls: str | None  # fusion.ops.op_class
     scalars: tuple  # fusion.ir.scalar_positions
+    view: bool  # a view op with neither handler nor composite kernel: Note [Replayed views]
 
 
 _SELECT, _SLICE = aten.select.int._op, aten.slice.Tensor._op
@@ -774,6 +777,13 @@ _ROUTES: dict = {}
 # nothing and queue no op), found with the global state it was made under. A view then
 # skips the templates (about 40% of its host time: a GPT step makes ~230 views). Anything
 # else goes the template way, which raises the errors (another core, a freed storage).
+# Note [Replayed views]: a view op (neither a handler of ours nor a composite kernel: `_Route.view`)
+# bypasses the replay (Note [Replay] in replay.py) and goes straight to the view key. It queues
+# nothing, so no trace holds it: `follow` could only find that it is not the expected op (each
+# of a GPT step's ~200 views paid that check, then the route), and `step` that no trace
+# begins with it. The replay stays on across it, as before. A view op that does queue an op
+# (the template way inferred one) takes the slow path, and the replay resumes after its
+# node when it is the trace's (`resumes`).
 def _view_key(eng, func, args):
     """Note [View keys]: the key of view call `func(*args)`, or None."""
     a = args[0] if args else None
@@ -792,7 +802,9 @@ def _view_key(eng, func, args):
 
 
 def _route(func) -> _Route:
-    r = _Route(_SPECIAL.get(func), composite_key(func), op_class(func), scalar_positions(func))
+    special, composite, cls = _SPECIAL.get(func), composite_key(func), op_class(func)
+    r = _Route(special, composite, cls, scalar_positions(func),
+               cls == VIEW and special is None and composite is None)
     if r.cls is not None or func.namespace == "aten":  # (a custom op's neuron kernel may be
         _ROUTES[func._op] = r  # registered after its first call: Note [Custom kernels])
     return r

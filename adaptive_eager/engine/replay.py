@@ -35,8 +35,9 @@ with the same plan key, buffers and contexts, the same launch, metrics, report a
 entry, and under launch blocking the same wait (its errors raise at the call). The trace is
 then filed as `remember` files a trace replayed to its end. Everything before (counting,
 checks, admission, the source line, new buffers) and after (results) is the replay's.
-Engine.dispatch tries the traces beginning with an op (`step`) before it routes the op, so a
-replayed eager op never enters Engine.dispatch_plain; it is counted once it matches (`follow`),
+Engine.dispatch tries the traces beginning with an op (`step`) before its handlers (views
+aside: Note [Replayed views] in engine.py), so a replayed eager op never enters
+Engine.dispatch_plain; it is counted once it matches (`follow`),
 before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
 modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
