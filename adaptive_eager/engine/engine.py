@@ -729,6 +729,7 @@ _SPECIAL = {
 replay.GUARDS[aten.copy_.default._op] = transfer.queues_copy  # Note [Guarded replay]
 for _op in transfer.LIKE:
     _SPECIAL[_op] = transfer.like
+    replay.GUARDS[_op._op] = transfer.queues_like  # (autograd's ones_like: a step's grad seed)
 _SPECIAL[aten.block_diag.default] = _block_diag
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
@@ -777,13 +778,14 @@ _ROUTES: dict = {}
 # nothing and queue no op), found with the global state it was made under. A view then
 # skips the templates (about 40% of its host time: a GPT step makes ~230 views). Anything
 # else goes the template way, which raises the errors (another core, a freed storage).
-# Note [Replayed views]: a view op (neither a handler of ours nor a composite kernel: `_Route.view`)
-# bypasses the replay (Note [Replay] in replay.py) and goes straight to the view key. It queues
-# nothing, so no trace holds it: `follow` could only find that it is not the expected op (each
-# of a GPT step's ~200 views paid that check, then the route), and `step` that no trace
-# begins with it. The replay stays on across it, as before. A view op that does queue an op
-# (the template way inferred one) takes the slow path, and the replay resumes after its
-# node when it is the trace's (`resumes`).
+# Note [Replayed views]: a view op (neither a handler of ours nor a composite kernel:
+# `_Route.view`) bypasses the replay (Note [Replay] in replay.py) and goes straight to its
+# view key, or the template way. It queues nothing, so no trace holds it: `follow` could
+# only find that it is not the expected op (each of a GPT step's ~200 views paid that
+# check, then the route), and `step` that no trace begins with it. The replay stays on
+# across it, as before. A view op that does queue an op (the template way inferred one)
+# takes the slow path, and the replay resumes after its node when it is the trace's
+# (`resumes`).
 def _view_key(eng, func, args):
     """Note [View keys]: the key of view call `func(*args)`, or None."""
     a = args[0] if args else None

@@ -61,7 +61,7 @@ from .source import _source
 MISS = object()  # the op does not match the trace: take the slow path
 MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS = range(8)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS, _LISTED = range(9)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
@@ -70,14 +70,16 @@ MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idl
 _PER_OP = 4  # traces kept per first op and layout
 # Note [Guarded replay]: an op the engine's own handler takes (`_SPECIAL` in engine.py) is
 # never replayed (Engine.dispatch tries the trace before the handler), except those with a
-# guard here, by `func._op`: `guard(eng, args)`, asked once when the op matches the trace,
-# before anything is counted or flushed, says whether the handler, called now, would queue
+# guard here, by `func._op`: `guard(eng, args, kwargs)`, asked once when the op matches the
+# trace, before anything is counted or flushed, says whether the handler, called now, would queue
 # the op through Engine.dispatch_plain with these arguments (else: MISS, and the handler
 # decides). The replay then does what that path does. `copy_` between two tensors of one
 # core is queued unless it is copied at the call (transfer.queues_copy, Note [Direct
 # copies]); its signature is in the trace, so it is not new (no first-sight flush). A copy
 # that stops matching after the guard (a flush on the way) takes dispatch_plain, as the
 # handler would have. So `buf.copy_(y)` and `a[i] = y` loops on queued values are replayed.
+# The `*_like` and `new_*` factories are queued unless their result is on another device
+# (transfer.queues_like): so is a backward's grad seed (`ones_like` of the loss).
 GUARDS: dict = {}
 # Note [Handled replay]: an op the engine's own handler takes and no guard lets through
 # (Note [Guarded replay]) is never replayed by Engine.dispatch (its meta's `replay` is
@@ -121,6 +123,11 @@ def spec(meta):
                     for i, x in enumerate(t[1:])):  # a list of tensors, buffers distinct
                 out.append((_TENSORS, tuple((x[2:6], x[1]) for x in t[1:])))
                 at += [len(out) - 1] * (len(t) - 1)
+            elif tag == "L" and t[1:] and all(type(x) is tuple and len(x) == 6 and x[0] == "T"
+                                              and x[1] < len(at) for x in t[1:]) \
+                    and out[at[t[1][1]]][0] == _TENSORS \
+                    and out[at[t[1][1]]][1] == tuple((x[2:6], x[1]) for x in t[1:]):
+                out.append((_LISTED, at[t[1][1]]))  # an earlier list again (`addcmul_(g, g)`)
             elif tag in _ENUM_TAGS:
                 out.append((_ENUM, t))
             elif tag == "H" and t[3] == () and hasattr(torch, t[2]):  # a 0-d host tensor: a value
@@ -411,6 +418,11 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
                 else:
                     continue
                 break
+            elif kind == _LISTED:  # the very tensors of an earlier list, in order
+                b = flat[s[1]]
+                if type(a) not in (list, tuple) or len(a) != len(b) or any(
+                        x is not y for x, y in zip(a, b)):
+                    break
             elif kind == _HOST:  # as templates.py takes it (a copy of its value, now)
                 if type(a) is not torch.Tensor or a.dtype is not s[1] or a.dim() \
                         or a.device.type != "cpu" or a.layout is not torch.strided:
@@ -421,7 +433,7 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
                 break
         else:  # (a guard is asked once: at the call, where the handler would decide)
             if meta.gstate == _global_state() and (sp[3] is None or guarded
-                                                   or sp[3](eng, args)):
+                                                   or sp[3](eng, args, kwargs)):
                 ok = guarded = True
         if not ok:
             break

@@ -172,7 +172,7 @@ def _direct(eng, dst, src) -> bool:
     return not eng.device._pending  # (Note [Collective stream] in device/core.py)
 
 
-def queues_copy(eng, args) -> bool:
+def queues_copy(eng, args, kwargs) -> bool:
     """Note [Guarded replay] in replay.py: would `copy_` (matching a trace: two tensors of
     this core) be queued by its handler now, not copied at the call (Note [Direct copies])?
     A trace's copy_ was queued before, so its signature is not new (`_first_sight`)."""
@@ -298,11 +298,17 @@ LIKE.append(aten.randint_like.low_dtype)
 
 
 def like(eng, func, args, kwargs):
-    dev = kwargs.get("device")
-    if dev is None or eng.peer(torch.device(dev).index) is eng \
-            and torch.device(dev).type == DEVICE_TYPE:
+    if queues_like(eng, args, kwargs):
         return eng.dispatch_plain(func, args, kwargs)
     return _on_stand_ins(func, args, kwargs)
+
+
+def queues_like(eng, args, kwargs) -> bool:
+    """Note [Guarded replay] in replay.py: is a `*_like` / `new_*` op's result on this core
+    (queued as an ordinary op), not on another device?"""
+    dev = kwargs.get("device")
+    return dev is None or eng.peer(torch.device(dev).index) is eng \
+        and torch.device(dev).type == DEVICE_TYPE
 
 
 def _on_stand_ins(func, args, kwargs):
