@@ -61,7 +61,7 @@ from .source import _source
 MISS = object()  # the op does not match the trace: take the slow path
 MISSED = object()  # it stopped matching once counted: the slow path, which must not count it
 _SCALARS = {"int": int, "float": float, "bool": bool, "complex": complex}
-_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS, _LISTED = range(9)
+_TENSOR, _SCALAR, _STATIC, _INTS, _ENUM, _AGAIN, _HOST, _TENSORS, _LISTED, _SCALARS_ = range(10)
 _ENUM_TAGS = ("dt", "dev", "lay", "mf")  # fusion.ir.encode_static's
 _ENUM_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
 _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`) with traces
@@ -114,6 +114,8 @@ def spec(meta):
                 out.append((_AGAIN, at[t[1]], t[2:6]))
             elif tag == "S" and type(t[2]) is str:
                 out.append((_SCALAR, _SCALARS[t[2]]))
+            elif tag == "S" and all(n in _SCALARS for n in t[2]):  # a Scalar[] (AdamW's bias
+                out.append((_SCALARS_, tuple(_SCALARS[n] for n in t[2])))  # corrections)
             elif tag == "F":
                 out.append((_STATIC, float, t))
             elif tag == "L" and all(type(x) in (int, bool) for x in t[1:]):
@@ -418,6 +420,11 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
                 else:
                     continue
                 break
+            elif kind == _SCALARS_:  # runtime values of these types, as templates take them
+                if type(a) not in (list, tuple) or len(a) != len(s[1]) or any(
+                        type(x) is not y for x, y in zip(a, s[1])):
+                    break
+                inputs.append(list(a))
             elif kind == _LISTED:  # the very tensors of an earlier list, in order
                 b = flat[s[1]]
                 if type(a) not in (list, tuple) or len(a) != len(b) or any(

@@ -610,14 +610,15 @@ def test_adamw_foreach_steps_are_replayed_through_the_version_bumping_handler(mo
     out, m, timeline = train(N)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     # 8 ops: _foreach_mul_ (weight decay), _foreach_lerp_, _foreach_mul_, _foreach_addcmul_
-    # (grads twice: replayed since s15), _foreach_sqrt, _foreach_div_ and _foreach_addcdiv_
-    # (each step's bias corrections: new static values), _foreach_add_; s14 replayed 5
-    assert (m.ops, m.replayed_ops) == (8, 6), (m.ops, m.replayed_ops)
+    # (grads twice), _foreach_sqrt, _foreach_div_ and _foreach_addcdiv_ (each step's bias
+    # corrections: runtime Scalar[] values), _foreach_add_; s14 replayed 5 (not the
+    # addcmul_, div_, addcdiv_)
+    assert (m.ops, m.replayed_ops) == (8, 8), (m.ops, m.replayed_ops)
     slow, ms, timeline_s = train(N, replay=False)
     assert all(torch.equal(a, b) for a, b in zip(slow, ref))
     assert same_work(m, ms) and ms.replayed_ops == 0 and timeline == timeline_s
     checked, mc, _ = train(N, check_replay=True)
-    assert all(torch.equal(a, b) for a, b in zip(checked, ref)) and mc.replayed_ops == 6
+    assert all(torch.equal(a, b) for a, b in zip(checked, ref)) and mc.replayed_ops == 8
 
     def versions(dev):
         """Parameters saved for backward, then written by a foreach op (as `step()` before
@@ -698,3 +699,46 @@ def test_a_list_passed_again_is_replayed(mode):
     assert all(torch.equal(x, y) for x, y in zip(slow, ref)) and same_work(m, ms)
     checked, _, mc = run(N, check_replay=True)
     assert all(torch.equal(x, y) for x, y in zip(checked, ref)) and mc.replayed_ops == 2
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_scalar_lists_are_replayed_as_runtime_values(mode):
+    """Note [Replay]: a Scalar[] argument (`_foreach_div_(xs, [c1, c2])`, AdamW's bias
+    corrections, new values every step) is replayed as runtime values of the same types,
+    read at the call: each step's values are used, bit for bit CPU's; other element types
+    (an int among floats) take the slow path. Work as the slow path's; check_replay agrees."""
+    def fn(xs, ys, zs, i):
+        torch._foreach_div_(xs, [1.0 + i / 7, 2.0 - i / 9, 0.5 + i])
+        torch._foreach_addcdiv_(xs, ys, zs, [0.1 * i, -0.3, 1.0 / (i + 1)])
+        torch._foreach_mul_(xs, [2.0, 3, 0.5] if i == 2 else [2.0, 3.0, 0.5])
+        return xs
+
+    def run(dev, n=4, **settings):
+        torch.manual_seed(0)
+        xs, ys, zs = ([torch.randn(2, 3).to(dev) for _ in range(3)] for _ in range(3))
+        ctx = ae.adaptive() if mode == "adaptive" and dev == N else contextlib.nullcontext()
+        ms = []
+        with ae.override(**settings), ctx:
+            for i in range(n):
+                if dev == N:
+                    torch.neuron.synchronize()
+                    ae.reset_metrics()
+                fn(xs, ys, zs, i)
+                if dev == N:
+                    torch.neuron.synchronize()
+                    ms.append(ae.metrics())
+        return [x.cpu() for x in xs], ms
+
+    ref, _ = run("cpu")
+    out, ms = run(N)
+    assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    # step 2's int in the list is another key (the slow path); then in eager mode step 3
+    # replays all 3 again, in adaptive mode the trace of step 2, till its mul_ (main: none)
+    assert [(m.ops, m.replayed_ops) for m in ms[1:]] == [
+        (3, 3), (3, 2), (3, 3 if mode == "eager" else 2)], ms
+    slow, mss = run(N, replay=False)
+    assert all(torch.equal(x, y) for x, y in zip(slow, ref))
+    assert all(same_work(a, b) for a, b in zip(ms, mss))
+    checked, mc = run(N, check_replay=True)
+    assert all(torch.equal(x, y) for x, y in zip(checked, ref))
+    assert [m.replayed_ops for m in mc] == [m.replayed_ops for m in ms]
