@@ -95,11 +95,11 @@ GUARDS: dict = {}
 
 def spec(meta):
     """How an op's arguments must look to find `meta` again (per argument: a tensor's
-    layout and local buffer index, a runtime scalar's type, a static value), from the
-    templates of its signature, with the number of positional arguments and the keyword
-    names, in order; False where replay does not apply (host tensors but 0-d ones, a
-    tensor list holding a buffer twice, a buffer passed twice...). Cached on the meta
-    result."""
+    layout and local buffer index, a runtime scalar's type (a Scalar[]'s: each element's),
+    a static value, an earlier tensor or tensor list again), from the templates of its
+    signature, with the number of positional arguments and the keyword names, in order;
+    False where replay does not apply (host tensors but 0-d ones, a tensor list holding a
+    buffer twice or partly an earlier one's...). Cached on the meta result."""
     if meta.replay is not None:
         return meta.replay
     out, at = [], []  # at: the argument position of each local buffer index
