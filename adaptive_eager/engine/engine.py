@@ -362,6 +362,8 @@ class Engine:
                     return self._with_generator(func, args, kwargs)
                 route = _ROUTES.get(func._op) or _route(func)
                 if route.view:  # Note [Replayed views]: never in a trace
+                    if route.special is not None:  # (_unsafe_view: as view)
+                        return route.special(self, func, args, kwargs)
                     return self.dispatch_plain(func, args, kwargs, route)
                 tr = self.traces
                 if tr.expect is not None:  # Note [Replay]: the steady state's path
@@ -759,7 +761,7 @@ class _Route(NamedTuple):
     composite: object  # Note [Composite ops in inference mode]: the kernel's key, or None
     cls: str | None  # fusion.ops.op_class
     scalars: tuple  # fusion.ir.scalar_positions
-    view: bool  # a view op with neither handler nor composite kernel: Note [Replayed views]
+    view: bool  # Note [Replayed views]: a view op, no composite kernel, no handler but as view
 
 
 _SELECT, _SLICE = aten.select.int._op, aten.slice.Tensor._op
@@ -778,14 +780,14 @@ _ROUTES: dict = {}
 # nothing and queue no op), found with the global state it was made under. A view then
 # skips the templates (about 40% of its host time: a GPT step makes ~230 views). Anything
 # else goes the template way, which raises the errors (another core, a freed storage).
-# Note [Replayed views]: a view op (neither a handler of ours nor a composite kernel:
-# `_Route.view`) bypasses the replay (Note [Replay] in replay.py) and goes straight to its
-# view key, or the template way. It queues nothing, so no trace holds it: `follow` could
-# only find that it is not the expected op (each of a GPT step's ~200 views paid that
-# check, then the route), and `step` that no trace begins with it. The replay stays on
-# across it, as before. A view op that does queue an op (the template way inferred one)
-# takes the slow path, and the replay resumes after its node when it is the trace's
-# (`resumes`).
+# Note [Replayed views]: a view op (no composite kernel, no handler of ours but
+# `_unsafe_view`'s, which is `view`: `_Route.view`) bypasses the replay (Note [Replay] in
+# replay.py) and goes straight to its view key, or the template way. It queues nothing, so
+# no trace holds it: `follow` could only find that it is not the expected op (each of a
+# GPT step's ~230 views paid that check, then the route), and `step` that no trace begins
+# with it. The replay stays on across it, as before. A view op that does queue an op (the
+# template way inferred one) takes the slow path, and the replay resumes after its node
+# when it is the trace's (`resumes`).
 def _view_key(eng, func, args):
     """Note [View keys]: the key of view call `func(*args)`, or None."""
     a = args[0] if args else None
@@ -806,7 +808,7 @@ def _view_key(eng, func, args):
 def _route(func) -> _Route:
     special, composite, cls = _SPECIAL.get(func), composite_key(func), op_class(func)
     r = _Route(special, composite, cls, scalar_positions(func),
-               cls == VIEW and special is None and composite is None)
+               cls == VIEW and special in (None, _unsafe_view) and composite is None)
     if r.cls is not None or func.namespace == "aten":  # (a custom op's neuron kernel may be
         _ROUTES[func._op] = r  # registered after its first call: Note [Custom kernels])
     return r

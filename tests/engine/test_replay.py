@@ -416,13 +416,14 @@ def test_views_skip_the_replay_which_stays_on_across_them(monkeypatch, mode):
 
     def step(x, w):
         y = (x * 2.0).view(24).view(6, 4)
-        z = (y * w).transpose(0, 1)
+        z = (y.unsqueeze(0) @ w.t()).squeeze(0).transpose(0, 1)  # (_unsafe_view: a view)
+        z = (y * z.t()).transpose(0, 1)
         v = z[1:3]
         v.mul_(3.0)  # through the view: z's buffer, z's version
         (z.exp() + v.sum()).sum().backward()
         return y, z, v
 
-    xc, wc = torch.randn(4, 6), torch.randn(6, 4, requires_grad=True)
+    xc, wc = torch.randn(4, 6), torch.randn(4, 4, requires_grad=True)
     x, w = xc.to(N), wc.detach().to(N).requires_grad_()
     seen, ops = [], []
     dispatch = E.Engine.dispatch
@@ -443,7 +444,9 @@ def test_views_skip_the_replay_which_stays_on_across_them(monkeypatch, mode):
             m = ae.metrics()
     wc.grad = None
     want = step(xc, wc)
-    views = [f for f in ops if op_class(f) == VIEW]
+    unsafe = torch.ops.aten._unsafe_view.default  # (its handler dispatches a view: counted once)
+    views = [f for f in ops if op_class(f) == VIEW and f is not unsafe]
+    assert unsafe in ops
     assert len(views) >= 6 and seen and not [f for f in seen if op_class(f) == VIEW], seen
     # every other op, but in eager mode the backward's 2 copy_ done at the call (Note [Direct
     # copies] in transfer.py)
