@@ -445,7 +445,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             out_leaves.append(("new", k, size, stride, leaf.dtype,
                                _info(size, stride, 0, leaf)))
             outs.append(("N", nh + k, size, stride, dt))
-            new_bytes.append(extent_bytes(size, stride, off, leaf.element_size()))
+            # (at offset 0, as its tensor is made and a kernel's result stored: a meta
+            # kernel handing back its input, `native_dropout(x[6:], p, False)`'s, keeps x's)
+            new_bytes.append(extent_bytes(size, stride, 0, leaf.element_size()))
     writes = []
     for j, a in enumerate(schema_args):
         if a.alias_info is not None and a.alias_info.is_write:

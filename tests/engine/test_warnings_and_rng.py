@@ -130,3 +130,19 @@ def test_native_dropout_leaves_a_cpu_threads_draws_alone():
     t.join()
     bad = sum(not torch.equal(a, b) for a, b in zip(seen, want))
     assert bad == 0, f"{bad} of {n} CPU draws were not the CPU generator's"
+
+
+def test_native_dropout_in_eval_of_a_view_at_an_offset_is_cpus(mode):
+    """`native_dropout(x, p, train=False)`'s meta kernel hands back its input, so its output
+    looked like a new buffer at the input's offset: the device reserved the bytes up to that
+    offset and refused the kernel's smaller result (an AssertionError; fuzzer seeds 43217 and
+    45726). A new output's bytes are counted from offset 0, as it is made."""
+    base = torch.arange(7.0)
+    for f in [lambda t: t.split(1)[-1], lambda t: t[3:], lambda t: t.view(7, 1)[2:5].t()]:
+        want = torch.native_dropout(f(base), 0.5, False)
+        got = torch.native_dropout(f(base.to(N)), 0.5, False)
+        for w, g in zip(want, got):
+            assert (g.shape, g.stride(), g.storage_offset(), g.dtype) == (
+                w.shape, w.stride(), w.storage_offset(), w.dtype)
+            assert torch.equal(g.cpu(), w)
+            assert g.untyped_storage().nbytes() == w.untyped_storage().nbytes()
