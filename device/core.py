@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .counters import COUNTERS
+from .counters import COUNTERS, Tally
 from .memory import HBM, Buffer
 from .spec import DeviceSpec
 
@@ -112,7 +112,7 @@ class Device:
         self._kept_ops = 0  # ops whose sources the trace holds (bounded: `_trace`)
         self._tail = 0  # the newest entries, the only ones that may hold sources
         self.rng = DeviceRNG()
-        self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
+        self.stats = Tally()  # this core's share of COUNTERS' device figures
         self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
         self.coll_free_at_us = 0.0  # when the collective stream is done (Note [Collective stream])
         self._pending: dict[int, tuple] = {}  # id(buffer) -> (buffer, end, wait for the bytes)

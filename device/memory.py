@@ -123,7 +123,9 @@ class Buffer:
         self.host = None
         # HBM.reserve's and HBM.release's accounting, in the buffer's own frames (eager mode
         # makes and frees a buffer per op); the out-of-memory error is reserve's
-        with hbm._lock:
+        lock = hbm._lock
+        lock.acquire()  # (`with`, unrolled: twice the cost)
+        try:
             used = hbm.used + nbytes
             fits = used <= hbm.capacity
             if fits:
@@ -131,6 +133,8 @@ class Buffer:
                 if used > hbm.peak:
                     hbm.peak = used
                 hbm.num_allocs += 1
+        finally:
+            lock.release()
         if not fits:
             hbm.reserve(nbytes)  # raises, unless another thread freed enough meanwhile
         self._hbm = hbm
@@ -142,7 +146,11 @@ class Buffer:
     def __del__(self):
         hbm = self._hbm
         if hbm is not None:
-            with hbm._lock:
+            lock = hbm._lock
+            lock.acquire()
+            try:
                 assert hbm.used >= self.nbytes, (hbm.used, self.nbytes)
                 hbm.used -= self.nbytes
                 hbm.num_frees += 1
+            finally:
+                lock.release()

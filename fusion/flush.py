@@ -46,6 +46,7 @@ class GroupPlan:
     overhead_us: float = 0.0  # its declared fixed cost
     op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
     cost: tuple = (None, 0.0)  # (spec, its launch's modeled us on that spec): computed once
+    alone: bool = False  # one op, launched as `_execute_one` launches it (set by `_plan`)
 
 
 @dataclasses.dataclass
@@ -211,6 +212,8 @@ class Runner:
                                    cost is not None, cost.overhead_us if cost else 0.0,
                                    tuple((n.op.flops, n.in_bytes + n.out_bytes)
                                          for n in members)))
+            plans[-1].alone = len(members) == 1 and not isinstance(exe, OneByOne) and not (
+                self.executor is not None and len(exe.instrs) > 1)
         plan = Plan(plans, reasons, graph, skipped)
         spec = self.device.spec
         plan.totals = (plan.launches, sum(spec.launch_us(g.nbytes, g.flops, g.low_precision)
@@ -351,8 +354,7 @@ class Runner:
         case only: the interpreter runs it, no input is poisoned, no collective is pending.
         False (nothing done) otherwise."""
         exe, dev, slots = gp.exe, self.device, gp.slots
-        if dev._pending or isinstance(exe, OneByOne) or gp.end - gp.start != 1 or (
-                self.executor is not None and len(exe.instrs) > 1):
+        if dev._pending or not gp.alone:
             return False
         program = exe.program
         st = [None] * program.n_slots
