@@ -394,8 +394,7 @@ class Runner:
                     h.poison = None
                     r = views[nv + s]
                     if r is not None:  # Note [Host views]
-                        o = exe.out_layouts[s]
-                        buf.host = ((o[1], o[2], 0, o[3]), r)
+                        buf.host = (exe.out_keys[s], r)
         self.done = gp.end if self.origin is None else self.origin[gp.end]
         return True
 
@@ -432,8 +431,7 @@ class Runner:
                 if views is not None and h.poison is None:  # Note [Host views]
                     r = views[exe.n_views + s]
                     if r is not None:
-                        o = exe.out_layouts[s]
-                        h.buffer.host = ((o[1], o[2], 0, o[3]), r)
+                        h.buffer.host = (exe.out_keys[s], r)
         self.done = gp.end if self.origin is None else self.origin[gp.end]
 
 

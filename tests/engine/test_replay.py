@@ -378,6 +378,21 @@ def test_host_views_are_reused_and_keep_tensor_identity():
     assert x._handle.buffer.host is not None  # kept on the buffer for the next launch
 
 
+def test_a_launch_finds_the_host_view_its_writer_kept_by_identity():
+    """Note [Host views]: a layout key is one object per layout, so the key a launch's
+    output keeps on its buffer is the very key its readers' executables look for."""
+    from adaptive_eager.engine.engine import ENGINE
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+    for _ in range(3):
+        y = x * a
+        z = y * a
+    key = y._handle.buffer.host[0]
+    keys = [k for plan in ENGINE.runner.plans.values() for g in plan.groups
+            for _, _, k in g.exe.host_views if k == key]
+    assert keys and all(k is key for k in keys)
+    assert torch.equal(z.cpu(), x.cpu() * a.cpu() * a.cpu())
+
+
 def test_eager_ops_of_many_layouts_and_bfloat16_launch_from_their_traces(monkeypatch):
     """Note [Eager launches] with traces filed by their first argument's layout: a matmul
     of six layouts per step (more than an op's four places) and bfloat16 ops (their launch
