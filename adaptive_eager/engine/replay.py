@@ -174,13 +174,6 @@ def first_key(op) -> object:
     return op.func._op
 
 
-def call_key(func, args) -> object:
-    """`first_key` of the signature a call `func(*args)` would have."""
-    if args and type(args[0]) is NeuronTensor:
-        return (func._op, args[0]._info[0])
-    return func._op
-
-
 class Traces:
     """One core's replay state (Note [Replay]): the trace being recorded (`nodes`; per node,
     `steps`: its meta result and cut), the one expected next, the one this recording has
@@ -339,7 +332,7 @@ def step(eng, func, args, kwargs, handled=False):
     nothing counted, if none matches; MISSED if one stopped matching once counted).
     Engine.dispatch calls it before counting the op; `handled_step` (`handled`), after."""
     tr = eng.traces
-    # (`call_key(func, args)`, inlined: this runs per op in eager mode)
+    # `first_key` of the signature this call would have (here: a frame less per eager op)
     key = (func._op, args[0]._info[0]) if args and type(args[0]) is NeuronTensor else func._op
     for trace in tr.by_op.get(key, ()):
         tr.expect = tr.followed = trace
