@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .counters import COUNTERS
+from .counters import COUNTERS, Tally
 from .memory import HBM, Buffer
 from .spec import DeviceSpec
 
@@ -112,7 +112,7 @@ class Device:
         self._kept_ops = 0  # ops whose sources the trace holds (bounded: `_trace`)
         self._tail = 0  # the newest entries, the only ones that may hold sources
         self.rng = DeviceRNG()
-        self.stats = collections.Counter()  # this core's share of COUNTERS' device figures
+        self.stats = Tally()  # this core's share of COUNTERS' device figures
         self.submits = 0  # every launch and DMA, never reset: host copies are checked by it
         self.coll_free_at_us = 0.0  # when the collective stream is done (Note [Collective stream])
         self._pending: dict[int, tuple] = {}  # id(buffer) -> (buffer, end, wait for the bytes)
@@ -204,8 +204,20 @@ class Device:
         self.submits += 1
         COUNTERS.launches += 1
         COUNTERS.hbm_bytes += nbytes
-        self.stats["launches"] += 1
-        start, end = self._queue(cost)
+        stats = self.stats
+        stats["launches"] += 1
+        # `_queue(cost)`, inlined (this runs per op in eager mode)
+        ends, limit = self._ends, self.spec.max_in_flight
+        if len(ends) >= limit:
+            if len(ends) > 2 * limit:
+                self.in_flight()
+            if len(ends) >= limit and ends[-limit] > self.host_us:
+                self.host_us = ends[-limit]
+        start = self.host_us if self.host_us > self.free_at_us else self.free_at_us
+        self.free_at_us = end = start + cost
+        COUNTERS.device_time_us += cost
+        stats["device_time_us"] += cost
+        ends.append(end)
         failed = None
         try:
             run(*args)
@@ -217,7 +229,13 @@ class Device:
             self._errors.append(failed)
         if self.realtime:
             _sleep_us(cost)
-        self._entry(name, "launch", start, cost, nbytes, flops, nodes)
+        # `_entry(name, "launch", start, cost, nbytes, flops, nodes)`, inlined
+        self.trace.append((name, "launch", start, cost, nbytes, flops, nodes))
+        self._tail += 1
+        if nodes:
+            self._kept_ops += len(nodes[0])
+            if self._kept_ops > SOURCE_BUDGET:
+                self._drop_sources()
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, end)
         return failed

@@ -121,7 +121,22 @@ class Buffer:
         # (layout, CPU tensor over `storage` with it): the last view a launch read it
         # through or wrote it as (Note [Host views] in fusion/codegen.py)
         self.host = None
-        hbm.reserve(nbytes)
+        # HBM.reserve's and HBM.release's accounting, in the buffer's own frames (eager mode
+        # makes and frees a buffer per op); the out-of-memory error is reserve's
+        lock = hbm._lock
+        lock.acquire()  # (`with`, unrolled: twice the cost)
+        try:
+            used = hbm.used + nbytes
+            fits = used <= hbm.capacity
+            if fits:
+                hbm.used = used
+                if used > hbm.peak:
+                    hbm.peak = used
+                hbm.num_allocs += 1
+        finally:
+            lock.release()
+        if not fits:
+            hbm.reserve(nbytes)  # raises, unless another thread freed enough meanwhile
         self._hbm = hbm
         if storage is None:
             storage = torch.UntypedStorage(nbytes)
@@ -129,5 +144,13 @@ class Buffer:
         self.storage = storage
 
     def __del__(self):
-        if self._hbm is not None:
-            self._hbm.release(self.nbytes)
+        hbm = self._hbm
+        if hbm is not None:
+            lock = hbm._lock
+            lock.acquire()
+            try:
+                assert hbm.used >= self.nbytes, (hbm.used, self.nbytes)
+                hbm.used -= self.nbytes
+                hbm.num_frees += 1
+            finally:
+                lock.release()

@@ -193,7 +193,8 @@ def _view(st, views, vid, slot, size, stride, offset, dtype) -> None:
 # metadata (in-place view ops and resizes are the engine's, before the launch), so the
 # tensor is exactly what `_view` would make. A view whose (slot, layout) two view ids of the
 # program share (one tensor passed as two objects: Note [Tensor identity] in
-# adaptive_eager/engine/templates.py) is always made afresh. A launch that runs TorchInductor's
+# adaptive_eager/engine/templates.py) is always made afresh. Layout keys are one object per
+# layout (`layout_key`), so a reader finds its writer's view by identity. A launch that runs TorchInductor's
 # code (fusion/executors) reads its slots' storages (`FxGroup.args`): it makes none.
 def host_views(instrs, n_inputs: int) -> tuple:
     """(view id, slot, layout) of the input views a launch may hand in (Note [Host views])."""
@@ -202,7 +203,24 @@ def host_views(instrs, n_inputs: int) -> tuple:
         for t in tensor_templates(ins.args + tuple(ins.kwargs.values())):
             if t[2] < n_inputs:
                 seen.setdefault((t[2],) + tuple(t[3:7]), set()).add(t[1])
-    return tuple((next(iter(v)), k[0], k[1:]) for k, v in seen.items() if len(v) == 1)
+    return tuple((next(iter(v)), k[0], layout_key(k[1:])) for k, v in seen.items()
+                 if len(v) == 1)
+
+
+_LAYOUTS: dict = {}
+
+
+def layout_key(layout: tuple) -> tuple:
+    """One object per (size, stride, offset, dtype) seen (Note [Host views]): a launch finds
+    the view a buffer keeps by `is` (its writer's out key, its reader's host_views key), not
+    by comparing the tuples. (Past 10,000 layouts they start again: only `==` finds those
+    kept before.)"""
+    key = _LAYOUTS.get(layout)
+    if key is None:
+        if len(_LAYOUTS) >= 10_000:
+            _LAYOUTS.clear()
+        key = _LAYOUTS[layout] = layout
+    return key
 
 
 def _fix(r, o):

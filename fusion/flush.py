@@ -17,7 +17,7 @@ import weakref
 import networkx as nx
 import torch
 
-from device import COUNTERS, Device, Launch, LaunchError
+from device import COUNTERS, Buffer, Device, Launch, LaunchError
 
 from .cache import ExecutableCache
 from .causes import HISTORY
@@ -46,6 +46,7 @@ class GroupPlan:
     overhead_us: float = 0.0  # its declared fixed cost
     op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
     cost: tuple = (None, 0.0)  # (spec, its launch's modeled us on that spec): computed once
+    alone: bool = False  # one op, launched as `_execute_one` launches it (set by `_plan`)
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class Plan:
     skipped_bytes: int  # bytes of created values never written back (freed before flush)
     launches: int = 0
     sizes: collections.Counter = None  # group size -> count, for the metrics
+    size_items: tuple = ()  # its items (counted per flush: per op in eager mode)
     # (launches, device us, HBM bytes) of this flush as planned
     totals: tuple = None
 
@@ -63,6 +65,7 @@ class Plan:
         self.launches = sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
                             for g in self.groups)
         self.sizes = collections.Counter(g.end - g.start for g in self.groups)
+        self.size_items = tuple(self.sizes.items())
 
 
 @dataclasses.dataclass
@@ -126,10 +129,17 @@ class Runner:
 
     def run(self, nodes: list[Node], refs: list, reason: str, strategy: Strategy,
             substitute: bool = False) -> FlushReport:
+        """`flush`, and its report."""
+        return FlushReport(*self.flush(nodes, refs, reason, strategy, substitute))
+
+    def flush(self, nodes: list[Node], refs: list, reason: str, strategy: Strategy,
+              substitute: bool = False) -> tuple:
         """Run a queued segment: its nodes, and its buffers by index (Node.uids: numbered by
         first use, so equal segments have equal numbers), each a handle or a weakref to a
         pending one (None once its tensors are gone: never written back). `substitute`:
-        recognized patterns become library kernels (Note [Substitution])."""
+        recognized patterns become library kernels (Note [Substitution]). Returns its
+        FlushReport's fields, in order: the engine makes the report when it is read (an
+        eager op is a flush, and most reports are never read)."""
         self.done = 0
         self.origin = None
         handles: list[Handle | None] = [r() if type(r) is weakref.ref else r for r in refs]
@@ -151,10 +161,10 @@ class Runner:
         return self.run_sig(nodes, handles, sig, reason, strategy, n_ops, subs, declined)
 
     def run_sig(self, nodes, handles, sig, reason, strategy, n_ops=None, subs=(),
-                declined=()) -> FlushReport:
-        """`run`, given the segment's buffers (None: gone) and its plan key: an eager op
+                declined=()) -> tuple:
+        """`flush`, given the segment's buffers (None: gone) and its plan key: an eager op
         replayed (Note [Eager launches] in adaptive_eager/engine/replay.py) knows both, and
-        substitutes nothing (`n_ops` None: `run`'s start is done here)."""
+        substitutes nothing (`n_ops` None: `flush`'s start is done here)."""
         if n_ops is None:
             self.done = 0
             self.origin = None
@@ -184,8 +194,8 @@ class Runner:
         COUNTERS.bytes_saved += plan.skipped_bytes
         if subs:
             COUNTERS.substitutions.update(s.kernel for s in subs)
-        return FlushReport(reason, strategy.name, n_ops, plan, hit, compiled, nodes, subs,
-                           declined, self.unsubstituted, sig)
+        return (reason, strategy.name, n_ops, plan, hit, compiled, nodes, subs, declined,
+                self.unsubstituted, sig)
 
     def _plan(self, nodes, handles, strategy) -> Plan:
         graph = dependency_graph(nodes)
@@ -202,6 +212,8 @@ class Runner:
                                    cost is not None, cost.overhead_us if cost else 0.0,
                                    tuple((n.op.flops, n.in_bytes + n.out_bytes)
                                          for n in members)))
+            plans[-1].alone = len(members) == 1 and not isinstance(exe, OneByOne) and not (
+                self.executor is not None and len(exe.instrs) > 1)
         plan = Plan(plans, reasons, graph, skipped)
         spec = self.device.spec
         plan.totals = (plan.launches, sum(spec.launch_us(g.nbytes, g.flops, g.low_precision)
@@ -342,8 +354,7 @@ class Runner:
         case only: the interpreter runs it, no input is poisoned, no collective is pending.
         False (nothing done) otherwise."""
         exe, dev, slots = gp.exe, self.device, gp.slots
-        if dev._pending or isinstance(exe, OneByOne) or gp.end - gp.start != 1 or (
-                self.executor is not None and len(exe.instrs) > 1):
+        if dev._pending or not gp.alone:
             return False
         program = exe.program
         st = [None] * program.n_slots
@@ -374,17 +385,16 @@ class Runner:
             self._written(gp, exe, st, poisoned, causes, launch, members, {}, {}, handles,
                           views)
         else:
-            nv = exe.n_views
+            nv, hbm = exe.n_views, dev.hbm
             for s in gp.outputs:
                 h = handles[slots[s]]
                 if h is not None and h.pending:
-                    h.buffer = buf = dev.alloc(h.nbytes, st[s])
+                    h.buffer = buf = Buffer(h.nbytes, hbm, st[s])  # (Device.alloc's)
                     h.pending = False
                     h.poison = None
                     r = views[nv + s]
                     if r is not None:  # Note [Host views]
-                        o = exe.out_layouts[s]
-                        buf.host = ((o[1], o[2], 0, o[3]), r)
+                        buf.host = (exe.out_keys[s], r)
         self.done = gp.end if self.origin is None else self.origin[gp.end]
         return True
 
@@ -421,8 +431,7 @@ class Runner:
                 if views is not None and h.poison is None:  # Note [Host views]
                     r = views[exe.n_views + s]
                     if r is not None:
-                        o = exe.out_layouts[s]
-                        h.buffer.host = ((o[1], o[2], 0, o[3]), r)
+                        h.buffer.host = (exe.out_keys[s], r)
         self.done = gp.end if self.origin is None else self.origin[gp.end]
 
 

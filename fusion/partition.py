@@ -80,21 +80,10 @@ class Strategy:
         self.spec = spec or DeviceSpec()
         self.max_group_ops = max_group_ops
         self.max_contractions = max_contractions
-        # Everything that can move a boundary: part of a cached plan's key.
-        self.key = _Key((self.name, max_group_ops, max_contractions, self.spec))
-
-
-class _Key(tuple):
-    """A strategy's key, hashed once: the plan cache hashes it per flush, which is per op in
-    eager mode, and the spec's dataclass hash goes over every field."""
-
-    def __new__(cls, items):
-        key = super().__new__(cls, items)
-        key.hash = tuple.__hash__(key)
-        return key
-
-    def __hash__(self):
-        return self.hash
+        # Everything that can move a boundary: part of a cached plan's key, which the plan
+        # cache hashes per flush (per op in eager mode): the spec as its fingerprint, a
+        # string (hashed once; the spec's dataclass hash goes over every field, in Python)
+        self.key = (self.name, max_group_ops, max_contractions, self.spec.fingerprint())
 
     def cut(self, g: GroupState, n: Node, dependent: bool) -> str | None:
         raise NotImplementedError

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from device import LaunchError
 
-from .codegen import generate, host_views, tensor_templates
+from .codegen import generate, host_views, layout_key, tensor_templates
 from .host import QUIET_OPS, cpp_warnings_scope
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, KERNEL, LAYOUT_ONLY, RANDOM, device_kernel, op_class
@@ -194,8 +194,10 @@ class Executable:
         self.instrs = [Instr(*i[:5], i[5], vids) for i in program.instrs]
         for ins in self.instrs:
             ins.bind_outputs(vids)
-        # slot -> (slot, size, stride, dtype, view id) of each new output (Note [Host views])
-        self.out_layouts = {o[0]: o for ins in self.instrs for o in ins.outs if o is not None}
+        # slot -> the host view key (size, stride, offset, dtype) of each new output (Note
+        # [Host views])
+        self.out_keys = {o[0]: layout_key((o[1], o[2], 0, o[3])) for ins in self.instrs
+                         for o in ins.outs if o is not None}
         self.n_views = len(vids)
         self.host_views = host_views(self.instrs, program.n_inputs)  # Note [Host views]
         # Note [Generated runs]

@@ -21,7 +21,7 @@ import torch
 from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
-from fusion.flush import Runner
+from fusion.flush import FlushReport, Runner
 from fusion.ir import Handle, Node, scalar_positions, written_arguments
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
@@ -243,7 +243,7 @@ class Engine:
         self.seg = Segment()  # what is queued (Note [Segments] in queue.py)
         self.traces = replay.Traces()  # what replay follows (Note [Replay] in replay.py)
         self.meta_cache: dict = {}
-        self.last_report = None
+        self._report = None  # the last flush's (`last_report`)
         self.lock = _LOCK
         self.warned: set[str] = set()  # warnings given once per process
         self.spec = spec or DeviceSpec()
@@ -480,8 +480,9 @@ class Engine:
         report = self._run(nodes, refs, reason, self.strategy if lazy else self.eager_strategy,
                            substitute=lazy and _config.config.substitute)
         trace = self.traces.remember(reason, lazy, self.strategy.key)
-        if trace is not None and not lazy and trace.n == 1 and all(report.sig[3]):
-            trace.sig = report.sig  # Note [Eager launches] in replay.py
+        sig = report[10]
+        if trace is not None and not lazy and trace.n == 1 and all(sig[3]):
+            trace.sig = sig  # Note [Eager launches] in replay.py
         if self.device.blocking:  # the host waits (errors raise here)
             self.synchronize()
 
@@ -495,11 +496,12 @@ class Engine:
             self.synchronize()
 
     def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
-        """Run flushed `nodes` (Runner.run; `sig`: their plan key, with `refs` the handles;
-        `substitute`: Note [Substitution]) and count the flush (its metrics)."""
+        """Run flushed `nodes` (Runner.flush; `sig`: their plan key, with `refs` the handles;
+        `substitute`: Note [Substitution]) and count the flush (its metrics). Returns its
+        report's fields (`last_report` makes the report when read)."""
         runner = self.runner
         runner.done = 0  # what _interrupted reads if the flush stops before it starts
-        args = (runner.run, nodes, refs, reason, strategy, substitute) if sig is None \
+        args = (runner.flush, nodes, refs, reason, strategy, substitute) if sig is None \
             else (runner.run_sig, nodes, refs, sig, reason, strategy)
         try:  # Note [Host calls] in fusion/host.py; Note [CPU settings] for flush-to-zero
             if cpu_settings.FTZ_USED[0]:
@@ -511,13 +513,21 @@ class Engine:
             _interrupted(self, nodes, refs, e)
             self.traces.forget()
             raise
-        self.last_report = report
+        self._report = report
         m = self.metrics
         m.flushes[reason] += 1
         sizes = m.group_sizes
-        for k, v in report.plan.sizes.items():
+        for k, v in report[3].size_items:
             sizes[k] += v
         return report
+
+    @property
+    def last_report(self) -> FlushReport | None:
+        """The last flush's report (`ae.explain`), made from its fields when first read."""
+        r = self._report
+        if type(r) is tuple:
+            r = self._report = FlushReport(*r)
+        return r
 
     @_locked
     def with_rng(self, fn):

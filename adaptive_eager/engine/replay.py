@@ -42,6 +42,8 @@ before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
 modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
 record is made unless it fails (the same clock, counters and timeline entry as `submit`).
+No FlushReport is made either: the engine keeps its fields, and `Engine.last_report` makes it
+when read (`ae.explain`), as for every flush.
 """
 from __future__ import annotations
 
@@ -170,13 +172,6 @@ def first_key(op) -> object:
     if type(t) is tuple and len(t) == 6 and t[0] == "T":
         return (op.func._op, t[2:6])
     return op.func._op
-
-
-def call_key(func, args) -> object:
-    """`first_key` of the signature a call `func(*args)` would have."""
-    if args and type(args[0]) is NeuronTensor:
-        return (func._op, args[0]._info[0])
-    return func._op
 
 
 class Traces:
@@ -337,7 +332,9 @@ def step(eng, func, args, kwargs, handled=False):
     nothing counted, if none matches; MISSED if one stopped matching once counted).
     Engine.dispatch calls it before counting the op; `handled_step` (`handled`), after."""
     tr = eng.traces
-    for trace in tr.by_op.get(call_key(func, args), ()):
+    # `first_key` of the signature this call would have (here: a frame less per eager op)
+    key = (func._op, args[0]._info[0]) if args and type(args[0]) is NeuronTensor else func._op
+    for trace in tr.by_op.get(key, ()):
         tr.expect = tr.followed = trace
         out = follow(eng, func, args, kwargs, handled, handled)  # (handled_step counted it)
         if out is not MISS:

@@ -275,6 +275,70 @@ def test_eager_ops_replayed_from_traces_skip_the_plain_dispatch(monkeypatch):
     assert torch.equal(out, slow) and same_work(m, ms) and timeline == timeline_s
 
 
+def _python_calls(op) -> list[str]:
+    """The qualified names of the Python functions `op()` runs."""
+    import sys
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_qualname)
+    sys.setprofile(profile)
+    try:
+        op()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_steady_eager_launch_runs_none_of_the_bookkeepings_helpers(monkeypatch):
+    """Note [Eager launches]: a steady eager op makes no FlushReport (the engine keeps its
+    fields; `last_report` makes it when read), hashes its plan key with no Python frame
+    (the strategy's key holds the spec's fingerprint), and its clock, timeline entry and
+    output buffer (reserved and later freed) take no frame of their own; `ae.explain()`
+    reads the same report as without replay."""
+    from adaptive_eager.engine import engine as E
+    from fusion import flush
+    made = []
+
+    class Report(flush.FlushReport):
+        def __init__(self, *a, **k):
+            made.append(a)
+            super().__init__(*a, **k)
+    monkeypatch.setattr(flush, "FlushReport", Report)
+    monkeypatch.setattr(E, "FlushReport", Report, raising=False)
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+
+    def fn():
+        y = x
+        for _ in range(4):
+            y = y * a
+        return y
+
+    def explained(**kw):
+        with ae.override(**kw):
+            for _ in range(3):
+                fn()
+                torch.neuron.synchronize()
+            y = [x * a]
+            made.clear()
+            calls = _python_calls(lambda: y.append(y.pop() * a))  # (the old buffer freed)
+            reports = len(made)
+            text = str(ae.explain())
+            assert len(made) == 1 and str(ae.explain()) == text and len(made) == 1
+            torch.neuron.synchronize()
+            return calls, reports, text, y[0].cpu()
+
+    calls, reports, text, out = explained()
+    helpers = {"HBM.reserve", "HBM.release", "Device.alloc", "Device._queue",
+               "Device._entry", "_Key.__hash__", "call_key"}
+    assert "Engine.launch" in calls and "Buffer.__del__" in calls, calls
+    assert reports == 0 and not helpers & set(calls), (reports, helpers & set(calls))
+    slow_calls, slow_reports, slow_text, slow = explained(replay=False)
+    assert "Engine.launch" not in slow_calls and slow_reports == 0
+    assert text == slow_text and "1 launch" in text and torch.equal(out, slow)
+
+
 def test_an_eager_launch_from_a_trace_raises_at_the_call_under_launch_blocking():
     x = torch.arange(5.).to(N)
 
@@ -312,6 +376,21 @@ def test_host_views_are_reused_and_keep_tensor_identity():
         w = x.view(4, 4).t() * 3  # another layout of the same buffer
         assert torch.equal(w.cpu(), xc.view(4, 4).t() * 3)
     assert x._handle.buffer.host is not None  # kept on the buffer for the next launch
+
+
+def test_a_launch_finds_the_host_view_its_writer_kept_by_identity():
+    """Note [Host views]: a layout key is one object per layout, so the key a launch's
+    output keeps on its buffer is the very key its readers' executables look for."""
+    from adaptive_eager.engine.engine import ENGINE
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+    for _ in range(3):
+        y = x * a
+        z = y * a
+    key = y._handle.buffer.host[0]
+    keys = [k for plan in ENGINE.runner.plans.values() for g in plan.groups
+            for _, _, k in g.exe.host_views if k == key]
+    assert keys and all(k is key for k in keys)
+    assert torch.equal(z.cpu(), x.cpu() * a.cpu() * a.cpu())
 
 
 def test_eager_ops_of_many_layouts_and_bfloat16_launch_from_their_traces(monkeypatch):

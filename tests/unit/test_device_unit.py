@@ -289,3 +289,18 @@ def _fails(msg):
     def run():
         raise LaunchError(IndexError(msg))
     return run
+
+
+def test_counters_counted_per_op_store_at_a_dicts_cost():
+    """The counters an eager op adds to (a flush's reason and group size, a core's launches
+    and device time) are Counters whose stores take no Python slot lookup (Counter's own
+    `__delitem__` sent every `c[k] += n` through one: ~0.1 us each, four per eager op)."""
+    import collections
+    from device import COUNTERS, Device
+    for c in (COUNTERS.flushes, COUNTERS.group_sizes, Device().stats):
+        assert isinstance(c, collections.Counter) and type(c).__delitem__ is dict.__delitem__
+        c["k"] += 2
+        assert c["k"] == 2 and c["missing"] == 0 and c.most_common(1) == [("k", 2)]
+        del c["k"]
+    COUNTERS.reset()
+    assert type(COUNTERS.flushes).__delitem__ is dict.__delitem__
