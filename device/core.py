@@ -187,7 +187,7 @@ class Device:
                 self.in_flight()
             if len(ends) >= limit and ends[-limit] > self.host_us:
                 self.host_us = ends[-limit]
-        start = max(self.host_us, self.free_at_us)
+        start = self.host_us if self.host_us > self.free_at_us else self.free_at_us  # (max)
         self.free_at_us = end = start + cost
         COUNTERS.device_time_us += cost
         self.stats["device_time_us"] += cost
@@ -204,20 +204,8 @@ class Device:
         self.submits += 1
         COUNTERS.launches += 1
         COUNTERS.hbm_bytes += nbytes
-        stats = self.stats
-        stats["launches"] += 1
-        # `_queue(cost)`, inlined (this runs per op in eager mode)
-        ends, limit = self._ends, self.spec.max_in_flight
-        if len(ends) >= limit:
-            if len(ends) > 2 * limit:
-                self.in_flight()
-            if len(ends) >= limit and ends[-limit] > self.host_us:
-                self.host_us = ends[-limit]
-        start = self.host_us if self.host_us > self.free_at_us else self.free_at_us
-        self.free_at_us = end = start + cost
-        COUNTERS.device_time_us += cost
-        stats["device_time_us"] += cost
-        ends.append(end)
+        self.stats["launches"] += 1
+        start, end = self._queue(cost)
         failed = None
         try:
             run(*args)
@@ -229,13 +217,7 @@ class Device:
             self._errors.append(failed)
         if self.realtime:
             _sleep_us(cost)
-        # `_entry(name, "launch", start, cost, nbytes, flops, nodes)`, inlined
-        self.trace.append((name, "launch", start, cost, nbytes, flops, nodes))
-        self._tail += 1
-        if nodes:
-            self._kept_ops += len(nodes[0])
-            if self._kept_ops > SOURCE_BUDGET:
-                self._drop_sources()
+        self._entry(name, "launch", start, cost, nbytes, flops, nodes)
         if self.blocking:  # the host waits; the caller raises any error at its sync
             self.host_us = max(self.host_us, end)
         return failed

@@ -56,8 +56,11 @@ class HBM:
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int) -> None:
-        with self._lock:
-            if self.used + nbytes > self.capacity:
+        lock = self._lock
+        lock.acquire()  # (`with`, unrolled: twice the cost, and eager mode makes a buffer per op)
+        try:
+            used = self.used + nbytes
+            if used > self.capacity:
                 self.num_ooms += 1
                 raise NeuronOutOfMemoryError(
                     f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
@@ -65,10 +68,12 @@ class HBM:
                     f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
                     f"scope) or use smaller batches; the device stays usable."
                 )
-            self.used = used = self.used + nbytes
+            self.used = used
             if used > self.peak:
                 self.peak = used
             self.num_allocs += 1
+        finally:
+            lock.release()
 
     def check_host(self, nbytes: int) -> None:
         """Refuse (NeuronOutOfMemoryError) a large allocation this host's RAM cannot back."""
@@ -85,10 +90,14 @@ class HBM:
                 f"tensors or use smaller batches; the device stays usable.")
 
     def release(self, nbytes: int) -> None:
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (as in `reserve`)
+        try:
             assert self.used >= nbytes, (self.used, nbytes)
             self.used -= nbytes
             self.num_frees += 1
+        finally:
+            lock.release()
 
     def stats(self) -> dict:
         return {
@@ -121,22 +130,7 @@ class Buffer:
         # (layout, CPU tensor over `storage` with it): the last view a launch read it
         # through or wrote it as (Note [Host views] in fusion/codegen.py)
         self.host = None
-        # HBM.reserve's and HBM.release's accounting, in the buffer's own frames (eager mode
-        # makes and frees a buffer per op); the out-of-memory error is reserve's
-        lock = hbm._lock
-        lock.acquire()  # (`with`, unrolled: twice the cost)
-        try:
-            used = hbm.used + nbytes
-            fits = used <= hbm.capacity
-            if fits:
-                hbm.used = used
-                if used > hbm.peak:
-                    hbm.peak = used
-                hbm.num_allocs += 1
-        finally:
-            lock.release()
-        if not fits:
-            hbm.reserve(nbytes)  # raises, unless another thread freed enough meanwhile
+        hbm.reserve(nbytes)
         self._hbm = hbm
         if storage is None:
             storage = torch.UntypedStorage(nbytes)
@@ -144,13 +138,5 @@ class Buffer:
         self.storage = storage
 
     def __del__(self):
-        hbm = self._hbm
-        if hbm is not None:
-            lock = hbm._lock
-            lock.acquire()
-            try:
-                assert hbm.used >= self.nbytes, (hbm.used, self.nbytes)
-                hbm.used -= self.nbytes
-                hbm.num_frees += 1
-            finally:
-                lock.release()
+        if self._hbm is not None:
+            self._hbm.release(self.nbytes)
