@@ -119,9 +119,9 @@ def _at_zero(func, args):
     if len(rest) > 4:
         return None
     dim, start, end, step = (*rest, *(0, None, None, 1)[len(rest):])
-    if type(dim) is not int or type(step) is not int or step <= 0 or any(
-            v is not None and (type(v) is not int or v == _INT64_MAX) for v in (start, end)):
-        return None  # (INT64_MAX: ATen's "no bound", read its own way)
+    if type(dim) is not int or type(step) is not int or step <= 0 or start == _INT64_MAX \
+            or any(v is not None and type(v) is not int for v in (start, end)):
+        return None  # (a start of INT64_MAX: ATen reads it as 0)
     dim = dim + n if dim < 0 else dim
     if not 0 <= dim < n:
         return None

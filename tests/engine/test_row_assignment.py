@@ -259,7 +259,7 @@ def test_slice_at_any_offset_is_cpus_view(mode):
     base = torch.randn(6, 5, 7, generator=_g())
     xs = [lambda t: t, lambda t: t[1:, 2:].transpose(0, 2), lambda t: t[:, :1].expand(6, 3, 7),
           lambda t: t[::2, 1::2]]
-    bounds = [None, -9, -3, -1, 0, 1, 2, 4, 9]
+    bounds = [None, -9, -3, -1, 0, 1, 2, 4, 9, 2 ** 63 - 1]
     for f in xs:
         c, n = f(base), f(base.to(N))
         for dim in range(-c.dim(), c.dim()):
@@ -289,7 +289,7 @@ def test_slices_at_new_offsets_infer_no_signature(mode, monkeypatch):
     from adaptive_eager.engine import engine as engine_mod
     a = torch.randn(64, 3, generator=_g())
     n = a.to(N)
-    n[1:3], n.narrow(0, 1, 4)  # the views at 0 of lengths 2 and 4, inferred once
+    n[1:3], n.narrow(0, 1, 4), n[1:63]  # the views at 0 of lengths 2, 4, 62, inferred once
     calls = []
     for name in ("infer", "infer_view"):
         f = getattr(engine_mod, name)
@@ -298,5 +298,6 @@ def test_slices_at_new_offsets_infer_no_signature(mode, monkeypatch):
     for i in range(2, 60):
         assert torch.equal(n[i:i + 2].cpu(), a[i:i + 2])
         assert torch.equal(n.narrow(0, i, 4).cpu(), a.narrow(0, i, 4))
+    assert torch.equal(n[2:].cpu(), a[2:])  # (its end: INT64_MAX, clamped; length 62)
     assert not calls
     assert len(n._engine.meta_cache) == size
