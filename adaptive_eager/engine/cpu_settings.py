@@ -14,6 +14,14 @@ call, so the queue must too:
   (the OS copies it), so a thread that never set it may flush to zero (fuzzer seed 326: the
   noise thread, started while the main thread had it on, flushed the main thread's queued
   denormals under its inherited flag).
+- the intra-op thread count is per thread too: a thread takes the process's count when it
+  first runs a parallel op and keeps it, so after `torch.set_num_threads(n)` in one thread
+  another may still split reductions its own way. Once any thread set it (`THREADS_SET`), a
+  queue holds the ops of one count only (`Segment.threads`), as for flush-to-zero, and a
+  flush runs under its queue's count (fuzzer seed 51653: `batch_norm`'s statistics, queued
+  by the main thread and flushed by a noise thread, came out ulps off). Switching a thread's
+  count sets the process's too (PyTorch has one setter): a thread started after such a
+  flush takes the flushing thread's count, not the one last set.
 """
 from __future__ import annotations
 
@@ -26,6 +34,9 @@ import torch
 from .. import patches
 
 FTZ_USED = [False]  # whether any thread ever turned it on: until then ops skip the check
+THREADS_SET = [False]  # whether any thread ever set the thread count: until then, the same
+thread_count = torch._C.get_num_threads  # this thread's
+_set_num_threads = torch._C.set_num_threads  # the unwrapped setter
 _set_flush_denormal = torch._C.set_flush_denormal  # the unwrapped setter
 _LEAST = sys.float_info.min  # the least normal double: half of it is subnormal
 
@@ -45,6 +56,24 @@ def ftz(on: bool):
     return _SAME if not FTZ_USED[0] or on == thread_ftz() else _Ftz(on)
 
 
+def threads(n: int):
+    """A context running its block with intra-op thread count `n` in this thread (0: its
+    own), then restoring the thread's own (nothing to make when they agree)."""
+    return _SAME if not THREADS_SET[0] or not n or n == thread_count() else _Threads(n)
+
+
+class _Threads:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.before = thread_count()
+        _set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        _set_num_threads(self.before)
+
+
 class _Ftz:
     def __init__(self, on: bool):
         self.on = on
@@ -55,6 +84,15 @@ class _Ftz:
 
     def __exit__(self, *exc):
         _set_flush_denormal(self.before)
+
+
+def _marking(flag: list, setter):
+    """`setter`, raising `flag` first (before a flush it makes: that flush must see it)."""
+    @functools.wraps(setter)
+    def call(*args, **kwargs):
+        flag[0] = True
+        return setter(*args, **kwargs)
+    return call
 
 
 def install(flush_all) -> None:
@@ -90,7 +128,8 @@ def install(flush_all) -> None:
                      C._get_deterministic_algorithms_warn_only()),
             C._set_deterministic_algorithms,
             key=lambda mode, warn_only=False: (bool(mode), bool(warn_only))),
-        "set_num_threads": flushing(C.get_num_threads, C.set_num_threads),
+        "set_num_threads": _marking(THREADS_SET, flushing(C.get_num_threads,
+                                                          C.set_num_threads)),
     }
     for name, fn in wrapped.items():  # Note [CPU settings]: a change flushes first
         patches.patch(C, name, fn, rests_on=f"torch's Python setters calling torch._C.{name}")

@@ -504,8 +504,8 @@ class Engine:
         args = (runner.flush, nodes, refs, reason, strategy, substitute) if sig is None \
             else (runner.run_sig, nodes, refs, sig, reason, strategy)
         try:  # Note [Host calls] in fusion/host.py; Note [CPU settings] for flush-to-zero
-            if cpu_settings.FTZ_USED[0]:
-                with cpu_settings.ftz(self.seg.ftz):
+            if cpu_settings.FTZ_USED[0] or cpu_settings.THREADS_SET[0]:
+                with cpu_settings.ftz(self.seg.ftz), cpu_settings.threads(self.seg.threads):
                     report = _host.host_call(*args)
             else:
                 report = _host.host_call(*args)

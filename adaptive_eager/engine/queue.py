@@ -28,7 +28,7 @@ from .source import _source
 class Segment:
     """What one core has queued since its last flush (Note [Segments])."""
 
-    __slots__ = ("nodes", "refs", "token", "pending_bytes", "online", "ftz")
+    __slots__ = ("nodes", "refs", "token", "pending_bytes", "online", "ftz", "threads")
 
     def __init__(self):
         self.nodes: list[Node] = []
@@ -37,6 +37,7 @@ class Segment:
         self.pending_bytes = 0
         self.online = OnlineGroup()
         self.ftz = False
+        self.threads = 0  # the intra-op thread count of its ops (0: not recorded)
 
     def take(self) -> tuple[list, list]:
         """The queued nodes and their buffers, for a flush; the segment starts again, empty."""
@@ -49,6 +50,11 @@ class Segment:
     def ftz_differs(self) -> bool:
         """Does this thread's flush-to-zero differ from the queued ops' (Note [CPU settings])?"""
         return cpu_settings.FTZ_USED[0] and cpu_settings.thread_ftz() != self.ftz
+
+    def threads_differ(self) -> bool:
+        """Does this thread's intra-op thread count differ from the queued ops' (Note [CPU
+        settings])?"""
+        return cpu_settings.THREADS_SET[0] and cpu_settings.thread_count() != self.threads
 
     def admit(self, eng, nbytes: int) -> bool:
         """Memory admission of an op making `nbytes` of new values: room is made (a flush,
@@ -112,6 +118,9 @@ def record(eng, meta, handles, inputs, vbytes):
         # flush-to-zero per segment (FTZ_USED first: the call is skipped in most programs)
         eng.flush("settings")
         seg.ftz = cpu_settings.thread_ftz()
+    if cpu_settings.THREADS_SET[0] and seg.threads_differ():  # one thread count per segment
+        eng.flush("settings")
+        seg.threads = cpu_settings.thread_count()
     op = meta.op
     seg.admit(eng, op.new_total)
     new = [Handle(b, None, True) for b in op.new_bytes]

@@ -355,7 +355,8 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
     seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
         trace = tr.expect
-        if trace is None or cpu_settings.FTZ_USED[0] and seg.ftz_differs():
+        if trace is None or cpu_settings.FTZ_USED[0] and seg.ftz_differs() \
+                or cpu_settings.THREADS_SET[0] and seg.threads_differ():
             break  # (Note [CPU settings]: the slow path flushes for it)
         lazy = eng.is_lazy()
         key = eng.strategy.key

@@ -71,6 +71,47 @@ def test_thread_count_changed_before_the_sync(mode):
     _same_bits(got, ref)
 
 
+def test_thread_count_of_the_recording_thread(mode):
+    """The intra-op thread count is per thread (a thread keeps the count it started its first
+    parallel op with): the main thread's queued reduction, synced by an older thread of
+    another count, splits as the main thread's would (fuzzer seed 51653: batch_norm's
+    statistics, ulps off)."""
+    n = torch.get_num_threads()
+    if n < 2:
+        pytest.skip("needs two intra-op threads")
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 3) for _ in range(20)]
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+
+    def other():  # its count set at its first parallel op: n
+        torch.randn(1 << 16).sum()
+        ready.set()
+        go.wait(60)
+        torch.neuron.synchronize()  # runs what the main thread queued
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    ready.wait(60)
+    torch.set_num_threads(1)
+    try:
+        ref = [torch.nn.functional.batch_norm(x, None, None, training=True) for x in xs]
+        with ae.adaptive():
+            out = [torch.nn.functional.batch_norm(x.to("neuron"), None, None, training=True)
+                   for x in xs]
+            go.set()
+            done.wait(60)
+            got = [o.cpu() for o in out]
+    finally:
+        go.set()
+        t.join()
+        torch.set_num_threads(n)
+    for g, r in zip(got, ref):
+        _same_bits(g, r)
+    assert any(not torch.equal(r, torch.nn.functional.batch_norm(x, None, None, training=True))
+               for x, r in zip(xs, ref))  # (with n threads they come out otherwise)
+
+
 def test_flush_to_zero_changed_before_the_sync(mode):
     x = torch.tensor([1e-39])
     ref = x * 0.5
