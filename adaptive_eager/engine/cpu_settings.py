@@ -34,7 +34,7 @@ import torch
 from .. import patches
 
 FTZ_USED = [False]  # whether any thread ever turned it on: until then ops skip the check
-THREADS_SET = [False]  # whether any thread ever set the thread count: until then, the same
+THREADS_SET = [False]  # whether any thread ever set the thread count: until then all agree
 thread_count = torch._C.get_num_threads  # this thread's
 _set_num_threads = torch._C.set_num_threads  # the unwrapped setter
 _set_flush_denormal = torch._C.set_flush_denormal  # the unwrapped setter
