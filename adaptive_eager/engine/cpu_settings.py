@@ -53,37 +53,29 @@ _SAME = contextlib.nullcontext()
 def ftz(on: bool):
     """A context running its block with flush-to-zero `on` in this thread, then restoring
     the thread's own (per flush: nothing to make when they agree, the common case)."""
-    return _SAME if not FTZ_USED[0] or on == thread_ftz() else _Ftz(on)
+    return _SAME if not FTZ_USED[0] or on == thread_ftz() else \
+        _Switched(thread_ftz, _set_flush_denormal, on)
 
 
 def threads(n: int):
     """A context running its block with intra-op thread count `n` in this thread (0: its
     own), then restoring the thread's own (nothing to make when they agree)."""
-    return _SAME if not THREADS_SET[0] or not n or n == thread_count() else _Threads(n)
+    return _SAME if not THREADS_SET[0] or not n or n == thread_count() else \
+        _Switched(thread_count, _set_num_threads, n)
 
 
-class _Threads:
-    def __init__(self, n: int):
-        self.n = n
+class _Switched:
+    """A thread's setting (`get`, `set`) switched to `value` inside the block."""
 
-    def __enter__(self):
-        self.before = thread_count()
-        _set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        _set_num_threads(self.before)
-
-
-class _Ftz:
-    def __init__(self, on: bool):
-        self.on = on
+    def __init__(self, get, set, value):
+        self.get, self.set, self.value = get, set, value
 
     def __enter__(self):
-        self.before = thread_ftz()
-        _set_flush_denormal(self.on)
+        self.before = self.get()
+        self.set(self.value)
 
     def __exit__(self, *exc):
-        _set_flush_denormal(self.before)
+        self.set(self.before)
 
 
 def _marking(flag: list, setter):
