@@ -7,8 +7,12 @@ filled from its own modules; entry points exist only for callbacks), so a finder
 of `sys.meta_path` (`patches.after_import`) waits for Lightning's accelerator connector modules
 (Trainer's, Fabric's) to be imported and, once one has run, registers `neuron` with that
 flavour's accelerator registry.
-Lightning then needs three changes that a custom Accelerator cannot make, all made only for
+Lightning then needs four changes that a custom Accelerator cannot make, all made only for
 neuron (every other accelerator takes Lightning's own code):
+- `accelerator="auto"`: Lightning picks among its own accelerators, so a script written for any
+  device trained on the CPU; where Lightning would pick the CPU and neuron is available, it
+  picks neuron (TPU, MPS and CUDA keep their precedence), and `devices="auto"` then follows
+  Lightning's rule for a GPU (every core, DDP; one core in a notebook).
 - one device: Lightning builds `SingleDeviceStrategy(device="cpu")` for any accelerator it does
   not know, so the model trained on the CPU; neuron gets the strategy on its device.
 - `precision="16-mixed" / "bf16-mixed"`: Lightning builds CUDA's autocast for any accelerator
@@ -96,6 +100,12 @@ def _patch(flavour: _Flavour, connector) -> None:
     def on_neuron(flag) -> bool:
         return flag == DEVICE_TYPE or isinstance(flag, cls)
 
+    choose_auto = connector._choose_auto_accelerator  # a staticmethod
+
+    def _choose_auto_accelerator() -> str:
+        chosen = choose_auto()
+        return DEVICE_TYPE if chosen == "cpu" and torch.neuron.is_available() else chosen
+
     choose_strategy = connector._choose_strategy
 
     def _choose_strategy(self):
@@ -116,6 +126,8 @@ def _patch(flavour: _Flavour, connector) -> None:
             return precision.MixedPrecision(plugin.precision, DEVICE_TYPE)
         return plugin
 
+    patches.patch(connector, "_choose_auto_accelerator", staticmethod(_choose_auto_accelerator),
+                  rests_on=f"{flavour.package}'s connector._choose_auto_accelerator (private)")
     patches.patch(connector, "_choose_strategy", _choose_strategy,
                   rests_on=f"{flavour.package}'s connector._choose_strategy (private)")
     patches.patch(connector, "_check_and_init_precision", _check_and_init_precision,

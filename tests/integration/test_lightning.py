@@ -88,6 +88,25 @@ def test_devices_are_checked():
     assert trainer.strategy.root_device == torch.device("neuron:2")
 
 
+def test_auto_picks_neuron_where_lightning_would_pick_the_cpu():
+    """`accelerator="auto"` (Trainer's and Fabric's default) trained a script written for any
+    device on the CPU; now neuron, with Lightning's GPU rule for `devices="auto"` (every core,
+    DDP), and the CPU still by name."""
+    module = module_class(L)()
+    trainer = L.Trainer(devices=1, max_steps=2, **QUIET)
+    assert trainer.accelerator.name() == "neuron"
+    trainer.fit(module, data())
+    assert module.devices == {"neuron:0"}
+    assert ae.metrics().cpu_fallbacks == {}
+    every = L.Trainer(**QUIET)
+    assert every.num_devices == torch.neuron.device_count() > 1
+    assert type(every.strategy).__name__ == "DDPStrategy"
+    assert every.strategy.parallel_devices[1] == torch.device("neuron:1")
+    assert L.Trainer(accelerator="cpu", **QUIET).strategy.root_device.type == "cpu"
+    from lightning.fabric import Fabric
+    assert Fabric(devices=1).device == torch.device("neuron:0")
+
+
 def test_ddp_two_devices_matches_one_cpu_process(tmp_path):
     """`Trainer(accelerator="neuron", devices=2, strategy="ddp")` (adaptive): Lightning built the
     DDP wrapper under torch.cuda.stream(torch.cuda.Stream()). Rank r trains on neuron:r; the
