@@ -66,6 +66,9 @@ _INDEXING = {
 # kernel (its values bit for bit).
 _FUSED_OPTIMIZERS = {"_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"}
 FUSED_OPTIMIZER_PREFIXES = tuple(f"aten::{n}_" for n in sorted(_FUSED_OPTIMIZERS))
+# GradScaler's steps (`unscale_`, `update`): a check of every gradient for inf/NaN with their
+# unscaling in place, and the scale's update, both run with CPU's kernel.
+_AMP = {"_amp_foreach_non_finite_check_and_unscale", "_amp_update_scale"}
 # Ops the schema marks as views but that need to touch data on our device, or are not
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
 _VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
@@ -112,7 +115,7 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         return CONTRACTION
     if torch.Tag.reduction in tags or base in _REDUCTION:
         return REDUCTION
-    if base in _FUSED_OPTIMIZERS:  # elementwise over lists, as the foreach ops
+    if base in _FUSED_OPTIMIZERS or base in _AMP:  # elementwise over lists, as the foreach ops
         return POINTWISE
     if torch.Tag.pointwise in tags or base.startswith("_foreach_") or base in {
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",

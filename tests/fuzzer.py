@@ -87,8 +87,11 @@ _DEF = re.compile(r"^(v\d+)\s*=[^=]")
 _INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
 _SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
 _OUT = re.compile(r"\bout=(v\d+)")
-# torch._foreach_add_([v1, v2], ...) and torch.optim.SGD([v1], ...).step() write their list
-_LIST_WRITE = re.compile(r"torch\.(?:_foreach_\w+_|optim\.\w+)\(\[([^\]]*)\]")
+# torch._foreach_add_([v1, v2], ...) and torch.optim.SGD([v1], ...).step() write their list,
+# GradScaler's torch._amp_foreach_non_finite_check_and_unscale_([v1], v2, v3) v2 too
+_LIST_WRITE = re.compile(r"torch\.(?:_foreach_\w+_|_amp_foreach_\w+_|optim\.\w+)\(\[([^\]]*)\]"
+                         r"(?:, (v\d+))?")
+_AMP_UPDATE = re.compile(r"torch\._amp_update_scale_\((v\d+), ")
 
 
 def _receiver(code: str, end: int) -> str | None:
@@ -121,6 +124,9 @@ def stmt_info(code: str) -> dict:
     muts.update(m.group(1) for m in _OUT.finditer(code))
     for m in _LIST_WRITE.finditer(code):
         muts.update(_VAR.findall(m.group(1)))
+        if m.group(2) and "_amp_" in m.group(0):
+            muts.add(m.group(2))
+    muts.update(m.group(1) for m in _AMP_UPDATE.finditer(code))
     if not d and (m := _SETITEM.match(code)):
         muts.add(m.group(1))
     rhs = code[d.end() - 1:] if d else code
@@ -591,6 +597,13 @@ class Gen:
                 f"{v} = torch._foreach_norm([{a}, {b}])[{r.randint(0, 1)}]",
                 f"{v} = torch._foreach_maximum([{a}], [{b}])[0]",
                 f"{v} = torch.stack(torch._foreach_abs([{a}, {b}]))"]
+        scalar = self.pick(lambda u: u.dim() == 0 and u.dtype == self.torch.float32)
+        if scalar is not None:  # GradScaler's unscale_ and update
+            found = self.pick(lambda u: u.dim() == 0 and u.dtype == self.torch.float32) or scalar
+            opts += [f"torch._amp_foreach_non_finite_check_and_unscale_([{a}, {b}], {found}, "
+                     f"{scalar})",
+                     f"torch._amp_update_scale_({scalar}, torch.zeros((), dtype=torch.int32, "
+                     f"device=dev), {found}, 2.0, 0.5, {r.randint(1, 3)})"]
         return r.choice(opts)
 
     def f_lowp(self):

@@ -2,6 +2,7 @@
 import copy
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -423,6 +424,37 @@ def test_grad_scaler_skips_an_inf_step_and_scales_back(mode):
     scaler.update()
     for p, b, g in zip(net.parameters(), before, grads):
         torch.testing.assert_close(p.cpu(), b.cpu() - 0.1 * g)
+
+
+def test_grad_scaler_is_cpus_on_the_device(mode):
+    """fp16 autocast with GradScaler (Lightning's `precision="16-mixed"`), an overflowing step
+    among them: losses, scales and parameters are CPU's bit for bit, and its unscale and update
+    ops run on the device (they fell back to the CPU, two fallbacks per step)."""
+    def train(dev):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 4)).to(dev)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 16, growth_interval=2)
+        g, seen = torch.Generator().manual_seed(1), []
+        for i in range(5):
+            x = torch.randn(4, 8, generator=g).to(dev) * (1e30 if i == 2 else 1)
+            with torch.autocast(dev, dtype=torch.float16):
+                loss = net(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            seen.append((repr(loss.item()), scaler.get_scale()))
+        return seen, [p.detach().cpu() for p in net.parameters()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "float64 is not supported")
+        got, got_params = train("neuron")
+    with ae.adaptive(False):
+        want, want_params = train("cpu")
+    assert got == want and got[2][0] == "nan" and got[2][1] < got[1][1]
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+    assert ae.metrics().cpu_fallbacks == {}
 
 
 def test_a_host_gradient_for_a_device_output_is_refused_as_cuda_does(mode):
