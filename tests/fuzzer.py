@@ -561,6 +561,11 @@ class Gen:
             return r.choice([f"{a}.sum().backward()", f"{a}.backward(torch.ones_like({a}))",
                              f"{a}.pow(2).mean().backward()", f"F.mse_loss({a}, torch.zeros_like({a})).backward()",
                              f"F.logsigmoid({a}).sum().backward()"])
+        a = self.pick(lambda t: t.is_floating_point() and t.dim() >= 1)
+        if a is not None and r.random() < 0.25:  # a composite view of it written in inference
+            view = r.choice(["reshape(-1)", "flatten()", "movedim(0, -1)",  # mode: autograd's
+                             f"expand_as({a})", "narrow(0, 0, 1)"])  # view, version and all
+            return f"with torch.inference_mode(): {a}.{view}.mul_(2)"
         a = self.pick()
         if a is None:
             return None

@@ -194,7 +194,12 @@ def park_daemon_threads(timeout: float) -> None:
 # they may alias (`to`), was taken for a view (`.cpu()` of an inference tensor stayed on
 # neuron). It runs here as autograd's key would run it: our kernel where we registered one
 # (attention.sdpa, one_hot), PyTorch's decomposition otherwise, as CPU decomposes it
-# (fusion.ops.composite_key).
+# (fusion.ops.composite_key). On CPU the decomposition's own calls pass the ADInplaceOrView
+# key of an ordinary tensor (inference mode skips autograd's keys, not that one), so
+# `y.reshape(-1)` is a view of `y` sharing its version counter; inside __torch_dispatch__
+# every key above Python is excluded, so here it runs with that one key let through: a
+# composite view of an ordinary tensor is an autograd view, and an in-place change of it
+# makes a backward through `y` raise, as on CPU (it gave a wrong gradient).
 
 
 _INFERENCE_WRITE = ("Inplace update to inference tensor outside InferenceMode is not allowed."
@@ -208,6 +213,34 @@ def _composite(func, key, args, kwargs):
     checks and bumps here: an inference tensor refused outside inference mode, an ordinary
     one's version bumped once if the decomposition did not (a backward through it raises
     "modified by an inplace operation" as on CPU, instead of a wrong gradient)."""
+    if _tracks_views(func):  # (the op's own ADInplaceOrView kernel, above us, makes it one)
+        return _decomposed(func, key, args, kwargs)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set()
+                                         .remove(_AD_INPLACE_OR_VIEW)):
+        return _decomposed(func, key, args, kwargs)
+
+
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+
+
+# Note [Flushes outside inference mode]: a flush's CPU tensors over device buffers outlive it
+# (Note [Host views] in fusion/codegen.py: a buffer keeps the last one), so they are made
+# outside inference mode, wherever the flush happens: one made inside it is an inference
+# tensor, and a later flush outside the mode that updated it in place raised "Inplace update
+# to inference tensor outside InferenceMode" where CPU gives the value (a write in inference
+# mode through a view of an ordinary tensor, flushed by an op of the mode in between).
+def _ordinary_tensors():
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else \
+        contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def _tracks_views(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _AD_INPLACE_OR_VIEW)
+
+
+def _decomposed(func, key, args, kwargs):
     written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if not written:
         return func._op_dk(key, *args, **kwargs)
@@ -504,8 +537,10 @@ class Engine:
         args = (runner.flush, nodes, refs, reason, strategy, substitute) if sig is None \
             else (runner.run_sig, nodes, refs, sig, reason, strategy)
         try:  # Note [Host calls] in fusion/host.py; Note [CPU settings] for flush-to-zero
-            if cpu_settings.FTZ_USED[0] or cpu_settings.THREADS_SET[0]:
-                with cpu_settings.ftz(self.seg.ftz), cpu_settings.threads(self.seg.threads):
+            if cpu_settings.FTZ_USED[0] or cpu_settings.THREADS_SET[0] \
+                    or torch.is_inference_mode_enabled():
+                with cpu_settings.ftz(self.seg.ftz), cpu_settings.threads(self.seg.threads), \
+                        _ordinary_tensors():
                     report = _host.host_call(*args)
             else:
                 report = _host.host_call(*args)

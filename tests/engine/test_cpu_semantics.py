@@ -745,6 +745,62 @@ def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
     assert not ae.metrics().cpu_fallbacks
 
 
+def test_composite_views_in_inference_mode_are_views_of_their_base(mode):
+    """Note [Composite ops in inference mode]: a composite view (`reshape`, `flatten`, `mT`,
+    `movedim`, `expand_as`...) of an ordinary tensor made in inference mode was a tensor of its
+    own over the same buffer, without `requires_grad`: an in-place change of it, then a
+    backward through its base, gave a wrong gradient where CPU raises."""
+    views = {"reshape": lambda y: y.reshape(-1), "flatten": lambda y: y.flatten(),
+             "mT": lambda y: y.mT, "movedim": lambda y: y.movedim(0, 1),
+             "expand_as": lambda y: y.expand_as(y), "narrow": lambda y: y.narrow(0, 1, 1),
+             "unflatten": lambda y: y.unflatten(1, (3, 1)), "chunk": lambda y: y.chunk(2)[1],
+             "view_as": lambda y: y.view_as(y), "T": lambda y: y.T}
+
+    def program(d):
+        out = []
+        for name, view in views.items():
+            w = torch.tensor([[1., 2., 3.], [4., 5., 6.]], device=d, requires_grad=True)
+            y = w.exp()  # saves its output
+            with torch.inference_mode():
+                v = view(y)
+                out.append((name, v.requires_grad, v._is_view(), v.is_inference()))
+                v.mul_(2)
+            try:
+                y.sum().backward()
+                out.append(w.grad.cpu().tolist())
+            except RuntimeError as e:
+                out.append(("raised", y._version, "modified by an inplace" in str(e)))
+        return out
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():  # CPU's own path (a dispatch mode changes it)
+        ref = program("cpu")
+    assert program("neuron") == ref
+
+
+def test_writes_in_inference_mode_flushed_outside_it_are_cpus(mode):
+    """Note [Flushes outside inference mode]: a flush inside inference mode (a new op's, under
+    the matmul strategy) made the host view its buffer keeps an inference tensor, and the
+    write through a view queued after it, flushed outside the mode, raised "Inplace update to
+    inference tensor outside InferenceMode" (fuzzer seed 95069, matmul and none)."""
+    def program(d):
+        torch.manual_seed(0)
+        v = torch.randn(3, device=d)
+        with torch.inference_mode():
+            v.reshape(-1).mul_(2)
+        ae.synchronize()  # (outside dispatch: autograd's keys check inference tensors)
+        w = torch.randn(2, 3, device=d) * 2
+        with torch.inference_mode():
+            w[1].add_(v)
+            s = w.sum()
+        ae.synchronize()
+        w.mul_(3)
+        return [t.cpu().tolist() for t in (v, w, s)]
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        ref = program("cpu")
+    assert program("neuron") == ref
+
+
 def test_out_arguments_of_host_run_ops_are_resized_as_on_cpu(mode):
     """An op run on the host (data-dependent shapes: nonzero, masked_select; CPU fallbacks:
     linalg, fft) into an out= of the wrong shape left the device tensor unchanged (the
