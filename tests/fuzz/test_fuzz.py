@@ -295,6 +295,28 @@ def test_a_later_cpu_error_inside_the_deferred_window_is_accepted():
     assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
 
 
+def test_a_check_above_the_device_refusing_first_may_leave_the_ops_error_pending():
+    """Seed 96836: autograd refused a complex scatter_reduce after the op was queued, where
+    CPU's kernel refused its index first; the op's own error surfaces at the next read (as
+    CUDA's asynchronous errors do). Accepted as unreadable, never as a wrong value, and only
+    when the two refused in other words."""
+    prog = ["v0 = torch.randn((2, 3), device=dev)",
+            "v1 = torch.complex(v0, v0).requires_grad_()",
+            "v2 = v1.scatter_reduce(0, torch.tensor([[-4, 0, 0]], device=dev), v1[:1], 'prod')",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"]) == (2, "RuntimeError")
+    run = fuzzer.run_program(prog, "neuron")
+    assert (run[0]["at"], run[0]["type"]) == (2, "RuntimeError")
+    assert run[0]["msg"] != ref[0]["msg"]
+    assert run[1]["v0"].get("read_error") == "NeuronRuntimeError"  # the op's error, pending
+    assert fuzzer.compare(prog, ref, run) == []
+    same_words = (dict(run[0], msg=ref[0]["msg"]), run[1])
+    assert fuzzer.compare(prog, ref, same_words)[0][0] == "read"
+    wrong = (run[0], {**run[1], "v0": {**ref[1]["v0"], "value": ref[1]["v0"]["value"] + 1}})
+    assert fuzzer.compare(prog, ref, wrong)[0][0] == "value"
+
+
 def test_an_error_at_a_shape_the_float64_policy_leaves_free_is_accepted():
     # fuzzer seed 5108656: how many float64 draws `where` keeps is free (the device draws
     # them from the float32 stream), so is whether indexing the result raises
