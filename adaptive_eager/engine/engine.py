@@ -462,7 +462,7 @@ class Engine:
         vkey = cls == VIEW and not kwargs and _view_key(self, func, args)
         if vkey:  # Note [View keys]
             meta = self.meta_cache.get(vkey)
-            if meta is not None and meta.gstate == _global_state():
+            if meta is not None:  # (made under this global state: it is in the key)
                 return results.results(self, func, args, kwargs, [args[0]._handle], meta, ())
         args_t, kwargs_t, handles, inputs, vbytes = template(self, func, args, kwargs,
                                                              route.scalars)
@@ -822,9 +822,12 @@ _ROUTES: dict = {}
 # argument, on this core and within its buffer, and whose other arguments are ints or lists
 # or tuples of ints, is keyed by (op, that layout, those values with their types): the meta
 # cache keeps the meta result under that key too (for views that check, warn and resize
-# nothing and queue no op), found with the global state it was made under. A view then
-# skips the templates (about 40% of its host time: a GPT step makes ~230 views). Anything
-# else goes the template way, which raises the errors (another core, a freed storage).
+# nothing and queue no op), with the global state it was made under in the key, as the
+# template way's key has it: a layout viewed under two states (a weight's `t()` in forward
+# and, grad mode off, in backward) has an entry per state, not one that the other state
+# misses (44 of a GPT step's views took the templates so, every step). A view then skips the
+# templates (about 40% of its host time: a GPT step makes ~230 views). Anything else goes
+# the template way, which raises the errors (another core, a freed storage).
 # Note [Replayed views]: a view op (no composite kernel, no handler of ours but
 # `_unsafe_view`'s, which is `view`: `_Route.view`) bypasses the replay (Note [Replay] in
 # replay.py) and goes straight to its view key, or the template way. It queues nothing, so
@@ -847,7 +850,7 @@ def _view_key(eng, func, args):
             rest.append((t, tuple(v)))
         else:
             return None
-    return ("view", func._op, a._info[0], tuple(rest))
+    return ("view", func._op, a._info[0], tuple(rest), _global_state())
 
 
 def _route(func) -> _Route:

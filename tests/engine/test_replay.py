@@ -482,6 +482,43 @@ def test_views_found_by_their_keys_are_the_template_paths(monkeypatch):
     assert str(e.value) == str(ec.value)
 
 
+def test_a_view_key_keeps_an_entry_per_global_state(monkeypatch):
+    """Note [View keys]: a layout viewed under two global states (a weight's `t()` in the
+    forward, grad mode on, and in the backward or under no_grad, grad mode off) finds its
+    view key's meta result under each, every time: no state pushes the other's entry out
+    (the template way, every step, for 44 of a GPT step's views). Values, layouts, aliasing
+    and autograd as on CPU."""
+    from adaptive_eager.engine import engine as E
+    wc = torch.randn(4, 6, requires_grad=True)
+    w = wc.detach().to(N).requires_grad_()
+
+    def views(t):
+        a = t.t()
+        with torch.no_grad():
+            b = t.t()
+            c = t.view(6, 4)
+        d = t.view(6, 4)
+        with torch.inference_mode():
+            e = t.t()
+        return a, b, c, d, e
+
+    for _ in range(2):
+        views(w)
+    calls = []
+    template = E.template
+    monkeypatch.setattr(E, "template", lambda *a, **k: calls.append(a[1]) or template(*a, **k))
+    for _ in range(3):
+        got = views(w)
+    assert calls == []
+    for g, c in zip(got, views(wc)):
+        assert g.shape == c.shape and g.stride() == c.stride() and g._base is w \
+            and g.requires_grad == c.requires_grad and (g.grad_fn is None) == (c.grad_fn is None) \
+            and g.is_inference() == c.is_inference() and torch.equal(g.detach().cpu(), c.detach())
+    (got[0].sum() * 2 + got[3].sum()).backward()
+    (got_c := views(wc))[0].sum().mul(2).add(got_c[3].sum()).backward()
+    assert torch.equal(w.grad.cpu(), wc.grad)
+
+
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
 def test_views_skip_the_replay_which_stays_on_across_them(monkeypatch, mode):
     """Note [Replayed views] in engine.py: a view never reaches the replay (`follow`, `step`:
