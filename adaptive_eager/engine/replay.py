@@ -378,6 +378,7 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
         tn = trace.nodes[pos]
         vbytes = tn.vbytes
         handles, inputs = [], []
+        listed = False  # a tensor list's buffers were taken: checked distinct at the end
         flat = args + tuple(kwargs.values()) if kwargs else args
         for a, s in zip(flat, sp[0]):
             kind = s[0]
@@ -403,19 +404,20 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
             elif kind == _ENUM:
                 if type(a) not in _ENUM_TYPES or encode_static(a) != s[1]:
                     break
-            elif kind == _TENSORS:  # each as a _TENSOR argument
-                if type(a) not in (list, tuple) or len(a) != len(s[1]):
-                    break
+            elif kind == _TENSORS:  # each as a _TENSOR argument (buffers distinct: checked
+                if type(a) not in (list, tuple) or len(a) != len(s[1]):  # once, at the end,
+                    break  # not per element: an optimizer's lists hold hundreds)
                 for x, (layout, li) in zip(a, s[1]):
                     if type(x) is not NeuronTensor or x._engine is not eng:
                         break
                     lay, nbytes, extent = x._info
                     h = x._handle
-                    if lay is not layout and lay != layout or h in handles \
+                    if lay is not layout and lay != layout \
                             or extent > h.nbytes or min(h.nbytes, nbytes) != vbytes[li]:
                         break
                     handles.append(h)
                 else:
+                    listed = True
                     continue
                 break
             elif kind == _SCALARS_:  # runtime values of these types, as templates take them
@@ -437,8 +439,9 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
                     type(x) is not type(y) or x != y for x, y in zip(a, s[1])):
                 break
         else:  # (a guard is asked once: at the call, where the handler would decide)
-            if meta.gstate == _global_state() and (sp[3] is None or guarded
-                                                   or sp[3](eng, args, kwargs)):
+            if (not listed or len(set(handles)) == len(handles)) \
+                    and meta.gstate == _global_state() \
+                    and (sp[3] is None or guarded or sp[3](eng, args, kwargs)):
                 ok = guarded = True
         if not ok:
             break

@@ -693,6 +693,39 @@ def test_tensor_lists_are_replayed(mode):
 
 
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_a_list_naming_a_buffer_twice_is_not_replayed_as_two(mode):
+    """Note [Replay]: a tensor list's buffers must be distinct to follow a trace that had
+    them distinct (checked once per call: `follow`). A steady `stack([a, b])` (and
+    `_foreach_add_`, `_foreach_mul`) at the start of a segment, called with `[a, a]`, takes
+    the slow path; values, versions and aliasing are CPU's, bit for bit."""
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+
+    def fn(u, v, w):
+        s = torch.stack([u, v])
+        torch._foreach_add_([w, v], 1.5)
+        m = torch._foreach_mul([u, v], 2.0)
+        return s, m[0], m[1]
+
+    ctx = ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
+    ac, bc, wc = a.clone(), b.clone(), b.clone()
+    ad, bd, wd = a.to(N), b.to(N), b.to(N)
+    with ctx:
+        for _ in range(3):
+            want = fn(ac, bc, wc)
+            got = fn(ad, bd, wd)
+            torch.neuron.synchronize()
+        ae.reset_metrics()
+        got = fn(ad, ad, ad)  # each list names one buffer twice
+        torch.neuron.synchronize()
+        m = ae.metrics()
+    want = fn(ac, ac, ac)
+    assert m.ops == 3 and m.replayed_ops == 0
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)
+    assert torch.equal(ad.cpu(), ac) and torch.equal(bd.cpu(), bc) and ad._version == ac._version
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
 def test_adamw_foreach_steps_are_replayed_through_the_version_bumping_handler(mode):
     """Note [Handled replay]: torch.optim.AdamW(foreach=True)'s in-place foreach ops are
     replayed, their handler still refusing inference tensors and bumping versions: the
