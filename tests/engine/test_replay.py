@@ -330,10 +330,10 @@ def test_a_steady_eager_launch_runs_none_of_the_bookkeepings_helpers(monkeypatch
 
     calls, reports, text, out = explained()
     helpers = {"Device.alloc", "_Key.__hash__", "call_key"}
-    assert "Engine.launch" in calls and "Buffer.__del__" in calls, calls
+    assert "Traces.again" in calls and "Buffer.__del__" in calls, calls
     assert reports == 0 and not helpers & set(calls), (reports, helpers & set(calls))
     slow_calls, slow_reports, slow_text, slow = explained(replay=False)
-    assert "Engine.launch" not in slow_calls and slow_reports == 0
+    assert "Traces.again" not in slow_calls and slow_reports == 0
     assert text == slow_text and "1 launch" in text and torch.equal(out, slow)
 
 
