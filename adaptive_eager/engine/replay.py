@@ -42,6 +42,10 @@ before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
 modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
 record is made unless it fails (the same clock, counters and timeline entry as `submit`).
+Its plan knows it is one op launched alone (`Plan.one`, with the segment indices of its
+inputs), so `Runner.run_sig` launches it without `_execute`'s general steps, and `step`
+tells `follow` that its own frames and its caller's are ours (the source walk looks at the
+user's frame only).
 No FlushReport is made either: the engine keeps its fields, and `Engine.last_report` makes it
 when read (`ae.explain`), as for every flush.
 """
