@@ -102,7 +102,9 @@ class Device:
         self.realtime = realtime  # each launch also takes its modeled time on the wall clock
         self.host_us = 0.0  # simulated host clock
         self.free_at_us = 0.0  # when the device finishes everything queued so far
-        self._ends: collections.deque[float] = collections.deque()  # end times in flight
+        # The end times of the newest max_in_flight launches (all those that may be in
+        # flight: `_queue`), in order
+        self._ends: collections.deque[float] = collections.deque(maxlen=self.spec.max_in_flight)
         self._errors: list[Launch] = []
         # (name, kind, start, duration, bytes, flops, nodes) per launch: the newest
         # trace_limit; nodes: its ops' (sources, costs) (Launch.nodes; None for host events
@@ -125,6 +127,7 @@ class Device:
         counts go on (a new Device would start them from zero while tensors still hold HBM)."""
         self.spec = spec
         self.hbm.capacity = spec.hbm_bytes
+        self._ends = collections.deque(self._ends, maxlen=spec.max_in_flight)  # the newest
 
     def configure(self, *, blocking: bool, realtime: bool) -> None:
         """Launch blocking (NEURON_LAUNCH_BLOCKING) and real-time pacing, changeable live."""
@@ -179,14 +182,12 @@ class Device:
     def _queue(self, cost: float) -> tuple[float, float]:
         """A launch of `cost` us enters the queue: its (start, end) on the device clock."""
         # The runtime keeps at most max_in_flight launches queued; the host waits beyond that.
-        # (End times only grow: `limit` launches are in flight when the limit-th newest has
-        # not ended; the ended ones are pruned once there are twice as many.)
-        ends, limit = self._ends, self.spec.max_in_flight
-        if len(ends) >= limit:
-            if len(ends) > 2 * limit:
-                self.in_flight()
-            if len(ends) >= limit and ends[-limit] > self.host_us:
-                self.host_us = ends[-limit]
+        # (End times only grow: `limit` launches are in flight when the limit-th newest, the
+        # oldest `_ends` holds once full, has not ended. So at most `limit` are in flight
+        # after this one enters, and the one it pushes out of `_ends` has ended.)
+        ends = self._ends
+        if len(ends) == ends.maxlen and ends[0] > self.host_us:
+            self.host_us = ends[0]
         start = self.host_us if self.host_us > self.free_at_us else self.free_at_us  # (max)
         self.free_at_us = end = start + cost
         COUNTERS.device_time_us += cost

@@ -46,7 +46,10 @@ class GroupPlan:
     overhead_us: float = 0.0  # its declared fixed cost
     op_costs: tuple = ()  # (FLOPs, bytes) per op alone: the line report's split of its time
     cost: tuple = (None, 0.0)  # (spec, its launch's modeled us on that spec): computed once
-    alone: bool = False  # one op, launched as `_execute_one` launches it (set by `_plan`)
+    # One op launched alone (set by `_plan`: `Plan.one`): the segment indices of its input
+    # slots, in order, and a None per other slot (`run_sig` fills the storages with them)
+    ins: tuple = ()
+    pad: tuple = ()
 
 
 @dataclasses.dataclass
@@ -60,6 +63,7 @@ class Plan:
     size_items: tuple = ()  # its items (counted per flush: per op in eager mode)
     # (launches, device us, HBM bytes) of this flush as planned
     totals: tuple = None
+    one: GroupPlan = None  # its group, when it is one op launched alone (eager mode)
 
     def __post_init__(self):
         self.launches = sum(g.end - g.start if isinstance(g.exe, OneByOne) else 1
@@ -181,11 +185,57 @@ class Runner:
             if len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
             COUNTERS.plan_misses += 1
-        if len(plan.groups) == 1 and len(nodes) == 1 and self._execute_one(
-                nodes[0], plan.groups[0], handles):
-            compiled = None if self.executor is None else [False]
-        else:
+        gp, dev, st = plan.one, self.device, None
+        if gp is not None and not dev._pending:
+            st = []
+            for c in gp.ins:
+                h = handles[c]
+                if h.poison is not None:
+                    st = None
+                    break
+                st.append(h.buffer.storage)
+        if st is None:
             compiled = self._execute(nodes, plan, handles)
+        else:  # `_execute`, for its common case: one op launched alone (`Plan.one`), no
+            # input poisoned, no collective pending (Note [Collective stream])
+            compiled = None if self.executor is None else [False]
+            node, exe, slots = nodes[0], gp.exe, gp.slots
+            st += gp.pad
+            views = _host_views(exe, slots, handles, ())
+            poisoned, causes, members = set(), {}, [node]
+            args = (st, [node.inputs], dev.rng, poisoned, causes, views)
+            spec, cost = gp.cost
+            if gp.kernel:
+                launch = dev.submit(Launch(exe.name, functools.partial(exe.run, *args),
+                                           gp.nbytes, gp.flops, gp.low_precision,
+                                           context=members, kind="kernel",
+                                           overhead_us=gp.overhead_us,
+                                           nodes=((node.source,), gp.op_costs)))
+                launch = launch if launch.error is not None else None
+            else:  # a plain launch, its cost known (Note [Eager launches])
+                if spec is not dev.spec:
+                    spec = dev.spec
+                    cost = spec.launch_us(gp.nbytes, gp.flops, gp.low_precision) \
+                        + gp.overhead_us
+                    gp.cost = spec, cost
+                launch = dev.submit_plain(exe.name, exe.run, args, cost, gp.nbytes, gp.flops,
+                                          gp.low_precision, ((node.source,), gp.op_costs),
+                                          members)
+            if launch is not None or poisoned:
+                self._written(gp, exe, st, poisoned, causes, launch, members, {}, {}, handles,
+                              views)
+            else:
+                nv, hbm = exe.n_views, dev.hbm
+                for s in gp.outputs:
+                    h = handles[slots[s]]
+                    if h is not None and h.pending:
+                        h.buffer = buf = Buffer(h.nbytes, hbm, st[s])  # (Device.alloc's)
+                        h.pending = False
+                        h.poison = None
+                        r = views[nv + s]
+                        if r is not None:  # Note [Host views]
+                            buf.host = (exe.out_keys[s], r)
+                self.done = gp.end if self.origin is None else self.origin[gp.end]
         if log.isEnabledFor(logging.INFO):
             log.info("flush (%s): %d ops -> %d launches, plan %s", reason, len(nodes),
                      len(plan.groups), "reused" if hit else "built")
@@ -212,9 +262,13 @@ class Runner:
                                    cost is not None, cost.overhead_us if cost else 0.0,
                                    tuple((n.op.flops, n.in_bytes + n.out_bytes)
                                          for n in members)))
-            plans[-1].alone = len(members) == 1 and not isinstance(exe, OneByOne) and not (
-                self.executor is not None and len(exe.instrs) > 1)
         plan = Plan(plans, reasons, graph, skipped)
+        gp = plans[0] if len(plans) == 1 and len(nodes) == 1 else None
+        if gp is not None and not isinstance(gp.exe, OneByOne) and not (
+                self.executor is not None and len(gp.exe.instrs) > 1):  # (`_execute`'s)
+            plan.one = gp
+            gp.ins = tuple(gp.slots[:gp.exe.program.n_inputs])
+            gp.pad = (None,) * (gp.exe.program.n_slots - len(gp.ins))
         spec = self.device.spec
         plan.totals = (plan.launches, sum(spec.launch_us(g.nbytes, g.flops, g.low_precision)
                                           + g.overhead_us for g in plans),
@@ -348,55 +402,6 @@ class Runner:
             self._written(gp, exe, st, poisoned, causes, origin, members, env, bad, handles,
                           views)
         return compiled
-
-    def _execute_one(self, node, gp: GroupPlan, handles) -> bool:
-        """`_execute` of a plan of one group, one op (eager mode) or more, for the common
-        case only: the interpreter runs it, no input is poisoned, no collective is pending.
-        False (nothing done) otherwise."""
-        exe, dev, slots = gp.exe, self.device, gp.slots
-        if dev._pending or not gp.alone:
-            return False
-        program = exe.program
-        st = [None] * program.n_slots
-        for s in range(program.n_inputs):
-            h = handles[slots[s]]
-            if h.poison is not None:
-                return False
-            st[s] = h.buffer.storage
-        views = _host_views(exe, slots, handles, ())
-        poisoned, causes, members = set(), {}, [node]
-        args = (st, [node.inputs], dev.rng, poisoned, causes, views)
-        spec, cost = gp.cost
-        if gp.kernel:
-            run = functools.partial(exe.run, *args)
-            launch = dev.submit(Launch(exe.name, run, gp.nbytes, gp.flops, gp.low_precision,
-                                       context=members, kind="kernel",
-                                       overhead_us=gp.overhead_us,
-                                       nodes=((node.source,), gp.op_costs)))
-            launch = launch if launch.error is not None else None
-        else:  # a plain launch, its cost known (Note [Eager launches])
-            if spec is not dev.spec:
-                spec = dev.spec
-                cost = spec.launch_us(gp.nbytes, gp.flops, gp.low_precision) + gp.overhead_us
-                gp.cost = spec, cost
-            launch = dev.submit_plain(exe.name, exe.run, args, cost, gp.nbytes, gp.flops,
-                                      gp.low_precision, ((node.source,), gp.op_costs), members)
-        if launch is not None or poisoned:
-            self._written(gp, exe, st, poisoned, causes, launch, members, {}, {}, handles,
-                          views)
-        else:
-            nv, hbm = exe.n_views, dev.hbm
-            for s in gp.outputs:
-                h = handles[slots[s]]
-                if h is not None and h.pending:
-                    h.buffer = buf = Buffer(h.nbytes, hbm, st[s])  # (Device.alloc's)
-                    h.pending = False
-                    h.poison = None
-                    r = views[nv + s]
-                    if r is not None:  # Note [Host views]
-                        buf.host = (exe.out_keys[s], r)
-        self.done = gp.end if self.origin is None else self.origin[gp.end]
-        return True
 
     def _written(self, gp, exe, st, poisoned, causes, origin, members, env, bad, handles,
                  views) -> None:

@@ -510,8 +510,8 @@ class Engine:
             return
         nodes, refs = self.seg.take()
         lazy = self.is_lazy()
-        report = self._run(nodes, refs, reason, self.strategy if lazy else self.eager_strategy,
-                           substitute=lazy and _config.config.substitute)
+        report = self.launch(nodes, refs, reason, self.strategy if lazy else self.eager_strategy,
+                             substitute=lazy and _config.config.substitute)
         trace = self.traces.remember(reason, lazy, self.strategy.key)
         sig = report[10]
         if trace is not None and not lazy and trace.n == 1 and all(sig[3]):
@@ -519,19 +519,13 @@ class Engine:
         if self.device.blocking:  # the host waits (errors raise here)
             self.synchronize()
 
-    def launch(self, node, handles: list, trace) -> None:
-        """Note [Eager launches] in replay.py: eager op `node`, replayed from one-op `trace`
-        with its buffers `handles` (numbered as a segment of its own would number them), is
-        run as `flush("eager")` would run that segment, without queuing it."""
-        self._run([node], handles, "eager", self.eager_strategy, trace.sig)
-        self.traces.again(trace)
-        if self.device.blocking:  # the host waits (errors raise here)
-            self.synchronize()
-
-    def _run(self, nodes, refs, reason, strategy, sig=None, substitute=False):
+    def launch(self, nodes, refs, reason, strategy, sig=None, substitute=False, trace=None):
         """Run flushed `nodes` (Runner.flush; `sig`: their plan key, with `refs` the handles;
         `substitute`: Note [Substitution]) and count the flush (its metrics). Returns its
-        report's fields (`last_report` makes the report when read)."""
+        report's fields (`last_report` makes the report when read). With `trace`: Note [Eager
+        launches] in replay.py: eager op `nodes[0]`, replayed from one-op `trace` with its
+        buffers `refs` (numbered as a segment of its own would number them), is run as
+        `flush("eager")` would run that segment, without queuing it."""
         runner = self.runner
         runner.done = 0  # what _interrupted reads if the flush stops before it starts
         args = (runner.flush, nodes, refs, reason, strategy, substitute) if sig is None \
@@ -554,6 +548,10 @@ class Engine:
         sizes = m.group_sizes
         for k, v in report[3].size_items:
             sizes[k] += v
+        if trace is not None:
+            self.traces.again(trace)
+            if self.device.blocking:  # the host waits (errors raise here)
+                self.synchronize()
         return report
 
     @property

@@ -42,6 +42,10 @@ before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
 modeled cost is computed once per plan and device spec (`GroupPlan.cost`) and no Launch
 record is made unless it fails (the same clock, counters and timeline entry as `submit`).
+Its plan knows it is one op launched alone (`Plan.one`, with the segment indices of its
+inputs), so `Runner.run_sig` launches it without `_execute`'s general steps, and `step`
+tells `follow` that its own frames and its caller's are ours (the source walk looks at the
+user's frame only).
 No FlushReport is made either: the engine keeps its fields, and `Engine.last_report` makes it
 when read (`ae.explain`), as for every flush.
 """
@@ -336,7 +340,7 @@ def step(eng, func, args, kwargs, handled=False):
     key = (func._op, args[0]._info[0]) if args and type(args[0]) is NeuronTensor else func._op
     for trace in tr.by_op.get(key, ()):
         tr.expect = tr.followed = trace
-        out = follow(eng, func, args, kwargs, handled, handled)  # (handled_step counted it)
+        out = follow(eng, func, args, kwargs, handled, handled, 4)  # (handled_step counted it)
         if out is not MISS:
             return out
         if tr.nodes:  # (a flush on the way cannot queue a node: never taken)
@@ -345,12 +349,13 @@ def step(eng, func, args, kwargs, handled=False):
     return MISS
 
 
-def follow(eng, func, args, kwargs, counted=False, handled=False):
+def follow(eng, func, args, kwargs, counted=False, handled=False, frames=3):
     """Note [Replay]: queue op `func(*args, **kwargs)` from the expected trace at its
     position and return its result. MISS if it does not match (nothing is changed, but a
     flush on the way may have happened, as the slow path would have done it); MISSED if it
     stopped matching after this call counted the op (as Engine.dispatch_plain counts every
-    op, once: `counted` says it already did). `handled`: Note [Handled replay]."""
+    op, once: `counted` says it already did). `handled`: Note [Handled replay]. `frames`:
+    how many frames from this one up are known to be ours (`_source`'s `ours`)."""
     ok = ours = guarded = False  # ours: this call counted the op; guarded: its guard held
     seg, tr = eng.seg, eng.traces
     for _ in range(3):  # a flush on the way: the op is checked again, in the new segment
@@ -487,15 +492,17 @@ def follow(eng, func, args, kwargs, counted=False, handled=False):
         assert lazy == eng.is_lazy()
     if meta.f64:
         eng.check_dtype_f64()
-    # Frames known to be ours: this, its caller (Engine.dispatch, or `step`) and that one's
-    # (a __torch_dispatch__, the scope's or _unsafe_view; or Engine.dispatch)
-    node = tn.again(inputs, _source(3))
+    # Frames known to be ours: this, its caller (Engine.dispatch, `step` or `handled_step`)
+    # and that one's (a __torch_dispatch__, the scope's, _unsafe_view's or results.py's; or
+    # Engine.dispatch, or a handler); from `step`, that one's caller too (`frames` 4)
+    node = tn.again(inputs, _source(frames))
     new = []
     for b in op.new_bytes:  # (not a comprehension: a frame of its own, and this runs per op)
         new.append(Handle(b, None, True))
     if not lazy and trace.sig is not None and not queued:  # Note [Eager launches]
         eng.metrics.replayed_ops += 1
-        eng.launch(node, handles + new, trace)
+        eng.launch([node], handles + new, "eager", eng.eager_strategy, trace.sig, False,
+                   trace)
     else:
         reason = seg.enqueue(node, handles, new, op.new_total, lazy)
         tr.replayed_node(seg, node, tstep, pos, [h.uid for h in handles] + [h.uid for h in new]

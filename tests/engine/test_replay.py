@@ -330,11 +330,51 @@ def test_a_steady_eager_launch_runs_none_of_the_bookkeepings_helpers(monkeypatch
 
     calls, reports, text, out = explained()
     helpers = {"Device.alloc", "_Key.__hash__", "call_key"}
-    assert "Engine.launch" in calls and "Buffer.__del__" in calls, calls
+    assert "Traces.again" in calls and "Buffer.__del__" in calls, calls
     assert reports == 0 and not helpers & set(calls), (reports, helpers & set(calls))
     slow_calls, slow_reports, slow_text, slow = explained(replay=False)
-    assert "Engine.launch" not in slow_calls and slow_reports == 0
+    assert "Traces.again" not in slow_calls and slow_reports == 0
     assert text == slow_text and "1 launch" in text and torch.equal(out, slow)
+
+
+def test_a_steady_eager_launch_takes_the_one_op_path_and_looks_at_one_frame(monkeypatch):
+    """Note [Eager launches]: a steady eager op's plan knows its one group (`Plan.one`), so
+    its launch runs none of the general launch's steps (`Runner._execute`, `_written`), and
+    its source walk looks at the user's frame only, as a process-wide adaptive op's does
+    (`follow` skips `step`'s frames, known to be ours); the line is the user's."""
+    from adaptive_eager.engine import source
+
+    looked = []
+
+    class Kinds(dict):
+        def get(self, k, default=None):
+            looked.append(k)
+            return dict.get(self, k, default)
+    monkeypatch.setattr(source, "_KINDS", Kinds(source._KINDS))
+    x, a = torch.randn(16).to(N), torch.randn(16).to(N)
+
+    def op(y):
+        return y * a  # the line named
+
+    def steady(**kw):
+        with ae.override(**kw):
+            y = x
+            for _ in range(4):
+                y = op(y)
+                torch.neuron.synchronize()
+            looked.clear()
+            calls = _python_calls(lambda: op(y))
+            n = len(looked)
+            lines = list(ae.explain().groups[-1]["lines"]) if not kw else None
+            torch.neuron.synchronize()
+            return calls, n, lines
+
+    calls, eager_looks, lines = steady()
+    assert "Traces.again" in calls and "Runner.run_sig" in calls, calls
+    assert not {"Runner._execute", "Runner._written", "Device.submit"} & set(calls), calls
+    _, adaptive_looks, _ = steady(adaptive=True)
+    assert eager_looks == adaptive_looks == 1, (eager_looks, adaptive_looks)
+    assert lines == [f"{__file__}:{op.__code__.co_firstlineno + 1}"], lines
 
 
 def test_an_eager_launch_from_a_trace_raises_at_the_call_under_launch_blocking():

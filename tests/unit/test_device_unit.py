@@ -101,8 +101,9 @@ def test_the_host_waits_beyond_max_in_flight():
 def test_the_in_flight_bound_holds_without_pruning_per_launch(monkeypatch):
     """The host waits for the launch `max_in_flight` back, exactly as counting the launches
     not ended by the host's time says (a reference kept here), over launches of varied
-    costs and host steps; the ended ones are pruned only once twice the bound are held (an
-    eager launch no longer pays a prune each), so the held end times stay bounded."""
+    costs and host steps, across a change of the bound (`respec`, both ways); the device
+    holds the newest `max_in_flight` end times only, and a launch never prunes them (an
+    eager launch pays no prune)."""
     import random
     limit = 3
     dev = Device(DeviceSpec(max_in_flight=limit))
@@ -112,7 +113,10 @@ def test_the_in_flight_bound_holds_without_pruning_per_launch(monkeypatch):
     rng = random.Random(0)
     host = free = 0.0
     ends = []
-    for i in range(200):
+    for i in range(300):
+        if i in (100, 200):  # the bound changes live
+            limit = 5 if i == 100 else 2
+            dev.respec(DeviceSpec(max_in_flight=limit))
         nbytes = rng.choice([0, 725_000, 7_250_000])
         cost = dev.spec.launch_us(nbytes, 0.0)
         if sum(e > host for e in ends) >= limit:  # the reference: count the unfinished ones
@@ -122,11 +126,11 @@ def test_the_in_flight_bound_holds_without_pruning_per_launch(monkeypatch):
         ends.append(free)
         launch = dev.submit(_launch(nbytes=nbytes))
         assert (launch.start_us, launch.end_us) == pytest.approx((start, free))
-        assert dev.host_us == pytest.approx(host) and len(dev._ends) <= 2 * limit + 1
+        assert dev.host_us == pytest.approx(host) and len(dev._ends) <= limit
         step = rng.choice([0.0, 1.0, 20.0])
         dev.advance_host(step)
         host += step
-    assert len(prunes) < 200 // limit
+    assert not prunes
 
 
 def test_blocking_device_waits_for_every_launch():
