@@ -50,6 +50,7 @@ _INDEXING = {
     "reflection_pad1d", "reflection_pad2d", "replication_pad1d", "replication_pad2d",
     "upsample_nearest2d", "upsample_bilinear2d", "im2col", "col2im", "take", "take_along_dim",
     "masked_scatter", "diag_embed", "diagonal_backward", "select_backward", "slice_backward",
+    "grid_sampler_2d", "grid_sampler_2d_backward", "grid_sampler_3d", "grid_sampler_3d_backward",
     "as_strided_scatter", "select_scatter", "slice_scatter", "diagonal_scatter", "new_zeros",
     "new_empty", "new_empty_strided", "new_full", "new_ones", "empty_like", "zeros_like",
     "ones_like", "full_like", "fill", "unfold_backward", "_to_copy", "copy", "copy_",

@@ -552,7 +552,12 @@ class Gen:
                 f"F.conv1d({a}, torch.ones(2, {a}.shape[1], 2, device=dev))",
                 f"F.avg_pool1d({a}, 2)", f"F.interpolate({a}, scale_factor=2)",
                 f"F.one_hot({a}.long().abs(), 6)", f"F.glu({a}, -1)",
-                f"F.softmax({a}, -1, dtype=torch.float32)", f"F.dropout({a}, 0.0)"]
+                f"F.softmax({a}, -1, dtype=torch.float32)", f"F.dropout({a}, 0.0)",
+                f"F.grid_sample({a}.reshape(1, 1, -1, 1), torch.linspace(-1.2, 1.2, 12, "
+                f"device=dev).reshape(1, 2, 3, 2).to({a}.dtype), "
+                f"mode={r.choice(['bilinear', 'nearest', 'bicubic'])!r}, "
+                f"padding_mode={r.choice(['zeros', 'border', 'reflection'])!r}, "
+                f"align_corners={r.random() < 0.5})"]
         return f"{v} = {r.choice(opts)}"
 
     def f_autograd(self):

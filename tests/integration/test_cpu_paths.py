@@ -135,3 +135,27 @@ def test_rnn_cells_forward_and_backward_as_cpu(mode, kind):
     with _disable_current_modes():
         want = run("cpu")
     assert all(torch.equal(g, w) for g, w in zip(run(N), want))
+
+
+@pytest.mark.parametrize("mode_", ["bilinear", "nearest", "bicubic"])
+def test_grid_sample_forward_backward_on_the_device_as_cpu(mode, mode_):
+    """`F.grid_sample` (spatial transformers, deformable sampling): grid_sampler_2d/3d and
+    their backwards fell back to the CPU (found running PyTorch's test_compare_cpu). CPU's
+    kernels on the device: values and both gradients bit for bit, 0 fallbacks."""
+    def run(d, dims, pad, ac):
+        g = torch.Generator().manual_seed(dims)
+        shape, gshape = ((2, 3, 5, 6), (2, 4, 7, 2)) if dims == 4 else \
+            ((2, 3, 4, 5, 6), (2, 4, 3, 7, 3))
+        x = torch.randn(*shape, generator=g).to(d).requires_grad_()
+        grid = (torch.rand(*gshape, generator=g) * 2.4 - 1.2).to(d).requires_grad_()
+        y = F.grid_sample(x, grid, mode=mode_, padding_mode=pad, align_corners=ac)
+        (y * y).sum().backward()
+        return [y.detach().cpu(), x.grad.cpu(), grid.grad.cpu()]
+    ae.reset_metrics()
+    for dims in (4, 5) if mode_ != "bicubic" else (4,):
+        for pad, ac in (("zeros", False), ("border", True), ("reflection", False)):
+            with _disable_current_modes():
+                ref = run("cpu", dims, pad, ac)
+            got = run(N, dims, pad, ac)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (dims, pad, ac)
+    assert ae.metrics().cpu_fallbacks == {}
