@@ -120,11 +120,40 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         return POINTWISE
     if torch.Tag.pointwise in tags or base.startswith("_foreach_") or base in {
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
-            "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not"}:
+            "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not",
+            "rsub", "hardswish", "log_sigmoid_forward", "_prelu_kernel", "floor_divide",
+            "polar", "complex", "log_sigmoid_backward"}:
         return POINTWISE
-    if base in _INDEXING:
+    if base in _INDEXING or base.startswith(_INDEXING_PREFIXES):
         return INDEXING
+    if base in _LOSSES:
+        return REDUCTION
+    if base == "_trilinear":  # nn.Bilinear's contraction
+        return CONTRACTION
+    if base.endswith("_backward"):  # a pointwise op's backward is pointwise, an indexing
+        forward = _aten_forward(base[:-len("_backward")])  # op's is indexing
+        if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
+            return forward
     return None
+
+
+# Sampling, pooling and padding families whose every member (1-3d, backward, `_aa`) is CPU's
+# kernel over indices: interpolate's modes, adaptive max pooling, reflection and replication.
+_INDEXING_PREFIXES = ("upsample_", "_upsample_", "reflection_pad", "replication_pad",
+                      "adaptive_max_pool", "_adaptive_avg_pool", "fractional_max_pool",
+                      "max_unpool", "max_pool3d_with_indices", "avg_pool3d", "rot90")
+# (not multilabel_margin_loss: TorchInductor's code for it gives another value, so it stays a
+# CPU fallback rather than run wrong in a compiled group)
+_LOSSES = {"binary_cross_entropy_with_logits", "multi_margin_loss"}
+
+
+def _aten_forward(name: str) -> str | None:
+    """The class of forward op `name` (its default overload, else its first), if it exists."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or not packet.overloads():
+        return None
+    ov = "default" if "default" in packet.overloads() else packet.overloads()[0]
+    return _aten_class(getattr(packet, ov))
 
 
 @functools.lru_cache(maxsize=None)

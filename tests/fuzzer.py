@@ -557,7 +557,12 @@ class Gen:
                 f"device=dev).reshape(1, 2, 3, 2).to({a}.dtype), "
                 f"mode={r.choice(['bilinear', 'nearest', 'bicubic'])!r}, "
                 f"padding_mode={r.choice(['zeros', 'border', 'reflection'])!r}, "
-                f"align_corners={r.random() < 0.5})"]
+                f"align_corners={r.random() < 0.5})",
+                f"F.hardswish({a})", f"F.elu({a})", f"F.softplus({a}, beta=2.0)",
+                f"F.interpolate({a}.reshape(1, 1, -1), size=5, mode='linear')",
+                f"F.pad({a}.reshape(1, 1, -1), (1, 1), mode='reflect')",
+                f"F.pad({a}.reshape(1, 1, -1), (2, 0), mode='replicate')",
+                f"F.binary_cross_entropy_with_logits({a}, {b})", f"F.smooth_l1_loss({a}, {b})"]
         return f"{v} = {r.choice(opts)}"
 
     def f_autograd(self):

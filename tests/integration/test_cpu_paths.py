@@ -159,3 +159,89 @@ def test_grid_sample_forward_backward_on_the_device_as_cpu(mode, mode_):
             got = run(N, dims, pad, ac)
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (dims, pad, ac)
     assert ae.metrics().cpu_fallbacks == {}
+
+
+_NN = {  # name -> (input shape, function of x and a generator); forward and backward on CPU's kernels
+    "interpolate nearest 1d/3d, exact": ((1, 2, 4, 3, 5), lambda x, g: F.interpolate(
+        x, scale_factor=2, mode="nearest").sum() + F.interpolate(
+        x[:, :, 0, 0], scale_factor=1.5, mode="nearest-exact").pow(2).sum()),
+    "interpolate linear, bicubic, trilinear, antialias": ((1, 2, 4, 3, 5), lambda x, g: (
+        F.interpolate(x[:, :, 0, 0], size=7, mode="linear").pow(2).sum()
+        + F.interpolate(x[:, :, 0], size=(5, 6), mode="bicubic", align_corners=True).pow(2).sum()
+        + F.interpolate(x, scale_factor=1.5, mode="trilinear").pow(2).sum()
+        + F.interpolate(x[:, :, 0], size=(2, 3), mode="bilinear", antialias=True).pow(2).sum())),
+    "interpolate nearest/bilinear 2d backward": ((2, 3, 4, 5), lambda x, g: (
+        F.interpolate(x, scale_factor=2).pow(2).sum()
+        + F.interpolate(x, size=(7, 3), mode="bilinear").pow(2).sum())),
+    "adaptive max pool, adaptive avg 3d, pool 3d": ((1, 2, 4, 6, 5), lambda x, g: (
+        F.adaptive_max_pool2d(x[:, :, 0], (2, 3)).pow(2).sum()
+        + F.adaptive_max_pool1d(x[:, :, 0, 0], 3).pow(2).sum()
+        + F.adaptive_max_pool3d(x, 2).pow(2).sum() + F.adaptive_avg_pool3d(x, 2).pow(2).sum()
+        + F.max_pool3d(x, 2).pow(2).sum() + F.avg_pool3d(x, 2).pow(2).sum())),
+    "reflection and replication padding": ((1, 2, 4, 5, 6), lambda x, g: (
+        F.pad(x[:, :, 0, 0], (2, 1), mode="reflect").pow(2).sum()
+        + F.pad(x[:, :, 0], (2, 1, 1, 2), mode="reflect").pow(2).sum()
+        + F.pad(x, (1, 1, 2, 1, 1, 2), mode="reflect").pow(2).sum()
+        + F.pad(x[:, :, 0, 0], (2, 1), mode="replicate").pow(2).sum()
+        + F.pad(x[:, :, 0], (2, 1, 1, 2), mode="replicate").pow(2).sum()
+        + F.pad(x, (1, 1, 2, 1, 1, 2), mode="replicate").pow(2).sum())),
+    "activations": ((4, 6), lambda x, g: (
+        F.hardswish(x).pow(2).sum() + F.hardsigmoid(x).pow(2).sum() + F.logsigmoid(x).sum()
+        + F.elu(x).pow(2).sum() + F.softplus(x).pow(2).sum() + F.relu6(x * 4).pow(2).sum()
+        + F.leaky_relu(x).pow(2).sum() + F.prelu(x, torch.tensor([0.25, 0.5] * 3).to(x.device))
+        .pow(2).sum() + (1 - x).pow(2).sum() + torch.rsub(x, x.exp()).sum()
+        + F.mish(x).pow(2).sum())),
+    "losses": ((4, 6), lambda x, g: (
+        F.binary_cross_entropy_with_logits(x, torch.rand(4, 6, generator=g).to(x.device))
+        + F.smooth_l1_loss(x, x.detach().flip(0)) + F.huber_loss(x, x.detach().flip(1))
+        + F.soft_margin_loss(x, x.detach().sign())
+        + F.multi_margin_loss(x, torch.tensor([0, 5, 2, 1]).to(x.device)))),
+    "bilinear, rot90, max_unpool, floor_divide, complex, polar": ((2, 4, 6), lambda x, g: (
+        F.bilinear(x, x, torch.ones(3, 6, 6, device=x.device) / 7).pow(2).sum()
+        + torch.rot90(x, 1, (1, 2)).pow(2).sum()
+        + F.max_unpool2d(*F.max_pool2d(x[None], 2, return_indices=True), 2).pow(2).sum()
+        + torch.view_as_real(torch.complex(x, x * 2) * torch.polar(x.abs(), x)).sum()
+        + torch.floor_divide(x.detach() * 7, 2).sum())),
+}
+
+
+@pytest.mark.parametrize("name", list(_NN))
+def test_common_nn_ops_train_on_the_device_as_cpu(mode, name):
+    """Interpolation (1d, 3d, bicubic, trilinear, antialias, and the 2d backwards), adaptive
+    max and 3d pooling, reflection and replication padding, activations' backwards (ReLU6,
+    LeakyReLU, ELU, Softplus, Hardswish, LogSigmoid), losses (BCE with logits, smooth L1,
+    Huber, multi-margin), Bilinear, rot90, max_unpool, floor_divide, complex and polar all fell
+    back to the CPU (found by a scan of OpInfo's samples): CPU's kernels on the device,
+    values and gradients bit for bit, 0 fallbacks."""
+    shape, fn = _NN[name]
+
+    def run(d):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(*shape, generator=g).to(d).requires_grad_()
+        y = fn(x, g)
+        y.backward()
+        return y.detach().cpu(), x.grad.cpu()
+    with _disable_current_modes():
+        ref = run("cpu")
+    ae.reset_metrics()
+    got = run(N)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_common_nn_ops_under_the_inductor_executor_are_cpus_within_tolerance():
+    """The same ops in groups TorchInductor compiles (its code, not CPU's kernels): within
+    float tolerance of CPU. multilabel_margin_loss, whose compiled value was another, stays a
+    CPU fallback for that reason."""
+    for name, (shape, fn) in _NN.items():
+        def run(d):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(*shape, generator=g).to(d).requires_grad_()
+            y = fn(x, g)
+            y.backward()
+            return y.detach().cpu(), x.grad.cpu()
+        with _disable_current_modes():
+            ref = run("cpu")
+        with ae.override(executor="inductor"), ae.adaptive():
+            got = run(N)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
