@@ -161,6 +161,12 @@ def test_grid_sample_forward_backward_on_the_device_as_cpu(mode, mode_):
     assert ae.metrics().cpu_fallbacks == {}
 
 
+def _fractional_pools(x, g):
+    torch.manual_seed(0)  # (their random samples: the device draws CPU's stream)
+    return (F.fractional_max_pool2d(x[:, :, 0], 2, output_ratio=(0.5, 0.5)).pow(2).sum()
+            + F.fractional_max_pool3d(x, 2, output_size=2).pow(2).sum())
+
+
 _NN = {  # name -> (input shape, function of x and a generator); forward and backward on CPU's kernels
     "interpolate nearest 1d/3d, exact": ((1, 2, 4, 3, 5), lambda x, g: F.interpolate(
         x, scale_factor=2, mode="nearest").sum() + F.interpolate(
@@ -178,6 +184,7 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
         + F.adaptive_max_pool1d(x[:, :, 0, 0], 3).pow(2).sum()
         + F.adaptive_max_pool3d(x, 2).pow(2).sum() + F.adaptive_avg_pool3d(x, 2).pow(2).sum()
         + F.max_pool3d(x, 2).pow(2).sum() + F.avg_pool3d(x, 2).pow(2).sum())),
+    "fractional max pool 2d/3d": ((1, 2, 5, 6, 6), _fractional_pools),
     "reflection and replication padding": ((1, 2, 4, 5, 6), lambda x, g: (
         F.pad(x[:, :, 0, 0], (2, 1), mode="reflect").pow(2).sum()
         + F.pad(x[:, :, 0], (2, 1, 1, 2), mode="reflect").pow(2).sum()
@@ -208,7 +215,7 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
 @pytest.mark.parametrize("name", list(_NN))
 def test_common_nn_ops_train_on_the_device_as_cpu(mode, name):
     """Interpolation (1d, 3d, bicubic, trilinear, antialias, and the 2d backwards), adaptive
-    max and 3d pooling, reflection and replication padding, activations' backwards (ReLU6,
+    max, fractional max and 3d pooling, reflection and replication padding, activations' backwards (ReLU6,
     LeakyReLU, ELU, Softplus, Hardswish, LogSigmoid), losses (BCE with logits, smooth L1,
     Huber, multi-margin), Bilinear, rot90, max_unpool, floor_divide, complex and polar all fell
     back to the CPU (found by a scan of OpInfo's samples): CPU's kernels on the device,
