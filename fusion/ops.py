@@ -23,7 +23,7 @@ _CONTRACTION = {
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "mkldnn_rnn_layer_backward",
+    "mkldnn_rnn_layer_backward", "_trilinear",
 }
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
@@ -39,8 +39,9 @@ _REDUCTION = {
     "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "soft_margin_loss", "renorm",
     "_weight_norm_interface", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
-    "_foreach_max", "trace", "_euclidean_dist", "dist",
-}
+    "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
+    "multi_margin_loss",  # (not multilabel_margin_loss: TorchInductor's code for it gives
+}  # another value, so it stays a CPU fallback rather than run wrong in a compiled group)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
     "_index_put_impl", "index_add", "index_copy", "index_fill", "embedding",
@@ -126,12 +127,8 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         return POINTWISE
     if base in _INDEXING or base.startswith(_INDEXING_PREFIXES):
         return INDEXING
-    if base in _LOSSES:
-        return REDUCTION
-    if base == "_trilinear":  # nn.Bilinear's contraction
-        return CONTRACTION
-    if base.endswith("_backward"):  # a pointwise op's backward is pointwise, an indexing
-        forward = _aten_forward(base[:-len("_backward")])  # op's is indexing
+    if base.endswith("_backward"):  # a pointwise op's backward is pointwise, an indexing op's
+        forward = _aten_forward(base[:-len("_backward")])  # indexing, a reduction's reduction
         if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
             return forward
     return None
@@ -142,9 +139,6 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
 _INDEXING_PREFIXES = ("upsample_", "_upsample_", "reflection_pad", "replication_pad",
                       "adaptive_max_pool", "_adaptive_avg_pool", "fractional_max_pool",
                       "max_unpool", "max_pool3d_with_indices", "avg_pool3d", "rot90")
-# (not multilabel_margin_loss: TorchInductor's code for it gives another value, so it stays a
-# CPU fallback rather than run wrong in a compiled group)
-_LOSSES = {"binary_cross_entropy_with_logits", "multi_margin_loss"}
 
 
 def _aten_forward(name: str) -> str | None:
