@@ -212,26 +212,28 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
 }
 
 
+def _train(name, d):
+    """`_NN[name]`'s value and its input's gradient on device `d`."""
+    shape, fn = _NN[name]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g).to(d).requires_grad_()
+    y = fn(x, g)
+    y.backward()
+    return y.detach().cpu(), x.grad.cpu()
+
+
 @pytest.mark.parametrize("name", list(_NN))
 def test_common_nn_ops_train_on_the_device_as_cpu(mode, name):
     """Interpolation (1d, 3d, bicubic, trilinear, antialias, and the 2d backwards), adaptive
-    max, fractional max and 3d pooling, reflection and replication padding, activations' backwards (ReLU6,
-    LeakyReLU, ELU, Softplus, Hardswish, LogSigmoid), losses (BCE with logits, smooth L1,
-    Huber, multi-margin), Bilinear, rot90, max_unpool, floor_divide, complex and polar all fell
-    back to the CPU (found by a scan of OpInfo's samples): CPU's kernels on the device,
-    values and gradients bit for bit, 0 fallbacks."""
-    shape, fn = _NN[name]
-
-    def run(d):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(*shape, generator=g).to(d).requires_grad_()
-        y = fn(x, g)
-        y.backward()
-        return y.detach().cpu(), x.grad.cpu()
+    max, fractional max and 3d pooling, reflection and replication padding, activations'
+    backwards (ReLU6, LeakyReLU, ELU, Softplus, Hardswish, LogSigmoid), losses (BCE with
+    logits, smooth L1, Huber, multi-margin), Bilinear, rot90, max_unpool, floor_divide,
+    complex and polar all fell back to the CPU (found by a scan of OpInfo's samples): CPU's
+    kernels on the device, values and gradients bit for bit, 0 fallbacks."""
     with _disable_current_modes():
-        ref = run("cpu")
+        ref = _train(name, "cpu")
     ae.reset_metrics()
-    got = run(N)
+    got = _train(name, N)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert ae.metrics().cpu_fallbacks == {}
 
@@ -240,15 +242,9 @@ def test_common_nn_ops_under_the_inductor_executor_are_cpus_within_tolerance():
     """The same ops in groups TorchInductor compiles (its code, not CPU's kernels): within
     float tolerance of CPU. multilabel_margin_loss, whose compiled value was another, stays a
     CPU fallback for that reason."""
-    for name, (shape, fn) in _NN.items():
-        def run(d):
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(*shape, generator=g).to(d).requires_grad_()
-            y = fn(x, g)
-            y.backward()
-            return y.detach().cpu(), x.grad.cpu()
+    for name in _NN:
         with _disable_current_modes():
-            ref = run("cpu")
+            ref = _train(name, "cpu")
         with ae.override(executor="inductor"), ae.adaptive():
-            got = run(N)
+            got = _train(name, N)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
