@@ -616,9 +616,10 @@ class Gen:
                 f"{v} = torch._foreach_norm([{a}, {b}])[{r.randint(0, 1)}]",
                 f"{v} = torch._foreach_maximum([{a}], [{b}])[0]",
                 f"{v} = torch.stack(torch._foreach_abs([{a}, {b}]))"]
-        scalar = self.pick(lambda u: u.dim() == 0 and u.dtype == self.torch.float32)
+        zero_d = lambda u: u.dim() == 0 and u.dtype == self.torch.float32  # noqa: E731
+        scalar = self.pick(zero_d)
         if scalar is not None:  # GradScaler's unscale_ and update
-            found = self.pick(lambda u: u.dim() == 0 and u.dtype == self.torch.float32) or scalar
+            found = self.pick(zero_d)
             opts += [f"torch._amp_foreach_non_finite_check_and_unscale_([{a}, {b}], {found}, "
                      f"{scalar})",
                      f"torch._amp_update_scale_({scalar}, torch.zeros((), dtype=torch.int32, "
