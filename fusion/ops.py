@@ -40,8 +40,8 @@ _REDUCTION = {
     "_weight_norm_interface", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
-    "multi_margin_loss",  # (not multilabel_margin_loss: TorchInductor's code for it gives
-}  # another value, so it stays a CPU fallback rather than run wrong in a compiled group)
+    "multi_margin_loss",  # (not multilabel_margin_loss: Inductor decomposes it wrongly,
+}  # pytorch/pytorch#141017, so it stays a CPU fallback rather than run wrong in a group)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
     "_index_put_impl", "index_add", "index_copy", "index_fill", "embedding",

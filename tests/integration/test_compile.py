@@ -559,3 +559,38 @@ def test_control_flow_operators_run_on_the_device(how):
     _cond(a).sum().backward()
     _cond(b).sum().backward()
     assert torch.equal(b.grad.cpu(), a.grad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_wrong_decomposition_of_pytorch_gives_eagers_value_in_compile_mode(reduction, batched):
+    """Note [Wrong decompositions in graphs]: AOTAutograd traces multilabel_margin_loss as
+    PyTorch's decomposition, which counted the targets after a -1 as class 0 (3.37 for
+    eager's 1.15 on the first row); the neuron device uses the corrected one."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    y = torch.tensor([[3, 0, -1, 1, 0], [1, 2, 4, -1, 0], [0, 1, 2, 3, 4], [-1, 0, 0, 0, 0]])
+    if not batched:
+        x, y = x[0], y[0]
+
+    def loss(x, y):
+        return F.multilabel_margin_loss(x, y, reduction=reduction).sum() * 1
+
+    def value_and_grad(x, y, fn):
+        x = x.clone().requires_grad_()
+        out = fn(x, y)
+        out.backward()
+        return out.detach().cpu(), x.grad.cpu()
+
+    want = value_and_grad(x, y, loss)
+    got = value_and_grad(x.to("neuron"), y.to("neuron"),
+                         torch.compile(loss, backend="neuron", fullgraph=True))
+    torch.testing.assert_close(got, want)
+    # the shape of the unreduced loss, as the kernel's (unbatched: 0-d)
+    fn = torch.compile(lambda x, y: F.multilabel_margin_loss(x, y, reduction=reduction),
+                       backend="neuron")
+    assert fn(x.to("neuron"), y.to("neuron")).shape == \
+        F.multilabel_margin_loss(x, y, reduction=reduction).shape
+    # CPU's own torch.compile keeps PyTorch's decomposition (only the device's is replaced)
+    assert torch.ops.aten.multilabel_margin_loss_forward.default.py_kernels.get(
+        torch._C.DispatchKey.AutogradCPU) is None

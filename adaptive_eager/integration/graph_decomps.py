@@ -1,0 +1,67 @@
+"""Decompositions that PyTorch runs while tracing a graph and that compute the wrong value,
+replaced for neuron tensors by corrected ones.
+
+Note [Wrong decompositions in graphs]: while AOTAutograd traces a graph (torch.compile,
+torch.export), PyTorch's Python dispatcher runs the decompositions registered with
+`py_impl(DispatchKey.Autograd)` in place of the op's own autograd kernel, for every backend:
+the graph holds the decomposition's ops, not the op. Neuron eager runs CPU's kernel of the
+op, so a wrong decomposition makes `torch.compile(backend="neuron")` disagree with eager,
+silently (CPU's own `torch.compile` gives the same wrong value). Each one is replaced here,
+for the neuron device's autograd key only (`AutogradPrivateUse1`, which PyTorch's resolution
+looks up before the `Autograd` alias: other devices keep PyTorch's), by the decomposition
+PyTorch fixed it with upstream. Remove an entry once the torch we require has the fix.
+
+- `multilabel_margin_loss_forward`: targets after the first -1 were still counted, as class 0
+  (pytorch/pytorch#141017, #185464; fixed by #189552, not in torch 2.13): 3.37 for eager's
+  1.15 on a row `[3, 0, -1, 1, 0]`. Also, an unbatched input with reduction 'none' gave a
+  1-element result where the kernel gives a 0-d one.
+"""
+from __future__ import annotations
+
+import torch
+from torch._decomp.decompositions import Reduction
+
+aten = torch.ops.aten
+
+
+def _multilabel_margin_loss_forward(input, target, reduction):
+    """torch/_decomp/decompositions.py's, with PR #189552's two changes (marked)."""
+    orig_input_shape, orig_target_shape = input.shape, target.shape
+    input, target = torch.atleast_2d(input), torch.atleast_2d(target)
+    dim = input.shape[1]
+    torch._check(
+        len(orig_input_shape) <= 2 and dim != 0,
+        lambda: f"Expected non-empty vector or matrix with optional 0-dim batch size, but "
+                f"got: {orig_input_shape}")
+    torch._check(
+        len(orig_target_shape) <= 2 and orig_target_shape == orig_input_shape,
+        lambda: f"inconsistent target size: {orig_target_shape} for input of size: "
+                f"{orig_input_shape}")
+    idx = torch.arange(dim, device=target.device)
+    end_idx = torch.amin(torch.where(target == -1, idx, dim), dim=-1, keepdim=True)
+    target_mask = idx < end_idx  # the targets before the first -1
+    u = torch.gather(input, dim=-1, index=torch.where(target_mask, target, 0))
+    is_target = torch.any(idx == torch.where(target_mask, target, -1).unsqueeze(dim=-1), dim=1)
+    z = (1.0 - u.T.unsqueeze(dim=-1) + input).clamp_min(0) / dim  # [target slot, row, class]
+    z = torch.where(is_target, 0, z)
+    z = torch.where(target_mask.T.unsqueeze(dim=-1), z, 0)  # (fix) slots after the -1: none
+    if reduction == Reduction.MEAN.value:
+        z = z.sum(dim=(0, -1)).mean()
+    elif reduction == Reduction.SUM.value:
+        z = z.sum()
+    else:
+        z = z.sum(dim=(0, -1))
+        if len(orig_input_shape) == 1:  # (fix) unbatched: 0-d, as the kernel's
+            z = z.squeeze(0)
+    return z, is_target.to(input.dtype).reshape(orig_target_shape)
+
+
+_CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward}
+
+
+def register() -> None:
+    """Install the corrected decompositions for the neuron autograd key (idempotent)."""
+    key = torch._C.DispatchKey.AutogradPrivateUse1
+    for op, fn in _CORRECTED.items():
+        if key not in op.py_kernels:
+            op.py_impl(key)(fn)
