@@ -562,7 +562,13 @@ class Gen:
                 f"F.interpolate({a}.reshape(1, 1, -1), size=5, mode='linear')",
                 f"F.pad({a}.reshape(1, 1, -1), (1, 1), mode='reflect')",
                 f"F.pad({a}.reshape(1, 1, -1), (2, 0), mode='replicate')",
-                f"F.binary_cross_entropy_with_logits({a}, {b})", f"F.smooth_l1_loss({a}, {b})"]
+                f"F.binary_cross_entropy_with_logits({a}, {b})", f"F.smooth_l1_loss({a}, {b})",
+                f"F.hardshrink({a})", f"F.softshrink({a}, 0.3)",
+                # targets stop at the first -1 (graphs hold a decomposition of this loss:
+                # Note [Wrong decompositions in graphs])
+                f"F.multilabel_margin_loss({a}.reshape(1, -1), torch.where(torch.arange("
+                f"{a}.numel(), device=dev) == {r.randrange(4)}, -1, {a}.detach().reshape(1, -1)"
+                f".float().argsort(-1)), reduction={r.choice(['mean', 'sum', 'none'])!r})"]
         return f"{v} = {r.choice(opts)}"
 
     def f_autograd(self):
@@ -835,7 +841,10 @@ def run_compiled(stmts, dev, mode="eager"):
     import adaptive_eager as ae
     import contextlib
     torch._dynamo.reset()
-    ns = _namespace(dev)
+    if dev == "cpu":  # the reference: PyTorch's decompositions, the wrong ones corrected as
+        from adaptive_eager.integration import graph_decomps  # the device corrects them
+        graph_decomps.register(torch._C.DispatchKey.AutogradCPU)  # (Note [Wrong
+    ns = _namespace(dev)  # decompositions in graphs])
     exec(_program_source(stmts), ns)
     fn = torch.compile(ns["program"], backend="neuron" if dev != "cpu" else "aot_eager")
     err, reads = None, {}

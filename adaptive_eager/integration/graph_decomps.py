@@ -59,9 +59,9 @@ def _multilabel_margin_loss_forward(input, target, reduction):
 _CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward}
 
 
-def register() -> None:
-    """Install the corrected decompositions for the neuron autograd key (idempotent)."""
-    key = torch._C.DispatchKey.AutogradPrivateUse1
+def register(key=torch._C.DispatchKey.AutogradPrivateUse1) -> None:
+    """Install the corrected decompositions for the neuron autograd key (idempotent; the
+    fuzzer's CPU reference of compile mode installs them for `AutogradCPU` too)."""
     for op, fn in _CORRECTED.items():
         if key not in op.py_kernels:
             op.py_impl(key)(fn)
