@@ -60,6 +60,8 @@ _INDEXING = {
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
     "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
     "arange", "range", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
+    "_embedding_bag_backward", "_embedding_bag_dense_backward",
+    "_embedding_bag_per_sample_weights_backward",
     # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
     "split_with_sizes_copy", "_chunk_cat",
 }
@@ -76,8 +78,9 @@ _AMP = {"_amp_foreach_non_finite_check_and_unscale", "_amp_update_scale"}
 _VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
 _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
-# (the meta kernel says 0 bytes).
-_BARRIER_EXTRA = {"mkldnn_rnn_layer"}
+# (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
+# bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
+_BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only"}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (

@@ -564,6 +564,8 @@ class Gen:
                 f"F.pad({a}.reshape(1, 1, -1), (2, 0), mode='replicate')",
                 f"F.binary_cross_entropy_with_logits({a}, {b})", f"F.smooth_l1_loss({a}, {b})",
                 f"F.hardshrink({a})", f"F.softshrink({a}, 0.3)",
+                f"F.embedding_bag(torch.arange(5, device=dev) % max({a}.shape[0], 1), {a}, "
+                f"torch.tensor([0, 2], device=dev), mode={r.choice(['sum', 'mean', 'max'])!r})",
                 # targets stop at the first -1 (graphs hold a decomposition of this loss:
                 # Note [Wrong decompositions in graphs])
                 f"F.multilabel_margin_loss({a}.reshape(1, -1), torch.where(torch.arange("

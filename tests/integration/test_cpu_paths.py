@@ -209,6 +209,16 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
         + F.max_unpool2d(*F.max_pool2d(x[None], 2, return_indices=True), 2).pow(2).sum()
         + torch.view_as_real(torch.complex(x, x * 2) * torch.polar(x.abs(), x)).sum()
         + torch.floor_divide(x.detach() * 7, 2).sum())),
+    "embedding_bag sum, mean, max, per-sample weights, padding": ((7, 4), lambda x, g: (
+        F.embedding_bag(torch.tensor([0, 2, 6, 1, 3, 2]).to(x.device), x,
+                        torch.tensor([0, 2, 2]).to(x.device)).pow(2).sum()
+        + F.embedding_bag(torch.tensor([[1, 5, 3], [4, 0, 0]]).to(x.device), x, mode="max",
+                          padding_idx=0).pow(2).sum()
+        + F.embedding_bag(torch.tensor([3, 1, 1, 6]).to(x.device), x,
+                          torch.tensor([0, 1]).to(x.device), mode="mean", include_last_offset=True)
+        .pow(2).sum()
+        + F.embedding_bag(torch.tensor([4, 2, 5]).to(x.device), x, torch.tensor([0]).to(x.device),
+                          per_sample_weights=x[:3, 0].detach(), mode="sum").pow(2).sum())),
 }
 
 
