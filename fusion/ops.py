@@ -23,7 +23,8 @@ _CONTRACTION = {
     "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "addr",
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "mkldnn_rnn_layer_backward", "_trilinear",
+    "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
+    "_transformer_encoder_layer_fwd",
 }
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
@@ -38,6 +39,8 @@ _REDUCTION = {
     "count_nonzero", "nansum", "logcumsumexp", "cummax", "cummin", "_cdist_forward",
     "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "soft_margin_loss", "renorm",
     "_weight_norm_interface", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
+    "_masked_softmax", "_masked_softmax_backward", "_cdist_backward", "_pdist_backward",
+    "_ctc_loss_backward",
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss",  # (not multilabel_margin_loss: Inductor decomposes it wrongly,
@@ -126,10 +129,13 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
             "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not",
             "rsub", "hardswish", "log_sigmoid_forward", "_prelu_kernel", "floor_divide",
-            "polar", "complex", "log_sigmoid_backward"}:
+            "polar", "complex", "log_sigmoid_backward", "rrelu_with_noise_backward"}:
         return POINTWISE
     if base in _INDEXING or base.startswith(_INDEXING_PREFIXES):
         return INDEXING
+    if base.endswith("_copy") and not base.startswith("_nested") \
+            and _aten_forward(base[:-len("_copy")]) == VIEW:
+        return INDEXING  # a view's value as a new tensor (`diagonal_copy`: torch.diag's backward)
     if base.endswith("_backward"):  # a pointwise op's backward is pointwise, an indexing op's
         forward = _aten_forward(base[:-len("_backward")])  # indexing, a reduction's reduction
         if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
@@ -141,7 +147,8 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
 # kernel over indices: interpolate's modes, adaptive max pooling, reflection and replication.
 _INDEXING_PREFIXES = ("upsample_", "_upsample_", "reflection_pad", "replication_pad",
                       "adaptive_max_pool", "_adaptive_avg_pool", "fractional_max_pool",
-                      "max_unpool", "max_pool3d_with_indices", "avg_pool3d", "rot90")
+                      "max_unpool", "max_pool3d_with_indices", "avg_pool3d", "rot90",
+                      "linalg_cross")
 
 
 def _aten_forward(name: str) -> str | None:

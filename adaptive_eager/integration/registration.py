@@ -297,8 +297,19 @@ def _register_undecomposed():
     _LIBS.append(lib)
 
 
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, *args, **kwargs):
+    """`F.ctc_loss` with length tensors: PyTorch reads CPU or CUDA tensors' lengths on the host
+    and computes a tensor subclass's with ops over the length tensors, which then had to be
+    on the device (CPU lengths, which CUDA takes, raised "two devices"): moved there first."""
+    device = log_probs.device
+    return torch.ops.aten.ctc_loss.Tensor.decompose(
+        log_probs, targets, input_lengths.to(device), target_lengths.to(device), *args,
+        **kwargs)
+
+
 def _register_fused_rnn_cells():
     lib = torch.library.Library("aten", "IMPL")
+    lib.impl("ctc_loss.Tensor", _ctc_loss, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_lstm_cell", _lstm_cell, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_gru_cell", _gru_cell, "AutogradPrivateUse1")
     lib.impl("one_hot", _one_hot, "AutogradPrivateUse1")

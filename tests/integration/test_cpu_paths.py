@@ -219,7 +219,42 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
         .pow(2).sum()
         + F.embedding_bag(torch.tensor([4, 2, 5]).to(x.device), x, torch.tensor([0]).to(x.device),
                           per_sample_weights=x[:3, 0].detach(), mode="sum").pow(2).sum())),
+    "cdist, pdist, cross, diag, masked softmax, rrelu": ((5, 3), lambda x, g: (
+        torch.cdist(x, x.detach()[:4] * 2).sum() + F.pdist(x).sum()
+        + torch.linalg.cross(x, x.detach().flip(0)).pow(2).sum() + torch.diag(x[:3]).sum()
+        + torch.diag(x[0]).pow(2).sum()
+        + torch._masked_softmax(x, x.detach() > 0, 1, 0).pow(2).sum()
+        + (torch.manual_seed(1) and F.rrelu(x, training=True).pow(2).sum()))),
+    "ctc loss, lengths on the host and on the device": ((12, 2, 6), lambda x, g: sum(
+        F.ctc_loss(x.log_softmax(-1), torch.tensor([[1, 2, 3, 1], [2, 2, 4, 0]]).to(x.device),
+                   torch.tensor([12, 10]).to(d), torch.tensor([4, 3]).to(d), reduction=r)
+        .sum() for d, r in (("cpu", "mean"), (x.device, "sum")))),
 }
+
+
+@pytest.mark.parametrize("kind", ["attention", "encoder"])
+def test_transformer_fast_paths_in_inference_run_on_the_device_as_cpu(mode, kind):
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer in eval under no_grad take
+    PyTorch's fused fast path on a PrivateUse1 device (`_native_multi_head_attention`,
+    `_transformer_encoder_layer_fwd`), which fell back to the CPU: CPU's kernels on the device
+    now, bit for bit."""
+    def run(d):
+        torch.manual_seed(0)
+        if kind == "attention":
+            m = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        else:
+            m = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(
+                16, 4, 32, batch_first=True), 2, enable_nested_tensor=False)
+        m = m.to(d).eval()
+        x = torch.randn(2, 5, 16).to(d)
+        with torch.no_grad():
+            out = m(x, x, x)[0] if kind == "attention" else m(x)
+        return out.cpu()
+    with _disable_current_modes():
+        ref = run("cpu")
+    ae.reset_metrics()
+    assert torch.equal(run(N), ref)
+    assert ae.metrics().cpu_fallbacks == {}
 
 
 def _train(name, d):
