@@ -744,6 +744,16 @@ def _host_indices(eng, func, args, kwargs):
     return eng.dispatch_plain(func, args, kwargs)
 
 
+def _attention_fast_path(eng, func, args, kwargs):
+    """nn.MultiheadAttention's inference fast path runs on the device, but with
+    need_weights=False CPU's kernel returns no weights (None) where the meta kernel makes an
+    empty tensor: that call stays a CPU fallback, which returns CPU's None."""
+    need_weights = args[10] if len(args) > 10 else kwargs.get("need_weights", True)
+    if need_weights:
+        return eng.dispatch_plain(func, args, kwargs)
+    return eng.run_now(func, args, kwargs, True)
+
+
 def _is_pinned(eng, func, args, kwargs):
     return False  # device memory is never pinned host memory (CUDA's answer; no sync)
 
@@ -761,6 +771,7 @@ _SPECIAL = {
     aten.index_put.default: _host_indices,
     aten._index_put_impl_.default: _host_indices,
     aten._unsafe_index_put.default: _host_indices,
+    aten._native_multi_head_attention.default: _attention_fast_path,
     aten.lift_fresh.default: _lift_fresh,
     aten.lift_fresh_copy.default: _lift_fresh,
     aten.copy_.default: transfer.copy_,

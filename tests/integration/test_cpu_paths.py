@@ -1,5 +1,7 @@
 """Where PyTorch picks a different path for a non-CPU device (or any tensor subclass), neuron
 takes CPU's, bit for bit (each failed before its fix)."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -237,7 +239,8 @@ def test_transformer_fast_paths_in_inference_run_on_the_device_as_cpu(mode, kind
     """nn.MultiheadAttention and nn.TransformerEncoderLayer in eval under no_grad take
     PyTorch's fused fast path on a PrivateUse1 device (`_native_multi_head_attention`,
     `_transformer_encoder_layer_fwd`), which fell back to the CPU: CPU's kernels on the device
-    now, bit for bit."""
+    now, bit for bit, with and without a padding mask. (Attention without its weights stays
+    a fallback: CPU returns None for them.)"""
     def run(d):
         torch.manual_seed(0)
         if kind == "attention":
@@ -247,14 +250,29 @@ def test_transformer_fast_paths_in_inference_run_on_the_device_as_cpu(mode, kind
                 16, 4, 32, batch_first=True), 2, enable_nested_tensor=False)
         m = m.to(d).eval()
         x = torch.randn(2, 5, 16).to(d)
+        pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2]).to(d)
         with torch.no_grad():
-            out = m(x, x, x)[0] if kind == "attention" else m(x)
-        return out.cpu()
+            if kind == "attention":
+                outs = [*m(x, x, x), *m(x, x, x, key_padding_mask=pad)]
+            else:
+                outs = [m(x), m(x, src_key_padding_mask=pad)]
+        return [t.cpu() for t in outs]
     with _disable_current_modes():
         ref = run("cpu")
     ae.reset_metrics()
-    assert torch.equal(run(N), ref)
+    got = run(N)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert ae.metrics().cpu_fallbacks == {}
+    if kind == "attention":
+        torch.manual_seed(0)
+        m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+        x = torch.randn(2, 5, 16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (fell back to CPU: once per process)
+            xn = x.to(N)  # (the fast path is self-attention's only)
+            out, weights = m.to(N)(xn, xn, xn, need_weights=False)
+        assert weights is None and out.shape == (2, 5, 16)
+        assert ae.metrics().cpu_fallbacks == {"aten::_native_multi_head_attention": 1}
 
 
 def _train(name, d):
