@@ -58,7 +58,8 @@ def _info(size, stride, offset, t) -> tuple:
 
 
 
-_BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"}
+_BN = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+       "_native_batch_norm_legit_functional"}
 
 
 
@@ -435,11 +436,13 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             outs.append(None)
         else:
             cpu = cpu_leaves[i] if i < len(cpu_leaves) else None
-            if (isinstance(cpu, torch.Tensor) and tuple(cpu.shape) == size
-                    and (cpu.stride() != stride or cpu.dtype != leaf.dtype)):
-                # Note [CPU layouts]: where a meta kernel lays out or types an output
-                # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it).
-                stride, dt = cpu.stride(), str(cpu.dtype)[6:]
+            if isinstance(cpu, torch.Tensor) and (tuple(cpu.shape) != size
+                                                  or cpu.stride() != stride
+                                                  or cpu.dtype != leaf.dtype):
+                # Note [CPU layouts]: where a meta kernel shapes, lays out or types an output
+                # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it; the
+                # unreduced multi_margin_loss of one sample is 0-d on CPU, (1,) in meta)
+                size, stride, dt = tuple(cpu.shape), cpu.stride(), str(cpu.dtype)[6:]
                 leaf = torch.empty_strided(size, stride, dtype=cpu.dtype, device="meta")
             k = len(new_bytes)
             out_leaves.append(("new", k, size, stride, leaf.dtype,

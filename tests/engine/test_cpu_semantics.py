@@ -77,6 +77,29 @@ def test_meta_refusing_what_cpu_accepts_does_not_abort():
     assert "grad (1, 5, 0)" in out.stdout
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_an_output_meta_shapes_unlike_cpu_takes_cpus_shape(mode, reduction):
+    """Note [CPU layouts]: the unreduced multi_margin_loss of one sample is 0-d on CPU and
+    (1,) in its meta kernel; the CPU probe's shape was ignored where it differed from meta's,
+    so the device silently returned (1,) (found by a scan of compile mode against eager)."""
+    x, t = torch.randn(4, generator=torch.Generator().manual_seed(0)), torch.tensor(2)
+    want = F.multi_margin_loss(x, t, reduction=reduction)
+    got = F.multi_margin_loss(x.to(N), t.to(N), reduction=reduction)
+    assert got.shape == want.shape and torch.equal(got.cpu(), want)
+
+
+def test_functional_batch_norm_in_eval_saves_cpus_empty_statistics(mode):
+    """`_native_batch_norm_legit_functional` (what torch.compile's graphs call) in eval
+    returns empty saved statistics on CPU, as the other batch norms (`_cpu_shaped`): the
+    device made them (C,) and failed copying CPU's into them (an internal error)."""
+    args = [torch.randn(2, 3), torch.ones(3), torch.zeros(3), torch.zeros(3), torch.ones(3)]
+    want = torch.ops.aten._native_batch_norm_legit_functional(*args, False, 0.1, 1e-5)
+    got = torch.ops.aten._native_batch_norm_legit_functional(*(a.to(N) for a in args), False,
+                                                             0.1, 1e-5)
+    assert [tuple(g.shape) for g in got] == [tuple(w.shape) for w in want]
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
 def test_error_on_autograds_device_thread_reaches_the_caller():
     """A pending deferred error surfaces at a sync inside backward (a CPU-fallback op): it
     must come back from backward() as a Python exception, never abort the process."""
