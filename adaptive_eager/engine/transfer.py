@@ -85,7 +85,10 @@ def on_host(v, tensor):
     by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
         return tensor(v)
-    if isinstance(v, torch.Generator):
+    # (type, not isinstance: torch.Generator's metaclass checks instances in Python, a
+    # frame Dynamo compiles while the engine runs under torch.compile, faking the host
+    # tensors it meets: packed sequences' lengths failed; integration/compile.py)
+    if type(v) is torch.Generator:
         if v.device.type == DEVICE_TYPE and CPU_GENERATOR is not None:
             return CPU_GENERATOR(v)
         raise _generator_error(v)
