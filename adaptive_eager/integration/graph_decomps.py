@@ -15,6 +15,11 @@ PyTorch fixed it with upstream. Remove an entry once the torch we require has th
   (pytorch/pytorch#141017, #185464; fixed by #189552, not in torch 2.13): 3.37 for eager's
   1.15 on a row `[3, 0, -1, 1, 0]`. Also, an unbatched input with reduction 'none' gave a
   1-element result where the kernel gives a 0-d one.
+- `multi_margin_loss`: a NaN term was summed (`clamp_min(0)` keeps NaN) where the kernel adds
+  a term only if it is > 0 (NaN for eager's inf); the same 0-d shape for one sample. No
+  upstream fix yet (found by the s17 compile-mode scan).
+- `softshrink`: its gradient at NaN was 0 (`where(|a| > l, ..., a * 0)` sends NaN to the zero
+  branch) where the kernel's backward passes it on. No upstream fix yet (the same scan).
 """
 from __future__ import annotations
 
@@ -56,7 +61,53 @@ def _multilabel_margin_loss_forward(input, target, reduction):
     return z, is_target.to(input.dtype).reshape(orig_target_shape)
 
 
-_CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward}
+def _multi_margin_loss(input, target, p=1, margin=1, weight=None,
+                       reduction=Reduction.MEAN.value):
+    """torch/_decomp/decompositions.py's, with the kernel's `z > 0` and the unbatched 0-d
+    result (marked)."""
+    unbatched = input.ndim == 1
+    input, target = torch.atleast_2d(input), torch.atleast_1d(target)
+    nframe, dim = input.shape[0], input.shape[1]
+    torch._check(p == 1 or p == 2, lambda: "only p == 1 and p == 2 supported")
+    torch._check(
+        input.ndim == 2 and dim != 0,
+        lambda: f"Expected non-empty vector or matrix with optional 0-dim batch size, but "
+                f"got: {input.shape}")
+    torch._check(
+        target.ndim == 1 and target.numel() == nframe,
+        lambda: f"inconsistent target size, expected {nframe} but got {target.shape}")
+    if weight is not None:
+        weight = torch.atleast_1d(weight)
+        torch._check(weight.ndim == 1 and weight.numel() == dim,
+                     lambda: f"inconsistent weight size, expected {dim} but got {weight.shape}")
+    target = target.unsqueeze(1)
+    z = margin - torch.gather(input, dim=1, index=target) + input
+    z = torch.where(z > 0, z, 0)  # (fix) a term counts only if > 0: NaN terms do not
+    z = z if p == 1 else z * z
+    if weight is not None:
+        z = z * weight[target]
+    z = torch.where(torch.arange(dim, device=input.device) != target, z, 0)
+    if reduction == Reduction.MEAN.value:
+        return z.mean()
+    if reduction == Reduction.SUM.value:
+        return z.sum() / z.shape[1]
+    z = z.mean(dim=1)
+    return z.squeeze(0) if unbatched else z  # (fix) unbatched: 0-d, as the kernel's
+
+
+def _softshrink(a, lambd=0.5):
+    """torch/_refs/nn/functional's, its zero branch chosen as the kernel's backward chooses
+    it (`-l <= x <= l`), so NaN takes the other branch (and its gradient)."""
+    torch._check(
+        0 <= lambd <= torch.finfo(a.dtype).max,
+        lambda: f"lambda must be in range [0, {torch.finfo(a.dtype).max}] for input dtype "
+                f"{a.dtype}, but found {lambd}")
+    return torch.where((a >= -lambd) & (a <= lambd), 0, a - torch.sign(a) * lambd)
+
+
+_CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+              aten.multi_margin_loss.default: _multi_margin_loss,
+              aten.softshrink.default: _softshrink}
 
 
 def register(key=torch._C.DispatchKey.AutogradPrivateUse1) -> None:

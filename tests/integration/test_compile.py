@@ -594,3 +594,30 @@ def test_a_wrong_decomposition_of_pytorch_gives_eagers_value_in_compile_mode(red
     # CPU's own torch.compile keeps PyTorch's decomposition (only the device's is replaced)
     assert torch.ops.aten.multilabel_margin_loss_forward.default.py_kernels.get(
         torch._C.DispatchKey.AutogradCPU) is None
+
+
+def test_decompositions_that_drop_nan_give_eagers_value_in_compile_mode():
+    """Note [Wrong decompositions in graphs]: PyTorch's multi_margin_loss summed a NaN term
+    (NaN for eager's inf) and made one sample's unreduced loss (1,) for eager's 0-d; its
+    softshrink gave 0 for the gradient at NaN, where eager passes it on."""
+    x = torch.tensor([[float("nan"), 0.1, 0.2], [0.3, float("inf"), 0.0], [0.5, -0.2, 0.9]])
+    t = torch.tensor([0, 2, 1])
+    cases = [
+        (lambda x: F.multi_margin_loss(x, t.to(x.device)), x),
+        (lambda x: F.multi_margin_loss(x[2:], t[2:].to(x.device), p=2, margin=0.5,
+                                       weight=torch.tensor([1.0, 2.0, 0.5]).to(x.device)), x),
+        (lambda x: F.multi_margin_loss(x[2], t[1].to(x.device), reduction="none"), x),
+        (lambda x: F.softshrink(x, 0.3).sum() + F.hardshrink(x[2:], 0.3).sum(), x.nan_to_num(
+            posinf=2.0) + torch.tensor([[0.0, 0.0, 0.0], [float("nan"), 0.0, 0.0], [0, 0, 0]])),
+    ]
+    for fn, inp in cases:
+        xc = inp.clone().requires_grad_()
+        want = fn(xc)
+        want.sum().backward()
+        xn = inp.to("neuron").requires_grad_()
+        got = torch.compile(fn, backend="neuron")(xn)
+        got.sum().backward()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got.cpu(), want, equal_nan=True)
+        torch.testing.assert_close(xn.grad.cpu(), xc.grad, equal_nan=True)
+        torch._dynamo.reset()
