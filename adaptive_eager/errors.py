@@ -104,6 +104,15 @@ def _sparse_error(op: str, layout) -> NotImplementedError:
 
 
 
+def _nested_error(op: str) -> NotImplementedError:
+    """Nested results (`torch.nested`, nn.TransformerEncoder's inference fast path) are
+    refused."""
+    return NotImplementedError(
+        f"{op}: nested tensors are not supported on the neuron device, which holds strided "
+        f"tensors only. nn.TransformerEncoder makes one in eval under no_grad when given a "
+        f"padding mask: build it with enable_nested_tensor=False.")
+
+
 def _quantized_error(op: str) -> NotImplementedError:
     """Quantized tensors (`quantize_per_tensor`, `.to("neuron")` of one) are refused."""
     return NotImplementedError(

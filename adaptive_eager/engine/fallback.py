@@ -15,8 +15,8 @@ from fusion.host import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor
-from ..errors import (NeuronFallbackError, _quantized_error, _raise_launch_error,
-                      _sparse_error, user_error)
+from ..errors import (NeuronFallbackError, _nested_error, _quantized_error,
+                      _raise_launch_error, _sparse_error, user_error)
 from .results import resize_out
 from .source import _source, _user_stacklevel
 from .templates import foreign_tensor
@@ -129,6 +129,8 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         if id(leaf) in outs:  # an out= argument, handed back
             new_leaves.append(outs[id(leaf)])
             continue
+        if leaf.is_nested:
+            raise _nested_error(name)
         if leaf.layout != torch.strided:
             raise _sparse_error(name, leaf.layout)
         if leaf.is_quantized:

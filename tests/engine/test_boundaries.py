@@ -54,6 +54,24 @@ def test_a_sparse_csr_tensor_on_neuron_is_refused_as_sparse_not_as_two_devices(m
     assert (dense + 1).cpu().tolist() == [[2., 2.], [2., 2.]]  # the engine still works
 
 
+def test_a_nested_result_is_refused_in_words_that_say_so(mode):
+    """nn.TransformerEncoder's default (enable_nested_tensor=True) in eval under no_grad with
+    a padding mask makes a nested tensor (a CPU fallback here): it failed with PyTorch's
+    "Internal error: NestedTensorImpl doesn't support sizes"; now it is refused clearly, with
+    the way out, and the engine goes on."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    m = torch.nn.TransformerEncoder(layer, 2).to(N).eval()
+    x = torch.randn(2, 3, 8).to(N)
+    pad = torch.tensor([[False, False, False], [False, False, True]]).to(N)
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(
+            NotImplementedError, match="nested tensors are not supported on the neuron device"
+            ".*enable_nested_tensor=False"):
+        warnings.simplefilter("ignore")  # (its fallback's warning)
+        m(x, src_key_padding_mask=pad)
+    assert m(x, src_key_padding_mask=pad).shape == (2, 3, 8)  # (with grad: no nested path)
+
+
 def test_quantized_tensors_are_refused_at_the_boundary(mode):
     q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
     for f in (lambda: q.to(N), lambda: q.flatten().to(N), lambda: q.flip(0).to(N),
