@@ -844,9 +844,10 @@ def run_compiled(stmts, dev, mode="eager"):
     import contextlib
     torch._dynamo.reset()
     if dev == "cpu":  # the reference: PyTorch's decompositions, the wrong ones corrected as
-        from adaptive_eager.integration import graph_decomps  # the device corrects them
-        graph_decomps.register(torch._C.DispatchKey.AutogradCPU)  # (Note [Wrong
-    ns = _namespace(dev)  # decompositions in graphs])
+        # the device corrects them (Note [Wrong decompositions in graphs])
+        from adaptive_eager.integration import graph_decomps
+        graph_decomps.register(torch._C.DispatchKey.AutogradCPU)
+    ns = _namespace(dev)
     exec(_program_source(stmts), ns)
     fn = torch.compile(ns["program"], backend="neuron" if dev != "cpu" else "aot_eager")
     err, reads = None, {}
@@ -861,7 +862,19 @@ def run_compiled(stmts, dev, mode="eager"):
             err = _err(0, e)
     _settle()
     torch._dynamo.reset()
+    # Note [A compile failure can break the process]: AOTAutograd failing inside an
+    # inference_mode block ("Cannot set version_counter for inference tensor", CPU's
+    # aot_eager too) leaves the PythonDispatcher key set in this thread's dispatch keys
+    # (a PyTorch bug): every later compile then fails at once, and the policy skipped every
+    # later program (seed 140010: ~100 programs a second, none compiled). The worker asks
+    # the Pool to replace it, in its answer.
+    if torch._C._dispatch_tls_local_include_set().has(torch._C.DispatchKey.PythonDispatcher):
+        BROKEN[0] = True
     return err, reads
+
+
+# the worker cannot compile any more: Note [A compile failure can break the process]
+BROKEN = [False]
 
 
 def _program_source(stmts) -> str:
@@ -1551,7 +1564,7 @@ def worker_main():
             fails = check(req["stmts"], [tuple(c) for c in req["configs"]])
         except Exception:
             fails = [{"config": "harness", "kind": "internal", "detail": traceback.format_exc()[-800:]}]
-        out.write(json.dumps({"fails": fails}) + "\n")
+        out.write(json.dumps({"fails": fails, "restart": BROKEN[0]}) + "\n")
         out.flush()
 
 
@@ -1583,8 +1596,8 @@ class Pool:
             self.proc = None
             self.err.close()
 
-    def _kill(self):
-        if self.proc.poll() is None:  # a hang: have the worker print every thread's stack
+    def _kill(self, dump=True):
+        if dump and self.proc.poll() is None:  # a hang: have the worker print every thread's stack
             import signal
             self.proc.send_signal(signal.SIGUSR1)
             time.sleep(2)
@@ -1612,7 +1625,10 @@ class Pool:
             rc = self.proc.returncode
             return [{"config": "all", "kind": "crash", "detail": f"worker exit {rc}",
                      "stderr": self._kill()}]
-        return json.loads(line)["fails"]
+        answer = json.loads(line)
+        if answer.get("restart"):  # Note [A compile failure can break the process]
+            self._kill(dump=False)
+        return answer["fails"]
 
 
 # --------------------------------------------------------------------------- shrinking

@@ -56,6 +56,23 @@ def test_ci_pass_compiled():
     assert not fails, "\n".join(lines)
 
 
+def test_a_worker_a_failed_compile_broke_is_replaced():
+    """Note [A compile failure can break the process]: after AOTAutograd failed inside an
+    inference_mode block, the worker could compile nothing more, and every later program of
+    the compile policy was skipped (a run checked ~100 programs a second). The worker asks to
+    be replaced, so the next program runs in a new one."""
+    broken = ["torch.manual_seed(469)", "v1 = torch.randn((1, 5), device=dev).double()",
+              "v2 = v1.std(-2)", "v3 = v1.median()",
+              "with torch.inference_mode(): v2.narrow(0, 0, 1).mul_(2)",
+              "torch.neuron.synchronize()"]
+    pool = fuzzer.Pool()
+    try:
+        assert pool.check(broken, [("graph", "compile")]) == []
+        assert pool.proc is None  # replaced: the next check starts a fresh worker
+    finally:
+        pool.close()
+
+
 def test_ci_pass_inductor_executor():
     """Policy inductor: adaptive with the Inductor executor against neuron eager, within
     float tolerance (it found the aliased foreach writes of fusion/executors/fx.py)."""

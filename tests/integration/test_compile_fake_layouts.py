@@ -22,7 +22,7 @@ CL = torch.channels_last
 # PyTorch's private fake kernels (conv's, pixel_shuffle's meta). Strict: a torch that fixes
 # PrivateUse1's fake layouts, or a fix of ours, turns these into failures to look at.
 pytestmark = pytest.mark.xfail(strict=True, reason="fake layouts of PrivateUse1 convolutions "
-                               "are CUDA's, the device's CPU's (LIMITS.md)")
+                               "are CUDA's, the device's CPU's (adaptive_eager/LIMITS.md)")
 
 
 @pytest.fixture(autouse=True)
