@@ -288,6 +288,31 @@ def test_outputs_have_cpus_strides(name, f, mode):
     torch.testing.assert_close(dev.cpu(), cpu)
 
 
+@pytest.mark.parametrize("rows", [3, 2200], ids=["probed", "too_big_to_probe"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_an_empty_dim_list_reduces_as_on_cpu(rows, keepdim, mode):
+    # nansum's meta kernel reduces no dim for `dim=[]`, CPU's every dim (as sum's): the
+    # device returned x's shape, each element the total
+    x = torch.randn(rows, 2048)
+    x[0, 0] = float("nan")
+    for f in (torch.nansum, torch.nanmean):
+        cpu, dev = f(x, dim=[], keepdim=keepdim), f(x.to(N), dim=[], keepdim=keepdim)
+        assert dev.shape == cpu.shape
+        assert torch.equal(dev.cpu(), cpu)
+
+
+def test_a_result_shaped_unlike_its_plan_raises_never_broadcasts(monkeypatch, mode):
+    # Note [Misshaped results]: a meta kernel shaping unlike CPU's over inputs too big to
+    # probe (here: nansum's, its correction taken away) planned a (2201, 2048) result for
+    # CPU's 0-d total; copied into the planned buffer, it filled all of it
+    from adaptive_eager.engine import meta
+    monkeypatch.setattr(meta, "_cpu_shaped", lambda func, m_args, m_kwargs, out: out)
+    x = torch.ones(2201, 2048)  # (a shape of its own: no other test meets this signature)
+    y = torch.nansum(x.to(N), dim=[])
+    with pytest.raises(RuntimeError, match="nansum returned a result of shape"):
+        y.cpu()
+
+
 def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     x = torch.tensor([[0., 1.], [1., 1.]])
     c, d = torch.nonzero(x), torch.nonzero(x.to(N))
