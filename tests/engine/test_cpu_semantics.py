@@ -313,6 +313,16 @@ def test_a_result_shaped_unlike_its_plan_raises_never_broadcasts(monkeypatch, mo
         y.cpu()
 
 
+def test_a_host_run_view_of_another_dtype_is_not_its_input(mode):
+    # prims.real (CPU fallback) of a 0-d complex tensor: its float view has the input's
+    # size, stride and offset; the device handed back the complex input itself
+    z = torch.tensor(1.5 - 2.5j)
+    for f in (torch.ops.prims.real.default, torch._refs.real, torch.ops.prims.imag.default):
+        cpu, dev = f(z), f(z.to(N))
+        assert dev.dtype == cpu.dtype == torch.float32
+        assert torch.equal(dev.cpu(), cpu)
+
+
 def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     x = torch.tensor([[0., 1.], [1., 1.]])
     c, d = torch.nonzero(x), torch.nonzero(x.to(N))
