@@ -446,6 +446,24 @@ def test_in_place_foreach_ops_bump_versions_as_cuda_kernels_do(mode):
     assert t.cpu().tolist() == [2.0, 2.0]
 
 
+def test_foreach_scalars_packed_in_a_host_tensor_are_taken_as_on_cuda(mode):
+    # test_foreach.py (tensor-of-scalarlist overload): `_foreach_addcmul(x, a, b, scalars)`
+    # with a 1-D CPU `scalars` (where CUDA requires it) raised the two-devices error
+    xs, a, b = ([torch.randn(3, 3), torch.randn(2)] for _ in range(3))
+    scalars = torch.tensor([2.0, -3.0])
+    dev = [[t.to(N) for t in ts] for ts in (xs, a, b)]
+    for f in (torch._foreach_addcmul, torch._foreach_addcdiv):
+        for c, d in zip(f(xs, a, b, scalars), f(*dev, scalars)):
+            assert torch.equal(d.cpu(), c)
+    for f in (torch._foreach_addcmul_, torch._foreach_addcdiv_):
+        f(xs, a, b, scalars)
+        f(*dev, scalars)
+        for c, d in zip(xs, dev[0]):
+            assert torch.equal(d.cpu(), c)
+    with pytest.raises(RuntimeError, match="two devices"):  # a list's tensor still may not
+        torch._foreach_addcmul(dev[0], [a[0], dev[1][1]], dev[2], scalars)
+
+
 @pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
 def test_low_precision_backward_uses_cpus_kernel_not_a_decomposition(mode, fn):
     """PyTorch decomposes silu_backward for backends without a kernel: in bfloat16 every
