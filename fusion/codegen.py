@@ -18,6 +18,7 @@ earlier instr done: the interpreter goes on from the next instr.
 from __future__ import annotations
 
 import dis
+import math
 import os
 
 import torch
@@ -83,7 +84,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
                 if checked or _reads_host(ins):
                     body.append((f"if r.dtype is not d{i} or r.storage_offset() or r.stride() "
                                  f"!= s{i} or r.shape != z{i}: FIXED.add({i}); "
-                                 f"r = _fix(r, o{i})", 3 * i + 2))
+                                 f"r = _fix(r, o{i}, {op_name(ins.op)!r})", 3 * i + 2))
                 if s in stored:
                     body.append((f"st[{s}] = r.untyped_storage()", 3 * i + 2))
                 if s in outputs:  # Note [Host views]: its buffer's host view, after the run
@@ -223,9 +224,28 @@ def layout_key(layout: tuple) -> tuple:
     return key
 
 
-def _fix(r, o):
+# Note [Misshaped results]: an output's shape is planned at the call, from the meta kernel
+# checked by the CPU probe (Note [CPU probe]). Where the plan is wrong (a meta kernel shaping
+# unlike CPU's, over inputs too big to probe), copying the kernel's result into the planned
+# buffer would broadcast it: `nansum(x, dim=[])`'s total in every element of x's shape. A
+# result of another element count raises instead (at the sync, naming the op): never a
+# silently wrong value. (Same count, other shape: size-1 dims only, the same values.)
+def op_name(op) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else str(op)
+
+
+def misshaped(name, r, size) -> RuntimeError:
+    return RuntimeError(f"internal error: {name} returned a result of shape {list(r.shape)} "
+                        f"where the device planned {list(size)} (its meta kernel shapes it "
+                        f"unlike CPU's kernel); please report it")
+
+
+def _fix(r, o, name):
     """A result laid out unlike the op's signature says: copied into that layout (as
-    `run_instr`)."""
+    `run_instr`), unless misshaped (Note [Misshaped results])."""
+    if r.shape != o[1] and r.numel() != math.prod(o[1]):
+        raise misshaped(name, r, o[1])
     e = torch.empty_strided(o[1], o[2], dtype=o[3], device=_CPU)
     e.copy_(r)
     return e

@@ -6,6 +6,7 @@ bit-for-bit those of eager mode; fusion changes what the device *costs*, not wha
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -13,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from device import LaunchError
 
-from .codegen import generate, host_views, layout_key, tensor_templates
+from .codegen import generate, host_views, layout_key, misshaped, op_name, tensor_templates
 from .host import QUIET_OPS, cpp_warnings_scope
 from .ir import Node, from_json, to_json, _DECODE_ENUM
 from .ops import BARRIER, KERNEL, LAYOUT_ONLY, RANDOM, device_kernel, op_class
@@ -307,6 +308,8 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
                 or r.shape != size or dtype.is_complex and (r.is_conj() or r.is_neg())):
             # (a conjugate view, `solve(left=False)`'s: its storage holds the unconjugated
             # values; copy_ writes the values the view shows)
+            if r.shape != size and r.numel() != math.prod(size):
+                raise LaunchError(misshaped(op_name(ins.op), r, size))
             e = torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
             e.copy_(r)
             r = e

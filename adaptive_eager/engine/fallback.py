@@ -142,7 +142,9 @@ def run_now(eng, func, args, kwargs, fallback: bool):
         if owner is not None:
             same = next((v for v in views.values() if v._handle is owner._handle
                          and v.shape == leaf.shape and v.stride() == leaf.stride()
-                         and v.storage_offset() == leaf.storage_offset()), None)
+                         and v.storage_offset() == leaf.storage_offset()
+                         and v.dtype == leaf.dtype), None)  # (`prims.real` of a 0-d complex
+            # tensor: its float view has the tensor's layout, not its dtype)
             new_leaves.append(same if same is not None else eng.wrap(
                 owner._handle, tuple(leaf.shape), leaf.stride(), leaf.storage_offset(),
                 leaf.dtype))

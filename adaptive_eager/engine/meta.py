@@ -86,17 +86,29 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
 
 
+def _empty_dim(names, m_args, m_kwargs) -> bool:
+    i = names.index("dim") if "dim" in names else None
+    dim = m_kwargs.get("dim", m_args[i] if i is not None and i < len(m_args) else None)
+    return dim is not None and len(dim) == 0
+
+
 def _cpu_shaped(func, m_args, m_kwargs, out):
     """Where CPU kernels shape outputs unlike the meta kernels: eval-mode batch norm returns
     empty saved statistics on CPU (meta says (C,)); a backward leaves the gradients its
     `output_mask` turns off undefined (batch norm's meta kernel makes them: the device then
-    read a gradient CPU never computed, and crashed). Our device follows CPU."""
+    read a gradient CPU never computed, and crashed); `nansum(x, dim=[])` reduces every dim
+    on CPU, none in meta. Our device follows CPU."""
     names = [a.name for a in func._schema.arguments]
     if "output_mask" in names and isinstance(out, tuple):
         i = names.index("output_mask")
         mask = m_kwargs.get("output_mask", m_args[i] if i < len(m_args) else None)
         if mask is not None and len(mask) == len(out):
             out = tuple(o if keep else None for o, keep in zip(out, mask))
+    if func.overloadpacket.__name__ == "nansum" and _empty_dim(names, m_args, m_kwargs):
+        # (CPU's kernel reduces every dim for `dim=[]`, as `sum` does; the meta kernel
+        # reduces none: for inputs too big to probe, Note [CPU probe])
+        return func(*m_args, **dict(m_kwargs, dim=None)) if "dim" in m_kwargs else \
+            func(m_args[0], None, *m_args[2:], **m_kwargs)
     if func.overloadpacket.__name__ not in _BN:
         return out
     training = (m_kwargs.get("training", m_args[names.index("training")]
@@ -440,8 +452,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                                                   or cpu.stride() != stride
                                                   or cpu.dtype != leaf.dtype):
                 # Note [CPU layouts]: where a meta kernel shapes, lays out or types an output
-                # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it; the
-                # unreduced multi_margin_loss of one sample is 0-d on CPU, (1,) in meta)
+                # unlike CPU's kernel, CPU wins (view-vs-copy semantics depend on it; a wrong
+                # shape is a wrong value: `nansum(x, dim=[])`, the unreduced multi_margin_loss
+                # of one sample, 0-d on CPU and (1,) in meta)
                 size, stride, dt = tuple(cpu.shape), cpu.stride(), str(cpu.dtype)[6:]
                 leaf = torch.empty_strided(size, stride, dtype=cpu.dtype, device="meta")
             k = len(new_bytes)

@@ -36,9 +36,25 @@ def template(eng, func, args, kwargs, scalars=None):
             return tuple(out), (), handles, inputs, vbytes
     e = _Encoder(eng, func)
     wpos, wnames = written_arguments(func)
-    args_t = tuple([e.enc(a, i in spos, i in wpos) for i, a in enumerate(args)])
-    kwargs_t = tuple([(k, e.enc(v, k in snames, k in wnames)) for k, v in kwargs.items()])
+    hpos, hname = _host_argument(func)
+    args_t = tuple([e.enc(a, i in spos, i in wpos, i == hpos) for i, a in enumerate(args)])
+    kwargs_t = tuple([(k, e.enc(v, k in snames, k in wnames, k == hname))
+                      for k, v in kwargs.items()])
     return args_t, kwargs_t, e.handles, e.inputs, e.vbytes
+
+
+# The argument CUDA's kernels read on the host, of any dims: the packed scalars of the
+# `.Tensor` overloads of `_foreach_addcmul(_)` / `_foreach_addcdiv(_)` (a 1-D CPU tensor:
+# CUDA refuses it on the device, "Expected scalars to be on CPU").
+_HOST_ARGUMENT = {f"aten::_foreach_{op}{inplace}": "scalars"
+                  for op in ("addcmul", "addcdiv") for inplace in ("", "_")}
+
+
+def _host_argument(func) -> tuple[int | None, str | None]:
+    name = _HOST_ARGUMENT.get(func._schema.name) if func._overloadname == "Tensor" else None
+    if name is None:
+        return None, None
+    return [a.name for a in func._schema.arguments].index(name), name
 
 
 _PLAIN = frozenset({int, float, bool, str, type(None)})  # static as they are
@@ -89,7 +105,7 @@ class _Encoder:
         self.inputs: list = []
         self.vbytes: list[int] = []
 
-    def enc(self, v, scalar, written=False):
+    def enc(self, v, scalar, written=False, host=False):
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.eng, self.func, self.handles, self.where, self.vbytes)
         # (type, not isinstance: torch.Generator's metaclass checks instances in Python, a
@@ -99,8 +115,9 @@ class _Encoder:
             raise _generator_error(v)
         if isinstance(v, torch.Tensor):
             # CUDA's rule: a host tensor only as a 0-d input (a value), never one written
+            # (or as an argument CUDA's kernel reads on the host: _host_argument)
             if v.device.type != "cpu" or written or (
-                    v.dim() != 0 and self.func is not aten.copy_.default):
+                    v.dim() != 0 and not host and self.func is not aten.copy_.default):
                 raise foreign_tensor(self.eng, v, self.func)
             self.inputs.append(v.detach().clone())
             return ("H", len(self.inputs) - 1, str(v.dtype)[6:], tuple(v.shape))

@@ -311,6 +311,41 @@ def test_outputs_have_cpus_strides(name, f, mode):
     torch.testing.assert_close(dev.cpu(), cpu)
 
 
+@pytest.mark.parametrize("rows", [3, 2200], ids=["probed", "too_big_to_probe"])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_an_empty_dim_list_reduces_as_on_cpu(rows, keepdim, mode):
+    # nansum's meta kernel reduces no dim for `dim=[]`, CPU's every dim (as sum's): the
+    # device returned x's shape, each element the total
+    x = torch.randn(rows, 2048)
+    x[0, 0] = float("nan")
+    for f in (torch.nansum, torch.nanmean):
+        cpu, dev = f(x, dim=[], keepdim=keepdim), f(x.to(N), dim=[], keepdim=keepdim)
+        assert dev.shape == cpu.shape
+        assert torch.equal(dev.cpu(), cpu)
+
+
+def test_a_result_shaped_unlike_its_plan_raises_never_broadcasts(monkeypatch, mode):
+    # Note [Misshaped results]: a meta kernel shaping unlike CPU's over inputs too big to
+    # probe (here: nansum's, its correction taken away) planned a (2201, 2048) result for
+    # CPU's 0-d total; copied into the planned buffer, it filled all of it
+    from adaptive_eager.engine import meta
+    monkeypatch.setattr(meta, "_cpu_shaped", lambda func, m_args, m_kwargs, out: out)
+    x = torch.ones(2201, 2048)  # (a shape of its own: no other test meets this signature)
+    y = torch.nansum(x.to(N), dim=[])
+    with pytest.raises(RuntimeError, match="nansum returned a result of shape"):
+        y.cpu()
+
+
+def test_a_host_run_view_of_another_dtype_is_not_its_input(mode):
+    # prims.real (CPU fallback) of a 0-d complex tensor: its float view has the input's
+    # size, stride and offset; the device handed back the complex input itself
+    z = torch.tensor(1.5 - 2.5j)
+    for f in (torch.ops.prims.real.default, torch._refs.real, torch.ops.prims.imag.default):
+        cpu, dev = f(z), f(z.to(N))
+        assert dev.dtype == cpu.dtype == torch.float32
+        assert torch.equal(dev.cpu(), cpu)
+
+
 def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     x = torch.tensor([[0., 1.], [1., 1.]])
     c, d = torch.nonzero(x), torch.nonzero(x.to(N))
@@ -432,6 +467,24 @@ def test_in_place_foreach_ops_bump_versions_as_cuda_kernels_do(mode):
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside"):
         torch._foreach_add_([t], 1.0)
     assert t.cpu().tolist() == [2.0, 2.0]
+
+
+def test_foreach_scalars_packed_in_a_host_tensor_are_taken_as_on_cuda(mode):
+    # test_foreach.py (tensor-of-scalarlist overload): `_foreach_addcmul(x, a, b, scalars)`
+    # with a 1-D CPU `scalars` (where CUDA requires it) raised the two-devices error
+    xs, a, b = ([torch.randn(3, 3), torch.randn(2)] for _ in range(3))
+    scalars = torch.tensor([2.0, -3.0])
+    dev = [[t.to(N) for t in ts] for ts in (xs, a, b)]
+    for f in (torch._foreach_addcmul, torch._foreach_addcdiv):
+        for c, d in zip(f(xs, a, b, scalars), f(*dev, scalars)):
+            assert torch.equal(d.cpu(), c)
+    for f in (torch._foreach_addcmul_, torch._foreach_addcdiv_):
+        f(xs, a, b, scalars)
+        f(*dev, scalars)
+        for c, d in zip(xs, dev[0]):
+            assert torch.equal(d.cpu(), c)
+    with pytest.raises(RuntimeError, match="two devices"):  # a list's tensor still may not
+        torch._foreach_addcmul(dev[0], [a[0], dev[1][1]], dev[2], scalars)
 
 
 @pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
