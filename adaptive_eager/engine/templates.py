@@ -108,10 +108,7 @@ class _Encoder:
     def enc(self, v, scalar, written=False, host=False):
         if type(v) is NeuronTensor:
             return _enc_tensor(v, self.eng, self.func, self.handles, self.where, self.vbytes)
-        # (type, not isinstance: torch.Generator's metaclass checks instances in Python, a
-        # frame Dynamo compiles while the engine runs under torch.compile, faking the host
-        # tensors it meets: packed sequences' lengths failed; integration/compile.py)
-        if type(v) is torch.Generator:
+        if type(v) is torch.Generator:  # Note [Generators by type] in transfer.py
             raise _generator_error(v)
         if isinstance(v, torch.Tensor):
             # CUDA's rule: a host tensor only as a 0-d input (a value), never one written

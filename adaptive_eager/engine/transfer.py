@@ -85,9 +85,10 @@ def on_host(v, tensor):
     by the CPU (recursing into lists and tuples)."""
     if isinstance(v, NeuronTensor):
         return tensor(v)
-    # (type, not isinstance: torch.Generator's metaclass checks instances in Python, a
-    # frame Dynamo compiles while the engine runs under torch.compile, faking the host
-    # tensors it meets: packed sequences' lengths failed; integration/compile.py)
+    # Note [Generators by type]: `type(v) is torch.Generator`, never isinstance: the
+    # Generator's metaclass checks instances in a Python frame, which Dynamo (its frame hook
+    # still set while the engine runs under torch.compile) compiled, faking the host tensor
+    # it was asked about: compiled packed sequences (their lengths are a host tensor) failed.
     if type(v) is torch.Generator:
         if v.device.type == DEVICE_TYPE and CPU_GENERATOR is not None:
             return CPU_GENERATOR(v)
