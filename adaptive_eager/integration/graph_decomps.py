@@ -8,8 +8,8 @@ the graph holds the decomposition's ops, not the op. Neuron eager runs CPU's ker
 op, so a wrong decomposition makes `torch.compile(backend="neuron")` disagree with eager,
 silently (CPU's own `torch.compile` gives the same wrong value). Each one is replaced here,
 for the neuron device's autograd key only (`AutogradPrivateUse1`, which PyTorch's resolution
-looks up before the `Autograd` alias: other devices keep PyTorch's), by the decomposition
-PyTorch fixed it with upstream. Remove an entry once the torch we require has the fix.
+looks up before the `Autograd` alias: other devices keep PyTorch's), by a corrected one
+(PyTorch's own fix where upstream has one). Remove an entry once the torch we require has it.
 
 - `multilabel_margin_loss_forward`: targets after the first -1 were still counted, as class 0
   (pytorch/pytorch#141017, #185464; fixed by #189552, not in torch 2.13): 3.37 for eager's
@@ -17,7 +17,7 @@ PyTorch fixed it with upstream. Remove an entry once the torch we require has th
   1-element result where the kernel gives a 0-d one.
 - `multi_margin_loss`: a NaN term was summed (`clamp_min(0)` keeps NaN) where the kernel adds
   a term only if it is > 0 (NaN for eager's inf); the same 0-d shape for one sample. No
-  upstream fix yet (found by the s17 compile-mode scan).
+  upstream fix yet (found by a scan of compile mode against eager, op by op).
 - `softshrink`: its gradient at NaN was 0 (`where(|a| > l, ..., a * 0)` sends NaN to the zero
   branch) where the kernel's backward passes it on. No upstream fix yet (the same scan).
 """
