@@ -235,7 +235,10 @@ def op_name(op) -> str:
     return schema.name if schema is not None else str(op)
 
 
-def misshaped(name, r, size) -> RuntimeError:
+def misshaped(name, r, size) -> RuntimeError | None:
+    """The error for result `r` if copying it into the planned `size` would broadcast it."""
+    if r.shape == size or r.numel() == math.prod(size):
+        return None
     return RuntimeError(f"internal error: {name} returned a result of shape {list(r.shape)} "
                         f"where the device planned {list(size)} (its meta kernel shapes it "
                         f"unlike CPU's kernel); please report it")
@@ -244,8 +247,9 @@ def misshaped(name, r, size) -> RuntimeError:
 def _fix(r, o, name):
     """A result laid out unlike the op's signature says: copied into that layout (as
     `run_instr`), unless misshaped (Note [Misshaped results])."""
-    if r.shape != o[1] and r.numel() != math.prod(o[1]):
-        raise misshaped(name, r, o[1])
+    e = misshaped(name, r, o[1])
+    if e is not None:
+        raise e
     e = torch.empty_strided(o[1], o[2], dtype=o[3], device=_CPU)
     e.copy_(r)
     return e

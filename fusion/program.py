@@ -6,7 +6,6 @@ bit-for-bit those of eager mode; fusion changes what the device *costs*, not wha
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -308,8 +307,9 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
                 or r.shape != size or dtype.is_complex and (r.is_conj() or r.is_neg())):
             # (a conjugate view, `solve(left=False)`'s: its storage holds the unconjugated
             # values; copy_ writes the values the view shows)
-            if r.shape != size and r.numel() != math.prod(size):
-                raise LaunchError(misshaped(op_name(ins.op), r, size))
+            error = misshaped(op_name(ins.op), r, size)
+            if error is not None:
+                raise LaunchError(error)
             e = torch.empty_strided(size, stride, dtype=dtype, device=_CPU)
             e.copy_(r)
             r = e

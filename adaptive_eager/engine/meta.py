@@ -86,10 +86,12 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
 
 
-def _empty_dim(names, m_args, m_kwargs) -> bool:
-    i = names.index("dim") if "dim" in names else None
-    dim = m_kwargs.get("dim", m_args[i] if i is not None and i < len(m_args) else None)
-    return dim is not None and len(dim) == 0
+def _argument(names, m_args, m_kwargs, name, default=None):
+    """Argument `name` of a meta call, given by keyword or position (`names`: the schema's)."""
+    if name in m_kwargs:
+        return m_kwargs[name]
+    i = names.index(name) if name in names else len(m_args)
+    return m_args[i] if i < len(m_args) else default
 
 
 def _cpu_shaped(func, m_args, m_kwargs, out):
@@ -100,21 +102,18 @@ def _cpu_shaped(func, m_args, m_kwargs, out):
     on CPU, none in meta. Our device follows CPU."""
     names = [a.name for a in func._schema.arguments]
     if "output_mask" in names and isinstance(out, tuple):
-        i = names.index("output_mask")
-        mask = m_kwargs.get("output_mask", m_args[i] if i < len(m_args) else None)
+        mask = _argument(names, m_args, m_kwargs, "output_mask")
         if mask is not None and len(mask) == len(out):
             out = tuple(o if keep else None for o, keep in zip(out, mask))
-    if func.overloadpacket.__name__ == "nansum" and _empty_dim(names, m_args, m_kwargs):
-        # (CPU's kernel reduces every dim for `dim=[]`, as `sum` does; the meta kernel
-        # reduces none: for inputs too big to probe, Note [CPU probe])
-        return func(*m_args, **dict(m_kwargs, dim=None)) if "dim" in m_kwargs else \
-            func(m_args[0], None, *m_args[2:], **m_kwargs)
-    if func.overloadpacket.__name__ not in _BN:
-        return out
-    training = (m_kwargs.get("training", m_args[names.index("training")]
-                             if "training" in names and names.index("training") < len(m_args)
-                             else False))
-    if training:
+    name = func.overloadpacket.__name__
+    if name == "nansum":
+        dim = _argument(names, m_args, m_kwargs, "dim")
+        if dim is not None and len(dim) == 0:
+            # (CPU's kernel reduces every dim for `dim=[]`, as `sum` does; the meta kernel
+            # reduces none: for inputs too big to probe, Note [CPU probe])
+            return func(*m_args, **dict(m_kwargs, dim=None)) if "dim" in m_kwargs else \
+                func(m_args[0], None, *m_args[2:], **m_kwargs)
+    if name not in _BN or _argument(names, m_args, m_kwargs, "training", False):
         return out
     return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
 
