@@ -758,6 +758,26 @@ def _is_pinned(eng, func, args, kwargs):
     return False  # device memory is never pinned host memory (CUDA's answer; no sync)
 
 
+# Questions about metadata are answered from it, as CPU's kernels answer them (a CPU fallback
+# would copy both tensors out, warn, and compare the copies); forward AD (torch.func.jvp,
+# jacfwd) asks the first two of every tangent.
+def _is_same_size(eng, func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+def _has_same_storage_numel(eng, func, args, kwargs):
+    a, b = args
+    return a.untyped_storage().nbytes() // a.element_size() \
+        == b.untyped_storage().nbytes() // b.element_size()
+
+
+def _is_set_to(eng, func, args, kwargs):
+    a, b = args
+    return type(b) is NeuronTensor and a._handle is b._handle \
+        and a.storage_offset() == b.storage_offset() and a.shape == b.shape \
+        and a.stride() == b.stride()
+
+
 def _pin_memory(eng, func, args, kwargs):
     raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
 
@@ -765,6 +785,9 @@ def _pin_memory(eng, func, args, kwargs):
 _SPECIAL = {
     aten.is_pinned.default: _is_pinned,
     aten._pin_memory.default: _pin_memory,
+    aten.is_same_size.default: _is_same_size,
+    aten._has_same_storage_numel.default: _has_same_storage_numel,
+    aten.is_set_to.default: _is_set_to,
     aten.index.Tensor: _host_indices,
     aten._unsafe_index.Tensor: _host_indices,
     aten.index_put_.default: _host_indices,

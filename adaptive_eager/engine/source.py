@@ -68,7 +68,10 @@ def _source(ours: int = 1):
     in backward `(BACKWARD, the forward op's source)` (Note [Backward lines]). `ours`: how
     many frames above the caller are known to be ours (skipped without looking: Python 3.11
     makes a frame object for every frame a walk steps through, and this runs per op)."""
-    f = sys._getframe(1 + ours)
+    try:
+        f = sys._getframe(1 + ours)
+    except ValueError:  # fewer frames than ours: called from C++ on a thread of its own
+        f = None
     backward = False
     while f is not None:  # (_kind, inlined: this runs per op)
         code = f.f_code

@@ -152,7 +152,9 @@ def _wrap_backward() -> None:
         # nodes a double backward creates by a per-thread sequence number, so on its device
         # thread gradients were summed in another order than on CPU (ulps off). And Note
         # [Cores] in neuron.py: once another core is used, autograd's device threads fail.
-        neuron = _engine.other_cores_used() or any(type(o) is NeuronTensor for o in outputs)
+        # (By device, not type: torch.func's grad hands in its wrappers of neuron tensors.)
+        neuron = _engine.other_cores_used() or any(
+            isinstance(o, torch.Tensor) and o.device.type == DEVICE_TYPE for o in outputs)
         threads = (torch.autograd.set_multithreading_enabled(False) if neuron
                    else contextlib.nullcontext())
         try:
