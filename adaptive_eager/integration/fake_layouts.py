@@ -23,13 +23,12 @@ installs a Meta kernel for every device.
 
 Every device-type rule in torch 2.13's fake and meta code (`device_hint`, `device.type`,
 `is_cuda`, `_select_conv_backend` in _meta_registrations.py, fake_impls.py, _refs, _decomp,
-_prims), decided (tests/integration/test_compile_fake_layouts.py scans them):
+_prims), decided (tests/integration/test_compile_fake_layouts.py checks the ones here):
 - here, as CPU: convolution, _convolution (both overloads), convolution_backward (layouts);
   pixel_shuffle (layout); nonzero_static (CPU's row-major result, not CUDA's column-major);
   _embedding_bag, _embedding_bag_forward_only (CPU's shapes of offset2bag, bag_size,
-  max_indices); native_batch_norm and the _native_batch_norm_legit family in eval (CPU's empty
-  saved statistics, from the decomposition's `device.type != "cpu"`); _fft_c2c (its rule
-  differs only on a torch built without MKL); _scaled_mm, _scaled_mm_v2 (CPU's stride checks).
+  max_indices); _fft_c2c (its rule differs only on a torch built without MKL); _scaled_mm,
+  _scaled_mm_v2 (CPU's stride checks).
 - already CPU's answer for the neuron device (the rule singles out "cuda" or "xpu", not "cpu"):
   _fft_r2c, _fft_c2r, linalg_eig, _linalg_svd and prims.svd (column-major), reflection and
   replication pad2d, upsample_nearest2d and the interpolation decompositions, channel_shuffle's
@@ -37,8 +36,11 @@ _prims), decided (tests/integration/test_compile_fake_layouts.py scans them):
 - no layout or shape: median/mode (a determinism alert), group_norm's decomposition and
   get_acc_type (values of decompositions the graph never holds), the RNG decompositions,
   flash attention's seed (CUDA's op; the device takes CPU's attention path).
-- not followed: histc's dtype check (CPU refuses integer input; the device accepts it, so the
-  graph follows the device; adaptive_eager/LIMITS.md).
+- not followed (adaptive_eager/LIMITS.md): eval-mode batch norm's saved statistics, (C,) for
+  any device but CPU: FakeTensor runs the decomposition before any fake rule, and the
+  backward (train=False) never reads them; histc's integer check (CPU refuses, the device
+  accepts: the graph follows the device); channel_shuffle of channels_last, whose fake layout
+  is wrong for CPU too (its decomposition's, not a device rule).
 """
 from __future__ import annotations
 

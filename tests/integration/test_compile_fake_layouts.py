@@ -160,7 +160,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 aten, CL = torch.ops.aten, torch.channels_last
 if IMPORT:
-    import adaptive_eager, torch._dynamo
+    import adaptive_eager
     from adaptive_eager.integration import fake_layouts
     assert fake_layouts.registered()
 x, w = torch.randn(2, 8, 5, 6).contiguous(memory_format=CL), torch.randn(3, 8, 3, 3)
