@@ -336,3 +336,18 @@ def test_a_channels_last_convolution_above_the_probe_bound_keeps_cpus_layout():
     fn = lambda x, w: F.conv2d(x, w).permute(0, 2, 3, 1).reshape(8, -1)
     got = torch.compile(fn, backend="neuron")(x.to("neuron"), w.to("neuron"))
     torch.testing.assert_close(got.cpu(), fn(x, w))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.pixel_shuffle(x, 2),
+    lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"),
+    lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"),
+], ids=["pixel_shuffle", "reflection_pad2d", "replication_pad2d"])
+def test_device_rules_above_the_probe_bound_are_cpus(fn):
+    """Note [Layouts of unprobed signatures]: meta kernels that lay out by device answered as
+    for CUDA above 16 MiB (a contiguous result for CPU's channels_last), in eager mode too."""
+    x = torch.randn(4, 16, 300, 300).contiguous(memory_format=CL)  # 22 MiB
+    y = fn(x.to("neuron"))
+    assert y.stride() == fn(x).stride()
+    g = torch.compile(lambda x: fn(x).permute(0, 2, 3, 1).reshape(4, -1), backend="neuron")
+    torch.testing.assert_close(g(x.to("neuron")).cpu(), fn(x).permute(0, 2, 3, 1).reshape(4, -1))
