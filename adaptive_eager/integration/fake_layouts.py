@@ -36,11 +36,12 @@ _prims), decided (tests/integration/test_compile_fake_layouts.py checks the ones
 - no layout or shape: median/mode (a determinism alert), group_norm's decomposition and
   get_acc_type (values of decompositions the graph never holds), the RNG decompositions,
   flash attention's seed (CUDA's op; the device takes CPU's attention path).
+- the device's own: histc's integer check (CPU refuses integers; the device counts them as
+  CUDA does, fusion/ops.py `_histc`, and so does the fake rule for a non-CPU device).
 - not followed (adaptive_eager/LIMITS.md): eval-mode batch norm's saved statistics, (C,) for
   any device but CPU: FakeTensor runs the decomposition before any fake rule, and the
-  backward (train=False) never reads them; histc's integer check (CPU refuses, the device
-  accepts: the graph follows the device); channel_shuffle of channels_last, whose fake layout
-  is wrong for CPU too (its decomposition's, not a device rule).
+  backward (train=False) never reads them; channel_shuffle of channels_last, whose fake
+  layout is wrong for CPU too (its decomposition's, not a device rule).
 """
 from __future__ import annotations
 
