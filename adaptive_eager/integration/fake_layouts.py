@@ -45,6 +45,8 @@ _prims), decided (tests/integration/test_compile_fake_layouts.py checks the ones
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 
@@ -64,24 +66,16 @@ def _ops() -> list:
             if hasattr(aten, op) and hasattr(getattr(aten, op), overload)]
 
 
-def _relabel(fake_mode, t, device):
+def _relabel(fake_mode, t, device, requires_grad=False):
     """A FakeTensor on `device` over `t`'s meta storage, with its sizes, strides and offset."""
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
     env = fake_mode.shape_env
     with in_kernel_invocation_manager(fake_mode), (
-            env.suppress_guards() if env is not None else _nothing()):
+            env.suppress_guards() if env is not None else contextlib.nullcontext()):
         m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         m.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-    m.requires_grad_(t.requires_grad)
+    m.requires_grad_(requires_grad)  # (CPU's backend choice reads it: nnpack without grad)
     return FakeTensor(fake_mode, m, device)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _device_of(leaves):
@@ -108,8 +102,8 @@ def _as_on_cpu(previous):
             if previous is not None:
                 return previous(fake_mode, func, *args, **kwargs)
             return NotImplemented  # FakeTensor goes on to the meta kernel
-        leaves = [_relabel(fake_mode, v, _CPU) if isinstance(v, torch.Tensor) else v
-                  for v in leaves]
+        leaves = [_relabel(fake_mode, v, _CPU, v.requires_grad) if isinstance(v, torch.Tensor)
+                  else v for v in leaves]
         cpu_args, cpu_kwargs = pytree.tree_unflatten(leaves, spec)
         with fake_mode:
             out = func(*cpu_args, **cpu_kwargs)
@@ -119,7 +113,7 @@ def _as_on_cpu(previous):
 
 
 def register() -> None:
-    """Put the CPU-answering fake rules of `_OPS` in PyTorch's table (idempotent)."""
+    """Put the CPU-answering fake rules of `_ops()` in PyTorch's table (idempotent)."""
     from torch._subclasses import fake_impls
     table = fake_impls.op_implementations_dict
     for op in _ops():
