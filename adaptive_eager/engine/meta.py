@@ -151,6 +151,49 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 _PROBE_MAX_BYTES = 16 * 2**20
 
+# Note [Layouts of unprobed signatures]: where the probe is skipped (big buffers), the meta
+# kernel's layout stands, and some meta kernels lay out by device: given meta tensors their
+# rules answer as for CUDA (`device_hint` defaults to "cuda"), and the convolution's meta
+# kernel is always contiguous (FakeTensor's convolution asks `_select_conv_backend`). For the
+# ops below the layout is CPU's fake kernel's instead: the meta twins wrapped as CPU
+# FakeTensors (metadata only, nothing allocated) and the op run in a fake mode, so a 20 MB
+# channels_last convolution stays channels_last as on CPU. The same rules answer for graphs
+# traced on the device (Note [Fake layouts of the device] in integration/fake_layouts.py):
+# without this, a graph's layout and the device's disagreed above 16 MiB.
+UNPROBED_AS_CPU = frozenset(
+    getattr(getattr(torch.ops.aten, op), overload) for op, overload in (
+        ("convolution", "default"), ("_convolution", "default"),
+        ("_convolution", "deprecated"), ("convolution_backward", "default"),
+        ("pixel_shuffle", "default"), ("nonzero_static", "default"),
+        ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
+        ("_fft_c2c", "default"), ("_fft_r2c", "default"), ("_fft_c2r", "default"),
+        ("linalg_eig", "default"), ("_linalg_svd", "default"),
+        ("reflection_pad2d", "default"), ("replication_pad2d", "default"))
+    if hasattr(getattr(torch.ops.aten, op, None), overload))
+
+
+def _cpu_fake(func, m_args, m_kwargs, out):
+    """Note [Layouts of unprobed signatures]: `out` (meta's) laid out as CPU's fake kernel lays
+    it out."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    cpu = torch.device("cpu")
+    with unset_fake_temporarily():
+        mode = FakeTensorMode()
+        wrap = (lambda v: FakeTensor(mode, v, cpu) if isinstance(v, torch.Tensor) else v)
+        try:
+            with mode:
+                fake = func(*tree_map(wrap, m_args), **tree_map(wrap, m_kwargs))
+        except Exception:  # (CPU's kernel refuses too: the error surfaces at the sync, as
+            return out  # any unprobed signature's)
+        leaves, spec = tree_flatten(out)
+        cpu_leaves = tree_flatten(fake)[0]
+        if len(cpu_leaves) != len(leaves):
+            return out
+        return spec.unflatten([
+            torch.empty_strided(c.shape, c.stride(), dtype=c.dtype, device="meta")
+            if isinstance(c, torch.Tensor) and isinstance(o, torch.Tensor) else o
+            for c, o in zip(cpu_leaves, leaves)])
+
 
 
 def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
@@ -383,6 +426,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
     if meta_failed:
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
+    if probe is None and func in UNPROBED_AS_CPU:  # Note [Layouts of unprobed signatures]
+        out = _cpu_fake(func, m_args, m_kwargs, out)
     if any(isinstance(x, torch.Tensor) and x.dtype in _QUANTIZED for x in tree_flatten(out)[0]):
         e = _quantized_error(func._schema.name)  # (a strided tensor of qint8 lost its scale)
         e._ae_user_error = True

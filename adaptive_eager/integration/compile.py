@@ -316,6 +316,8 @@ def install() -> None:
     or CUDA one: it refused the ops of an unknown tensor type, which ran untraced while the
     trace kept their results as constants (linearize's jvp returned uninitialized memory)."""
     import torch.fx.experimental.proxy_tensor as proxy_tensor
+    from . import fake_layouts
+    fake_layouts.register()  # Note [Fake layouts of the device] (torch imports fake_impls)
     patches.patch(proxy_tensor, "HANDLED_TYPES", wrap=lambda types: types + (NeuronTensor,),
                   rests_on="torch.fx.experimental.proxy_tensor.HANDLED_TYPES (private), the "
                            "tensor types make_fx traces")
