@@ -265,6 +265,15 @@ class _Fp16Run:
         return losses
 
 
+def _accelerate_with_fp16():
+    accelerate = pytest.importorskip("accelerate")
+    from packaging.version import Version
+    if Version(accelerate.__version__) < Version("1.16"):
+        pytest.skip("accelerate < 1.16 refuses fp16 on devices outside its own list "
+                    "(adaptive_eager/LIMITS.md)")
+    return accelerate
+
+
 @pytest.mark.timeout(300)
 def test_trainer_fp16_trains_as_on_a_gpu_with_cpus_values(tmp_path):
     """`Trainer(fp16=True)` raised accelerate's "fp16 mixed precision requires a device in
@@ -274,10 +283,7 @@ def test_trainer_fp16_trains_as_on_a_gpu_with_cpus_values(tmp_path):
     float16. Five steps, one with infinite gradients (skipped, the scale halved), equal the
     same steps by hand on the CPU (CPU's float16 autocast and GradScaler) bit for bit: losses,
     scales and parameters, in eager and adaptive mode."""
-    accelerate = pytest.importorskip("accelerate")
-    from packaging.version import Version
-    if Version(accelerate.__version__) < Version("1.16"):
-        pytest.skip("accelerate < 1.16 refuses fp16 on devices outside its own list (LIMITS.md)")
+    _accelerate_with_fp16()
     runs = {}
     for mode in ("eager", "adaptive"):
         run, rec = _Fp16Run(), Losses()
@@ -410,6 +416,25 @@ def test_accelerator_prepare_trains_on_neuron_as_on_cpu():
         _reset_accelerate()
         return losses
     _same_everywhere(run)
+
+
+def test_accelerator_fp16_autocasts_and_scales_on_neuron():
+    """`Accelerator(mixed_precision="fp16")` by itself: the device, the scaler and the
+    autocast are neuron's (the Trainer test above compares the values with the CPU's)."""
+    accelerate = _accelerate_with_fp16()
+    _reset_accelerate()
+    try:
+        acc = accelerate.Accelerator(mixed_precision="fp16")
+        assert acc.device.type == "neuron" and acc.native_amp
+        assert isinstance(acc.scaler, torch.amp.GradScaler) and acc.scaler._device == "neuron"
+        model = acc.prepare(torch.nn.Linear(4, 4))
+        out = model(torch.ones(2, 4, device="neuron"))  # prepare wrapped forward in autocast
+        assert out.dtype == torch.float32  # and its outputs in convert_outputs_to_fp32
+        with acc.autocast():
+            assert (torch.ones(2, 4, device="neuron") @ torch.ones(4, 4, device="neuron")).dtype \
+                == torch.float16
+    finally:
+        _reset_accelerate()
 
 
 # -- PEFT -------------------------------------------------------------------------------
