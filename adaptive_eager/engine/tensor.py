@@ -263,12 +263,12 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
     (ours, the buffer handle and layout, stay with the neuron tensor). Where `_apply` swaps
     only because we asked it to (`_swap_on_conversion`), a conversion `.data =` can do
     (neuron to neuron, CPU to CPU) takes `.data =`, as it would have without us. Everyone
-    else's swap is PyTorch's. The same holds for the gradient hooks registered on the
-    parameter (`register_hook`, `register_post_accumulate_grad_hook`: a gradient clamp, a
-    sparsity mask, FSDP-style reducers): autograd keeps them on the tensor it swaps out, so a
-    hook registered before `.to("neuron")` (or `.cpu()`) silently stopped running; where we
-    made `_apply` swap, they are registered again on the tensor swapped in, as `.data =` keeps
-    them (PyTorch's own swap flag drops them on CUDA too, and still does here)."""
+    else's swap is PyTorch's. A parameter's gradient hooks (`register_hook`,
+    `register_post_accumulate_grad_hook`: a gradient clamp or mask) are kept too: autograd
+    leaves them on the tensor swapped out, so a hook registered before `.to("neuron")` (or
+    `.cpu()`) silently stopped running; where `_apply` swaps because we asked, they are
+    registered again on the tensor swapped in, as `.data =` keeps them (with PyTorch's own
+    swap flag set they are dropped, as PyTorch drops them on any device)."""
     if sys._getframe(1).f_code is _APPLY:
         if (not _user_swaps() and not torch.__future__.get_overwrite_module_params_on_conversion()
                 and torch._has_compatible_shallow_copy_type(t1, t2)):
