@@ -263,7 +263,12 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
     (ours, the buffer handle and layout, stay with the neuron tensor). Where `_apply` swaps
     only because we asked it to (`_swap_on_conversion`), a conversion `.data =` can do
     (neuron to neuron, CPU to CPU) takes `.data =`, as it would have without us. Everyone
-    else's swap is PyTorch's."""
+    else's swap is PyTorch's. A parameter's gradient hooks (`register_hook`,
+    `register_post_accumulate_grad_hook`: a gradient clamp or mask) are kept too: autograd
+    leaves them on the tensor swapped out, so a hook registered before `.to("neuron")` (or
+    `.cpu()`) silently stopped running; where `_apply` swaps because we asked, they are
+    registered again on the tensor swapped in, as `.data =` keeps them (with PyTorch's own
+    swap flag set they are dropped, as PyTorch drops them on any device)."""
     if sys._getframe(1).f_code is _APPLY:
         if (not _user_swaps() and not torch.__future__.get_overwrite_module_params_on_conversion()
                 and torch._has_compatible_shallow_copy_type(t1, t2)):
@@ -272,6 +277,12 @@ def _swap_keeping_attributes(t1, t2, _swap=torch.utils.swap_tensors):
         for k, v in t1.__dict__.items():
             if k not in _OURS:
                 t2.__dict__.setdefault(k, v)
+        _swap(t1, t2)
+        if not _user_swaps():
+            for hooks in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+                if getattr(t1, hooks, None) is not None:  # the dicts stayed with t1's object
+                    setattr(t1, hooks, getattr(t1, hooks))  # the setter registers them anew
+        return
     _swap(t1, t2)
 
 

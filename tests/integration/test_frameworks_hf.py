@@ -8,6 +8,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -24,11 +25,11 @@ from tests.harness.trainer_torchrun import VOCAB, Data, Losses  # noqa: E402  (s
 MODES = ["cpu", "eager", "adaptive"]
 
 
-def _model(dropout=0.0, positions=16):
+def _model(dropout=0.0, positions=16, **config):
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=positions, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+        eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **config))
 
 
 def _args(mode, tmp_path, **kw):
@@ -211,6 +212,112 @@ def test_model_moved_by_hand_then_trained_by_a_default_trainer(tmp_path):
     _same_everywhere(run)
 
 
+# -- fp16 -----------------------------------------------------------------------------------
+class _Fp16Run:
+    """What a run did at each step: the model's inputs, the logits' dtype and device (F.linear
+    under autocast), the scale after the step; the backward of step `INF_AT` makes every
+    gradient before the MLP's infinite. Module hooks: they stay with the module on its way to
+    the device."""
+    STEPS, LR, INF_AT = 5, 1e-2, 2
+
+    def __init__(self):
+        self.inputs, self.logits, self.scales, self.backwards = [], [], [], 0
+        # `gelu`: GPT-2's default `gelu_new` calls `pow`, which CUDA's autocast (so neuron's)
+        # runs in float32 and CPU's in float16; with `gelu` every op of the step takes the same
+        # dtype under both (checked op by op), so the two runs can be equal bit for bit.
+        self.model = _model(activation_function="gelu")
+        self.model.register_forward_pre_hook(self._input, with_kwargs=True)
+        self.model.lm_head.register_forward_hook(
+            lambda mod, args, out: self.logits.append((out.dtype, out.device.type)))
+        self.model.transformer.h[0].mlp.register_full_backward_pre_hook(self._poison)
+
+    def _input(self, module, args, kwargs):
+        self.inputs.append({k: v.cpu() for k, v in kwargs.items()})
+
+    def _poison(self, module, grad_output):
+        self.backwards += 1
+        if self.backwards == self.INF_AT + 1:
+            return tuple(g * float("inf") for g in grad_output)
+
+    def by_hand_on_cpu(self, inputs):
+        """Trainer's steps written out, on the CPU: its default optimizer (fused AdamW, no
+        weight decay), linear schedule, max_grad_norm=1, accelerate's float16 autocast around
+        the forward and a GradScaler. The schedule advances at the skipped step too, on a GPU
+        as well: accelerate counts a step skipped only when GradScaler does not call
+        `optimizer.step`, and a fused optimizer's is called with `found_inf` (it skips)."""
+        model, n = self.model, self.STEPS
+        opt = torch.optim.AdamW(model.parameters(), lr=self.LR, weight_decay=0.0, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (n - s) / n))
+        scaler = torch.amp.GradScaler("cpu")
+        losses = []
+        for kwargs in inputs:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**kwargs).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            model.zero_grad()
+            losses.append(loss.item())
+            self.scales.append(scaler.get_scale())
+        return losses
+
+
+def _accelerate_with_fp16():
+    accelerate = pytest.importorskip("accelerate")
+    from packaging.version import Version
+    if Version(accelerate.__version__) < Version("1.16"):
+        pytest.skip("accelerate < 1.16 refuses fp16 on devices outside its own list "
+                    "(adaptive_eager/LIMITS.md)")
+    return accelerate
+
+
+@pytest.mark.timeout(300)
+def test_trainer_fp16_trains_as_on_a_gpu_with_cpus_values(tmp_path):
+    """`Trainer(fp16=True)` raised accelerate's "fp16 mixed precision requires a device in
+    (...)" (accelerate 1.15 listed devices by name). accelerate 1.16 asks torch instead
+    (`torch.amp.is_autocast_available`, `torch.neuron.get_amp_supported_dtype()`), takes the
+    accelerator's `torch.amp.GradScaler("neuron")` and autocasts the forward on neuron in
+    float16. Five steps, one with infinite gradients (skipped, the scale halved), equal the
+    same steps by hand on the CPU (CPU's float16 autocast and GradScaler) bit for bit: losses,
+    scales and parameters, in eager and adaptive mode."""
+    _accelerate_with_fp16()
+    runs = {}
+    for mode in ("eager", "adaptive"):
+        run, rec = _Fp16Run(), Losses()
+
+        class Scales(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                run.scales.append(trainer.accelerator.scaler.get_scale())
+        with _scope(mode), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "float64 is not supported")  # GradScaler's unscale_
+            args = _args(mode, tmp_path, fp16=True, learning_rate=run.LR, max_steps=run.STEPS)
+            trainer = transformers.Trainer(model=run.model, args=args, train_dataset=Data(),
+                                           callbacks=[rec, Scales()])
+            assert args.device.type == "neuron"
+            assert trainer.accelerator.scaler._device == "neuron"
+            ae.reset_metrics()
+            trainer.train()
+            assert ae.metrics().cpu_fallbacks == {}
+        assert set(run.logits) == {(torch.float16, "neuron")}  # autocast engaged, on neuron
+        runs[mode] = run, rec.losses
+    run, losses = runs["eager"]
+    hand = _Fp16Run()
+    with ae.adaptive(False):
+        hand_losses = hand.by_hand_on_cpu(run.inputs)
+    assert set(hand.logits) == {(torch.float16, "cpu")}
+    assert run.scales == hand.scales == [2.0 ** 16] * 2 + [2.0 ** 15] * 3
+    assert losses == hand_losses and losses[0] != losses[-1]
+    for p, q in zip(run.model.parameters(), hand.model.parameters()):
+        assert torch.equal(p.cpu(), q), (p, q)
+    lazy, lazy_losses = runs["adaptive"]
+    assert lazy_losses == losses and lazy.scales == run.scales
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(lazy.model.parameters(),
+                                                       hand.model.parameters()))
+
+
 # -- Trainer under torchrun (issue 25) --------------------------------------------------------
 @pytest.mark.skipif(not ae.native_hooks(), reason="the native hooks are off: DDP's "
                     "find_unused_parameters (Trainer's default) needs their pinned allocator")
@@ -309,6 +416,25 @@ def test_accelerator_prepare_trains_on_neuron_as_on_cpu():
         _reset_accelerate()
         return losses
     _same_everywhere(run)
+
+
+def test_accelerator_fp16_autocasts_and_scales_on_neuron():
+    """`Accelerator(mixed_precision="fp16")` by itself: the device, the scaler and the
+    autocast are neuron's (the Trainer test above compares the values with the CPU's)."""
+    accelerate = _accelerate_with_fp16()
+    _reset_accelerate()
+    try:
+        acc = accelerate.Accelerator(mixed_precision="fp16")
+        assert acc.device.type == "neuron" and acc.native_amp
+        assert isinstance(acc.scaler, torch.amp.GradScaler) and acc.scaler._device == "neuron"
+        model = acc.prepare(torch.nn.Linear(4, 4))
+        out = model(torch.ones(2, 4, device="neuron"))  # prepare wrapped forward in autocast
+        assert out.dtype == torch.float32  # and its outputs in convert_outputs_to_fp32
+        with acc.autocast():
+            assert (torch.ones(2, 4, device="neuron") @ torch.ones(4, 4, device="neuron")).dtype \
+                == torch.float16
+    finally:
+        _reset_accelerate()
 
 
 # -- PEFT -------------------------------------------------------------------------------

@@ -72,6 +72,35 @@ def test_trainer_on_neuron_has_cpus_losses(mode, precision):
                                rtol=0, atol=0)
 
 
+def test_16_mixed_is_cpus_float16_autocast_and_gradscaler(mode):
+    """`precision="16-mixed"` on neuron: float16 autocast on the device and
+    `torch.amp.GradScaler("neuron")` (Lightning's own plugin would build CUDA's, and on the CPU
+    turns 16-mixed into bf16-mixed, so the reference is the same steps by hand on the CPU):
+    losses and parameters bit for bit."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "float64 is not supported")  # GradScaler's unscale_
+        module, trainer = _fit(L, "neuron", "16-mixed")
+    assert trainer.precision_plugin.scaler._device == "neuron"
+    assert module.dtypes == {torch.float16} and module.devices == {"neuron:0"}
+    assert ae.metrics().cpu_fallbacks == {}
+    with ae.adaptive(False):
+        net = module_class(L)().net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler, losses = torch.amp.GradScaler("cpu"), []
+        for _, (x, y) in zip(range(5), data()):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            losses.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert module.losses == losses
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(module.net.parameters(), net.parameters()))
+
+
 def test_pytorch_lightning_package_too():
     pl = pytest.importorskip("pytorch_lightning")
     module, trainer = _fit(pl, "neuron")

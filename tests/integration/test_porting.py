@@ -72,6 +72,26 @@ def test_to_keeps_the_parameters_python_attributes():
     assert b.tag == "a" and not hasattr(a, "tag") and a.device.type == "neuron"
 
 
+@pytest.mark.parametrize("back", [None, "cpu()"])
+def test_gradient_hooks_registered_before_to_keep_running(back):
+    """A swap leaves autograd's hooks with the tensor swapped out: a gradient hook registered
+    on a parameter before `.to("neuron")` (or `.cpu()`) silently stopped running, where CUDA's
+    `.data =` keeps it. A removed hook stays removed."""
+    m = torch.nn.Linear(3, 2)
+    seen = []
+    m.bias.register_hook(lambda g: g * 0)  # a gradient mask
+    removed = m.weight.register_hook(lambda g: seen.append("removed"))
+    m.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.device.type))
+    m.to("neuron")
+    removed.remove()
+    if back:
+        eval(f"m.{back}")
+    device = "cpu" if back else "neuron"
+    m(torch.ones(1, 3, device=device)).sum().backward()
+    assert seen == [device]
+    assert torch.equal(m.bias.grad.cpu(), torch.zeros(2))
+
+
 def test_lazy_modules_say_to_initialize_before_moving():
     m = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU())
     with pytest.raises(RuntimeError, match=r"uninitialized UninitializedParameter .* dry run"):
