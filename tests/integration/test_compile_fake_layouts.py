@@ -21,16 +21,9 @@ CL = torch.channels_last
 # Not fixed yet (adaptive_eager/LIMITS.md): the fix would relabel the fake device around
 # PyTorch's private fake kernels (conv's, pixel_shuffle's meta). Strict: a torch that fixes
 # PrivateUse1's fake layouts, or a fix of ours, turns these into failures to look at.
-pytestmark = pytest.mark.xfail(strict=True, reason="fake layouts of PrivateUse1 convolutions "
-                               "are CUDA's, the device's CPU's (adaptive_eager/LIMITS.md)")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    import torch._dynamo
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.xfail(strict=True, reason="fake layouts of PrivateUse1 convolutions "
+                                "are CUDA's, the device's CPU's (adaptive_eager/LIMITS.md)"),
+              pytest.mark.usefixtures("fresh_dynamo")]  # tests/integration/conftest.py
 
 
 @pytest.mark.parametrize("fn, args", [
