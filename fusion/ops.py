@@ -43,8 +43,8 @@ _REDUCTION = {
     "_ctc_loss_backward",
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
-    "multi_margin_loss",  # (not multilabel_margin_loss: Inductor decomposes it wrongly,
-}  # pytorch/pytorch#141017, so it stays a CPU fallback rather than run wrong in a group)
+    "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
+}  # (the Inductor executors compile these with corrected decompositions: fusion/decomps.py)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
     "_index_put_impl", "index_add", "index_copy", "index_fill", "embedding",

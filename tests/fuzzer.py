@@ -862,8 +862,8 @@ def run_compiled(stmts, dev, mode="eager"):
     torch._dynamo.reset()
     if dev == "cpu":  # the reference: PyTorch's decompositions, the wrong ones corrected as
         # the device corrects them (Note [Wrong decompositions in graphs])
-        from adaptive_eager.integration import graph_decomps
-        graph_decomps.register(torch._C.DispatchKey.AutogradCPU)
+        from fusion import decomps
+        decomps.register(torch._C.DispatchKey.AutogradCPU)
     ns = _namespace(dev)
     exec(_program_source(stmts), ns)
     fn = torch.compile(ns["program"], backend="neuron" if dev != "cpu" else "aot_eager")

@@ -35,7 +35,7 @@ from .tensor import NeuronTensor
 from ..errors import _generator_error, _raise_launch_error
 from .hooks import _hand_off, in_backward
 from .fallback import run_now
-from .meta import (_RUN_NOW, _deterministic, _global_state, check_conversions,
+from .meta import (_RUN_NOW, _deterministic, _global_state, argument, check_conversions,
                    give_warnings, infer, infer_view)
 from .queue import Segment, record
 from .replay import MISS, MISSED
@@ -748,7 +748,7 @@ def _attention_fast_path(eng, func, args, kwargs):
     """nn.MultiheadAttention's inference fast path runs on the device, but with
     need_weights=False CPU's kernel returns no weights (None) where the meta kernel makes an
     empty tensor: that call stays a CPU fallback, which returns CPU's None."""
-    need_weights = args[10] if len(args) > 10 else kwargs.get("need_weights", True)
+    need_weights = argument(func, args, kwargs, "need_weights", True)  # (the schema's default)
     if need_weights:
         return eng.dispatch_plain(func, args, kwargs)
     return eng.run_now(func, args, kwargs, True)

@@ -4,6 +4,7 @@ errors raise at the call as in eager mode."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import warnings
@@ -86,12 +87,19 @@ def _refuse_reshaping_self(func, m_args, m_kwargs, name, t, want):
     # CPU's kernel resized it (addbmm_ of a (1,) self, deprecated): resized here too
 
 
-def _argument(names, m_args, m_kwargs, name, default=None):
-    """Argument `name` of a meta call, given by keyword or position (`names`: the schema's)."""
-    if name in m_kwargs:
-        return m_kwargs[name]
-    i = names.index(name) if name in names else len(m_args)
-    return m_args[i] if i < len(m_args) else default
+def argument(func, args, kwargs, name, default=None):
+    """Argument `name` of a call of `func`, given by keyword or at its place in the schema
+    (never at a hard-coded position: a schema change must not make us read another
+    argument); `default` when the call leaves it out or the schema has none of that name."""
+    if name in kwargs:
+        return kwargs[name]
+    i = _places(func).get(name, len(args))
+    return args[i] if i < len(args) else default
+
+
+@functools.lru_cache(maxsize=None)
+def _places(func) -> dict[str, int]:
+    return {a.name: i for i, a in enumerate(func._schema.arguments) if not a.kwarg_only}
 
 
 def _cpu_shaped(func, m_args, m_kwargs, out):
@@ -102,18 +110,18 @@ def _cpu_shaped(func, m_args, m_kwargs, out):
     on CPU, none in meta. Our device follows CPU."""
     names = [a.name for a in func._schema.arguments]
     if "output_mask" in names and isinstance(out, tuple):
-        mask = _argument(names, m_args, m_kwargs, "output_mask")
+        mask = argument(func, m_args, m_kwargs, "output_mask")
         if mask is not None and len(mask) == len(out):
             out = tuple(o if keep else None for o, keep in zip(out, mask))
     name = func.overloadpacket.__name__
     if name == "nansum":
-        dim = _argument(names, m_args, m_kwargs, "dim")
+        dim = argument(func, m_args, m_kwargs, "dim")
         if dim is not None and len(dim) == 0:
             # (CPU's kernel reduces every dim for `dim=[]`, as `sum` does; the meta kernel
             # reduces none: for inputs too big to probe, Note [CPU probe])
             return func(*m_args, **dict(m_kwargs, dim=None)) if "dim" in m_kwargs else \
                 func(m_args[0], None, *m_args[2:], **m_kwargs)
-    if name not in _BN or _argument(names, m_args, m_kwargs, "training", False):
+    if name not in _BN or argument(func, m_args, m_kwargs, "training", False):
         return out
     return (out[0],) + tuple(o.new_empty(0) for o in out[1:3]) + tuple(out[3:])
 

@@ -270,8 +270,8 @@ def register() -> None:
     from torch._dynamo.variables import builder
     from torch._dynamo.variables.builder import VariableBuilder
     from torch._inductor.codegen import common as inductor_codegen
-    from . import graph_decomps
-    graph_decomps.register()  # Note [Wrong decompositions in graphs]
+    from fusion import decomps
+    decomps.register()  # Note [Wrong decompositions in graphs]
     if "neuron" not in _COMPILER_FNS:
         register_backend(name="neuron")(neuron_backend)
     for trace_numpy in (False, True):  # Dynamo caches the table per this flag

@@ -43,11 +43,15 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..decomps import CORRECTED
 from ..ir import written_arguments
 from ..ops import FUSED_OPTIMIZER_PREFIXES
 
 
 _aten = torch.ops.aten
+# Note [Wrong decompositions in graphs] in fusion/decomps.py: the packets whose out= forms
+# Inductor would decompose wrongly
+_CORRECTED_PACKETS = frozenset(op.overloadpacket for op in CORRECTED)
 
 
 class NotCompilable(Exception):
@@ -99,6 +103,9 @@ def check(exe) -> str | None:
             # torch 2.13's functionalization of the fused optimizer steps fails an internal
             # assert (RegisterFunctionalization); interpreted, they are CPU's kernel
             return f"{ins.op.name()} (a fused optimizer step)"
+        if ins.op.overloadpacket in _CORRECTED_PACKETS and ins.op not in CORRECTED:
+            # Note [Wrong decompositions in graphs] in fusion/decomps.py
+            return f"{ins.op.name()} (PyTorch decomposes it wrongly)"
         rets = [str(r.type) for r in ins.op._schema.returns]
         if not (rets in ([], ["Tensor[]"], ["List[Tensor]"]) or all(r == "Tensor" for r in rets)):
             return f"returns {rets}"
@@ -428,8 +435,10 @@ def build(exe, inputs) -> FxGroup:
     for k, ins in enumerate(exe.instrs):
         args = [value(a, k) for a in ins.args]
         kwargs = {n: value(v, k) for n, v in ins.kwargs.items()}
-        node = (g.call_function(ins.op, tuple(args), kwargs) if emitters[k] is None
-                else emitters[k](g, args, kwargs))  # a list of nodes for a foreach op
+        if emitters[k] is not None:  # a list of nodes for a foreach op
+            node = emitters[k](g, args, kwargs)
+        else:  # Note [Wrong decompositions in graphs] in fusion/decomps.py
+            node = g.call_function(CORRECTED.get(ins.op, ins.op), tuple(args), kwargs)
         rets = ins.op._schema.returns
         single = len(rets) == 1 and str(rets[0].type) == "Tensor"
         for li, o in enumerate(ins.outs):

@@ -242,7 +242,7 @@ def test_deferred_error_in_a_single_threaded_backward_is_raised_not_an_abort():
         v7 = F.multilabel_margin_loss(v3.clamp(min=1e-3, max=0.5)[None],
                                       torch.tensor([[1, -1, 0, 0]], device="neuron"))
         torch.arange(4, device="neuron").gather(0, torch.tensor([-3], device="neuron"))
-        try:  # multilabel_margin_loss_backward falls back (LIMITS): a sync inside backward
+        try:  # multilabel_margin_loss_backward runs at once (LIMITS): a sync inside backward
             v7.backward()
         except ae.NeuronRuntimeError as e:
             print("raised", "gather" in str(e))

@@ -221,6 +221,102 @@ def test_inductor_gradient_through_an_expanded_scalar_of_the_group():
     assert torch.equal(run("interpreter"), torch.full((1, 2, 2), 0.25))
 
 
+_Y = torch.tensor([[3, 0, -1, 1, 0], [1, 2, 4, -1, 0], [0, 1, 2, 3, 4], [-1, 0, 0, 0, 0]])
+_T = torch.tensor([0, 2, 1, 4])
+_NAN = torch.tensor([[float("nan"), 0.1, 0.2, -0.1, 0.05], [0.3, float("inf"), 0.0, 0.2, 0.1],
+                     [0.5, -0.2, 0.9, 0.0, 0.4], [0.1, 0.1, 0.2, 0.3, -0.4]])
+_WRONGLY_DECOMPOSED = {  # name -> (function of x, input); x is the neuron input
+    "multilabel -1 mean": (lambda x: F.multilabel_margin_loss(x * 1, _Y.to(x.device)), None),
+    "multilabel -1 sum": (lambda x: F.multilabel_margin_loss(
+        x * 1, _Y.to(x.device), reduction="sum"), None),
+    "multilabel -1 none": (lambda x: F.multilabel_margin_loss(
+        x * 1, _Y.to(x.device), reduction="none"), None),
+    "multilabel -1 unbatched none": (lambda x: F.multilabel_margin_loss(
+        x[1] * 1, _Y[1].to(x.device), reduction="none"), None),
+    "multi_margin inf": (lambda x: F.multi_margin_loss(x * 1, _T.to(x.device)), _NAN),
+    "multi_margin p=2 weight": (lambda x: F.multi_margin_loss(
+        x * 1, _T.to(x.device), p=2, margin=0.5,
+        weight=torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0]).to(x.device)), _NAN),
+    "multi_margin unbatched none": (lambda x: F.multi_margin_loss(
+        x[2] * 1, _T[1].to(x.device), reduction="none"), None),
+    "softshrink nan": (lambda x: F.softshrink(x * 1, 0.3), _NAN.clamp(max=2.0)),  # (NaN kept)
+}
+
+
+@pytest.mark.parametrize("name", list(_WRONGLY_DECOMPOSED))
+def test_ops_pytorch_decomposes_wrongly_compile_to_cpus_values(name):
+    """Note [Wrong decompositions in graphs] in fusion/decomps.py: Inductor traced
+    multilabel_margin_loss with PyTorch's decomposition, which counts targets after a -1 (it
+    stayed a CPU fallback for that); multi_margin_loss summed a NaN term (NaN for CPU's
+    1.02), its unreduced loss of one sample raised in backward; softshrink gave 0 at NaN.
+    The groups' graphs call the corrected decompositions: device ops, compiled, CPU's values
+    and gradients, forward and backward (multilabel_margin_loss_backward, with no meta
+    kernel, runs at once: LIMITS)."""
+    fn, inp = _WRONGLY_DECOMPOSED[name]
+    if inp is None:
+        inp = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    xc = inp.clone().requires_grad_()
+    want = fn(xc)
+    want.sum().backward()
+    xn = inp.to("neuron").requires_grad_()
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        out = fn(xn)
+        got = out.detach().cpu()
+        forward = ae.explain().groups
+        out.sum().backward()
+        grad = xn.grad.cpu()
+        m = ae.metrics()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want.detach(), equal_nan=True, **TOL)
+    torch.testing.assert_close(grad, xc.grad, equal_nan=True, **TOL)
+    assert m.cpu_fallbacks == {} and m.compile_failures == {}
+    op = name.split()[0]  # its group ran Inductor's code
+    assert [g["compiled"] for g in forward if op in g["name"]] == [True], forward
+
+
+def test_out_forms_of_wrongly_decomposed_ops_run_interpreted():
+    """Functionalization hands `multi_margin_loss.out` to Inductor's decomposition table,
+    whose multi_margin_loss summed a NaN term (NaN for CPU's 1.02): such a group runs
+    interpreted, counted."""
+    mml = torch.ops.aten.multi_margin_loss.out
+    want = torch.empty(())
+    mml(_NAN * 1, _T, 1, 1, None, 1, out=want)
+    with ae.override(executor="inductor"), ae.adaptive():
+        ae.reset_metrics()
+        on = torch.empty((), device="neuron")
+        mml(_NAN.to("neuron") * 1, _T.to("neuron"), 1, 1, None, 1, out=on)
+        got = (on + 0).cpu()
+        m = ae.metrics()
+    assert torch.equal(got, want)  # interpreted: bit for bit
+    assert m.compile_failures == {
+        "aten::multi_margin_loss.out (PyTorch decomposes it wrongly)": 1}
+
+
+def test_the_inductor_executor_leaves_cpus_decompositions_alone():
+    """Note [Wrong decompositions in graphs]: the groups' graphs call the corrected functions;
+    CPU's autograd key and Inductor's decomposition table keep PyTorch's (a fresh
+    interpreter: the fuzzer's tests install ours for CPU in this one)."""
+    code = (
+        "import torch, torch.nn.functional as F, adaptive_eager as ae\n"
+        "from torch._C import DispatchKey as K\n"
+        "from torch._inductor.decomposition import select_decomp_table\n"
+        "from torch._decomp import decompositions as d\n"
+        "op = torch.ops.aten.multilabel_margin_loss_forward.default\n"
+        "x, y = torch.randn(2, 3), torch.tensor([[2, -1, 0], [1, 0, 2]])\n"
+        "with ae.override(executor='inductor'), ae.adaptive():\n"
+        "    got = F.multilabel_margin_loss(x.to('neuron') * 1, y.to('neuron')).cpu()\n"
+        "    m = ae.metrics()\n"
+        "print(m.compiled_launches >= 1, torch.allclose(got, F.multilabel_margin_loss(x, y)),\n"
+        "      K.AutogradCPU in op.py_kernels,\n"
+        "      op.py_kernels[K.Autograd] is d.multilabel_margin_loss_forward,\n"
+        "      select_decomp_table()[op].__module__ == d.__name__)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.stdout.split() == ["True", "True", "False", "True", "True"], out.stderr[-2000:]
+
+
 def test_random_ops_stay_interpreted_so_dropout_masks_equal_eager():
     x, _ = _inputs()
 

@@ -16,12 +16,8 @@ from adaptive_eager.tools.models import GPT, batches, train
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    import torch._dynamo
-    torch._dynamo.reset()
+def _fresh_stats(fresh_dynamo):  # (fresh_dynamo: tests/integration/conftest.py)
     aec.STATS.graphs.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt", "cnn"])

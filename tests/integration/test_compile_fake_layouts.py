@@ -24,14 +24,7 @@ import torch.nn.functional as F
 import adaptive_eager as ae
 
 CL = torch.channels_last
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    import torch._dynamo
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/integration/conftest.py
 
 
 @pytest.mark.parametrize("fn, args", [

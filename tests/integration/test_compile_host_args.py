@@ -17,12 +17,7 @@ import torch.nn as nn
 import adaptive_eager  # noqa: F401
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    import torch._dynamo
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/integration/conftest.py
 
 
 def _packed(x):

@@ -275,6 +275,61 @@ def test_transformer_fast_paths_in_inference_run_on_the_device_as_cpu(mode, kind
         assert ae.metrics().cpu_fallbacks == {"aten::_native_multi_head_attention": 1}
 
 
+@pytest.mark.parametrize("how", ["position", "keyword"])
+def test_attention_without_weights_falls_back_however_need_weights_is_passed(how):
+    """`_native_multi_head_attention` called with need_weights=False by position or by
+    keyword: CPU's kernel, which returns None for the weights; with True, the device."""
+    mha = torch.ops.aten._native_multi_head_attention.default
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def call(d, need_weights):
+        ts = [t.to(d) for t in (x, m.in_proj_weight, m.in_proj_bias, m.out_proj.weight,
+                                m.out_proj.bias)]
+        args = (ts[0], ts[0], ts[0], 16, 4, *ts[1:])
+        with torch.no_grad():
+            if how == "position":
+                return mha(*args, None, need_weights)
+            return mha(*args, need_weights=need_weights)
+    want_out, want_w = call("cpu", False)
+    ae.reset_metrics()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (fell back to CPU: once per process)
+        out, w = call(N, False)
+    assert w is None is want_w and torch.equal(out.cpu(), want_out)
+    assert ae.metrics().cpu_fallbacks == {"aten::_native_multi_head_attention": 1}
+    ae.reset_metrics()
+    out, w = call(N, True)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip((out, w), call("cpu", True)))
+    assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_attention_fast_path_reads_need_weights_by_its_name_in_the_schema():
+    """The handler read need_weights as `args[10]`: a schema that moved it would have made it
+    read another argument (here an int, truthy: the device's empty weights for CPU's None)."""
+    from adaptive_eager.engine.engine import _attention_fast_path
+    assert "need_weights" in [
+        a.name for a in torch.ops.aten._native_multi_head_attention.default._schema.arguments]
+
+    class Moved:  # an op whose need_weights is second
+        _schema = torch._C.parse_schema(
+            "moved(Tensor query, bool need_weights, " +
+            ", ".join(f"int a{i}=0" for i in range(10)) + ") -> (Tensor, Tensor)")
+
+    class Engine:
+        def dispatch_plain(self, func, args, kwargs):
+            return "device"
+
+        def run_now(self, func, args, kwargs, fallback):
+            return "cpu" if fallback else "device at once"
+    q, rest = torch.zeros(1), tuple(range(1, 11))
+    assert _attention_fast_path(Engine(), Moved(), (q, False) + rest, {}) == "cpu"
+    assert _attention_fast_path(Engine(), Moved(), (q, True) + rest, {}) == "device"
+    assert _attention_fast_path(Engine(), Moved(), (q,), {"need_weights": False}) == "cpu"
+    assert _attention_fast_path(Engine(), Moved(), (q,), {}) == "device"  # (True if left out)
+
+
 def _train(name, d):
     """`_NN[name]`'s value and its input's gradient on device `d`."""
     shape, fn = _NN[name]
@@ -304,8 +359,8 @@ def test_common_nn_ops_train_on_the_device_as_cpu(mode, name):
 
 def test_common_nn_ops_under_the_inductor_executor_are_cpus_within_tolerance():
     """The same ops in groups TorchInductor compiles (its code, not CPU's kernels): within
-    float tolerance of CPU. multilabel_margin_loss, whose compiled value was another, stays a
-    CPU fallback for that reason."""
+    float tolerance of CPU. (multilabel_margin_loss, multi_margin_loss and softshrink, which
+    PyTorch decomposes wrongly, are tested in tests/engine/test_executors.py.)"""
     for name in _NN:
         with _disable_current_modes():
             ref = _train(name, "cpu")

@@ -1,15 +1,22 @@
 """Decompositions that PyTorch runs while tracing a graph and that compute the wrong value,
-replaced for neuron tensors by corrected ones.
+replaced by corrected ones: in `torch.compile(backend="neuron")` graphs and in the groups the
+Inductor executors compile.
 
 Note [Wrong decompositions in graphs]: while AOTAutograd traces a graph (torch.compile,
-torch.export), PyTorch's Python dispatcher runs the decompositions registered with
-`py_impl(DispatchKey.Autograd)` in place of the op's own autograd kernel, for every backend:
-the graph holds the decomposition's ops, not the op. Neuron eager runs CPU's kernel of the
-op, so a wrong decomposition makes `torch.compile(backend="neuron")` disagree with eager,
-silently (CPU's own `torch.compile` gives the same wrong value). Each one is replaced here,
-for the neuron device's autograd key only (`AutogradPrivateUse1`, which PyTorch's resolution
-looks up before the `Autograd` alias: other devices keep PyTorch's), by a corrected one
-(PyTorch's own fix where upstream has one). Remove an entry once the torch we require has it.
+torch.export, TorchInductor's own entry), PyTorch's Python dispatcher runs the decompositions
+registered with `py_impl(DispatchKey.Autograd)` in place of the op's own autograd kernel, for
+every backend: the graph holds the decomposition's ops, not the op. Neuron eager runs CPU's
+kernel of the op, so a wrong decomposition makes a graph disagree with eager, silently (CPU's
+own `torch.compile` gives the same wrong value). Each one is corrected here (PyTorch's own
+fix where upstream has one; remove an entry once the torch we require has it), and used twice:
+- compile mode (adaptive_eager/integration/compile.py): `register()` installs them for the
+  neuron device's autograd key only (`AutogradPrivateUse1`, which PyTorch's resolution looks
+  up before the `Autograd` alias: other devices keep PyTorch's);
+- the Inductor executors (fusion/executors/fx.py): a group's graph is traced over CPU fake
+  tensors, so the key would be CPU's, which is not ours to change; the graph calls the
+  corrected function in place of the op (`CORRECTED`), so Inductor traces its ops and never
+  meets the op. Their `out=` forms reach Inductor's decomposition table through
+  functionalization instead: a group holding one runs interpreted (`check` in fx.py).
 
 - `multilabel_margin_loss_forward`: targets after the first -1 were still counted, as class 0
   (pytorch/pytorch#141017, #185464; fixed by #189552, not in torch 2.13): 3.37 for eager's
@@ -18,8 +25,10 @@ looks up before the `Autograd` alias: other devices keep PyTorch's), by a correc
 - `multi_margin_loss`: a NaN term was summed (`clamp_min(0)` keeps NaN) where the kernel adds
   a term only if it is > 0 (NaN for eager's inf); the same 0-d shape for one sample. No
   upstream fix yet (found by a scan of compile mode against eager, op by op).
-- `softshrink`: its gradient at NaN was 0 (`where(|a| > l, ..., a * 0)` sends NaN to the zero
-  branch) where the kernel's backward passes it on. No upstream fix yet (the same scan).
+- `softshrink`: NaN took the zero branch (`where(|a| > l, ..., a * 0)`): its gradient in
+  compile mode was 0 where the kernel's backward passes it on, and its value under Inductor
+  0 (it folds `a * 0`) for the kernel's NaN. No upstream fix yet (the same scan; the value by
+  a differential test of the Inductor executor).
 """
 from __future__ import annotations
 
@@ -105,14 +114,15 @@ def _softshrink(a, lambd=0.5):
     return torch.where((a >= -lambd) & (a <= lambd), 0, a - torch.sign(a) * lambd)
 
 
-_CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
-              aten.multi_margin_loss.default: _multi_margin_loss,
-              aten.softshrink.default: _softshrink}
+# op -> its corrected decomposition (the op's default overload: see the Note for out=)
+CORRECTED = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+             aten.multi_margin_loss.default: _multi_margin_loss,
+             aten.softshrink.default: _softshrink}
 
 
 def register(key=torch._C.DispatchKey.AutogradPrivateUse1) -> None:
     """Install the corrected decompositions for the neuron autograd key (idempotent; the
     fuzzer's CPU reference of compile mode installs them for `AutogradCPU` too)."""
-    for op, fn in _CORRECTED.items():
+    for op, fn in CORRECTED.items():
         if key not in op.py_kernels:
             op.py_impl(key)(fn)
