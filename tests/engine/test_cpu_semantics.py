@@ -256,6 +256,18 @@ def test_two_failed_ops_in_one_group_each_name_their_own(mode):
     assert (w[0] + 1).tolist() == [1.0, 2.0, 3.0]
 
 
+def test_a_python_kernels_own_error_is_a_device_error_not_an_internal_one(mode):
+    """A kernel that is a Python function (fusion/ops.py's `_histc`, `_div_mode`) raising in a
+    generated run was reported as a bug of ours ("internal error ... please report it") with
+    no source line: on 3.11 its traceback stops at the CALL's last cache entry, not the CALL
+    (found by PyTorch's test_reductions.py::test_histc)."""
+    torch.histc(torch.tensor([0.5], device=N)).cpu()  # the signature's first call: at the call
+    h = torch.histc(torch.tensor([float("inf")], device=N))  # found at run time
+    with pytest.raises(ae.NeuronRuntimeError, match=r"operation=aten::histc.*not finite"):
+        h.cpu()
+    assert (torch.ones(2, device=N) + 1).tolist() == [2.0, 2.0]
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
