@@ -443,6 +443,26 @@ def test_float64_arguments_over_one_memory_see_each_others_writes(mode):
         assert dx.cpu().tolist() == x.tolist() == [13.5, -9.0, 18.0]
 
 
+def test_a_float64_scalar_past_float32s_range_is_its_float32_infinity(mode):
+    """PyTorch's test_reductions.py::test_reduce_dtype: logcumsumexp's float64 backward fills
+    with float64's `lowest()`, which CPU's float32 kernels refuse ("value cannot be converted
+    to type float without overflow"): the float32 twin holds what a cast gives, -inf."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x, gi = torch.randn(3, 3), torch.randn(3, 3)
+        grads = []
+        for dev in ("cpu", N):
+            xd = x.to(dev).requires_grad_()
+            g, = torch.autograd.grad([torch.logcumsumexp(xd.double(), 0)], [xd],
+                                     gi.double().to(dev))
+            grads.append(g.cpu())
+        torch.testing.assert_close(grads[1], grads[0])
+        lowest = torch.finfo(torch.float64).min
+        d = torch.zeros(2, dtype=torch.float64, device=N).fill_(lowest)
+        assert d.cpu().tolist() == [float("-inf")] * 2
+        assert (torch.ones(1, dtype=torch.float64, device=N) * 1e300).item() == float("inf")
+
+
 def test_one_hot_is_laid_out_as_on_cpu_and_refuses_a_bad_class(mode):
     """fuzzer (nn family): PyTorch's one_hot for Python-key tensors is `eq` against an
     arange, laid out like a transposed input and all zeros for a class out of range."""
