@@ -758,6 +758,12 @@ def _is_pinned(eng, func, args, kwargs):
     return False  # device memory is never pinned host memory (CUDA's answer; no sync)
 
 
+def _strided_dims(eng, func, args, kwargs):
+    """`sparse_dim()` / `dense_dim()` of a strided tensor: metadata, CPU's answer (0 and
+    `dim()`), with no CPU fallback (the device holds strided tensors only)."""
+    return 0 if func is aten.sparse_dim.default else args[0].dim()
+
+
 def _pin_memory(eng, func, args, kwargs):
     raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
 
@@ -765,6 +771,8 @@ def _pin_memory(eng, func, args, kwargs):
 _SPECIAL = {
     aten.is_pinned.default: _is_pinned,
     aten._pin_memory.default: _pin_memory,
+    aten.sparse_dim.default: _strided_dims,
+    aten.dense_dim.default: _strided_dims,
     aten.index.Tensor: _host_indices,
     aten._unsafe_index.Tensor: _host_indices,
     aten.index_put_.default: _host_indices,

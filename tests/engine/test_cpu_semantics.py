@@ -463,6 +463,18 @@ def test_a_float64_scalar_past_float32s_range_is_its_float32_infinity(mode):
         assert (torch.ones(1, dtype=torch.float64, device=N) * 1e300).item() == float("inf")
 
 
+def test_sparse_and_dense_dim_are_cpus_without_a_fallback(mode):
+    """PyTorch's test_shape_ops.py::test_sparse_dense_dim: metadata of a strided tensor, not
+    a CPU fallback (nor its warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape in [(), (2,), (2, 3)]:
+            c = torch.rand(shape)
+            d = c.to(N)
+            assert (d.sparse_dim(), d.dense_dim()) == (c.sparse_dim(), c.dense_dim())
+    assert not ae.metrics().cpu_fallbacks
+
+
 def test_one_hot_is_laid_out_as_on_cpu_and_refuses_a_bad_class(mode):
     """fuzzer (nn family): PyTorch's one_hot for Python-key tensors is `eq` against an
     arange, laid out like a transposed input and all zeros for a class out of range."""
