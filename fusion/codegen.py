@@ -31,6 +31,21 @@ _CPU = torch.device("cpu")
 # The instructions that call the kernel: where its own error stops the frame (3.11's PRECALL
 # makes the call itself once specialized; `co_code` shows the unspecialized opcode)
 _CALLS = frozenset(dis.opmap[n] for n in ("PRECALL", "CALL") if n in dis.opmap)
+_CACHE = dis.opmap.get("CACHE")
+
+
+def _call_offsets(code) -> frozenset:
+    """The offsets of `code` where a frame stopped by a call's exception may stand: a call
+    instruction's own and its inline cache entries'. A kernel that is a Python function
+    (fusion/ops.py's wrappers) runs in a frame 3.11 pushes after stepping past the CALL's
+    caches, so the traceback's `tb_lasti` is the last cache entry, not the CALL."""
+    raw, out, owner = code.co_code, set(), None
+    for at in range(0, len(raw), 2):
+        if raw[at] != _CACHE or owner is None:
+            owner = raw[at]
+        if owner in _CALLS:
+            out.add(at)
+    return frozenset(out)
 
 
 def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
@@ -47,7 +62,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     its key): once checked runs needed no copy, an unchecked run (`checked=False`) skips the
     checks, except for ops reading host tensors (their layouts are the caller's)."""
     fixed: set[int] = set()  # ops whose result a checked run had to copy into its layout
-    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view, "CALLS": _CALLS,
+    ns = {"LaunchError": LaunchError, "run_instr": run_instr, "_view": _view,
           "_fix": _fix, "I": tuple(instrs), "FIXED": fixed}
     fast = [not (ins.random or ins.f64 or ins.user or ins.quiet or not _simple_outs(ins))
             for ins in instrs]
@@ -102,7 +117,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     src += ["    except Exception as e:",
             "        tb = e.__traceback__",
             "        k = PHASE[tb.tb_lineno]",
-            "        if k % 3 == 1 and CODE[tb.tb_lasti] not in CALLS:  # an argument",
+            "        if k % 3 == 1 and tb.tb_lasti not in CALL_AT:  # an argument",
             "            k -= 1",
             "        if not isinstance(e, LaunchError):",
             "            e = LaunchError(e, internal=k % 3 != 1)",
@@ -112,7 +127,7 @@ def generate(instrs, n_views: int, outputs, run_instr, checked: bool = True):
     # and so it must skip a run that a flush makes inside a compiled region's graph break
     # (it would trace the run, its host views under no_dispatch).
     exec(compile("\n".join(src), f"{_HERE}<generated run of {len(instrs)} ops>", "exec"), ns)
-    ns["CODE"] = ns["run"].__code__.co_code
+    ns["CALL_AT"] = _call_offsets(ns["run"].__code__)
     run = ns["run"]
     run.checked, run.fixed = checked, fixed
     return run

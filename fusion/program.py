@@ -334,12 +334,17 @@ def _span(a: torch.Tensor) -> tuple[int, int]:
     return lo, lo + 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))
 
 
+_F32_MAX, _INF = torch.finfo(torch.float32).max, float("inf")
+
+
 def _as_f32(ins, args, kwargs):
     """Note [float64 policy]: the op runs on float32 twins of its float64 tensors. Twins share
     memory as the tensors do: one float32 copy of the span each storage's tensors cover, each
     tensor a view of it with its own strides. So an op sees its own writes wherever CPU would:
     through an expanded tensor's stride-0 dims, or in another argument over the same memory
-    (`torch._foreach_add_([x, x], [x, x])` updates x twice)."""
+    (`torch._foreach_add_([x, x], [x, x])` updates x twice). A float scalar past float32's
+    range is its float32 infinity, as a float64 tensor of that value is once made float32
+    (logcumsumexp's float64 backward fills with the float64 `lowest()`)."""
     leaves = [t for t in tree_leaves((args, kwargs))
               if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel()]
     spans: dict[int, list] = {}  # storage -> [lo, hi, storage]
@@ -363,7 +368,9 @@ def _as_f32(ins, args, kwargs):
             return b
         if isinstance(a, list):
             return [low(x, mutated) for x in a]
-        return a
+        if type(a) is float and _F32_MAX < abs(a) < _INF:  # past float32's range: its float32
+            return torch.tensor(a, dtype=torch.float64).float().item()  # cast (CPU's float32
+        return a  # kernels refuse it: "value cannot be converted ... without overflow")
 
     args = [low(a, i in ins.mutated) for i, a in enumerate(args)]
     names = [a.name for a in ins.op._schema.arguments]

@@ -778,6 +778,12 @@ def _is_set_to(eng, func, args, kwargs):
         and a.stride() == b.stride()
 
 
+def _strided_dims(eng, func, args, kwargs):
+    """`sparse_dim()` / `dense_dim()` of a strided tensor: metadata, CPU's answer (0 and
+    `dim()`), with no CPU fallback (the device holds strided tensors only)."""
+    return 0 if func is aten.sparse_dim.default else args[0].dim()
+
+
 def _pin_memory(eng, func, args, kwargs):
     raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
 
@@ -788,6 +794,8 @@ _SPECIAL = {
     aten.is_same_size.default: _is_same_size,
     aten._has_same_storage_numel.default: _has_same_storage_numel,
     aten.is_set_to.default: _is_set_to,
+    aten.sparse_dim.default: _strided_dims,
+    aten.dense_dim.default: _strided_dims,
     aten.index.Tensor: _host_indices,
     aten._unsafe_index.Tensor: _host_indices,
     aten.index_put_.default: _host_indices,

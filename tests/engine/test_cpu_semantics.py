@@ -256,6 +256,18 @@ def test_two_failed_ops_in_one_group_each_name_their_own(mode):
     assert (w[0] + 1).tolist() == [1.0, 2.0, 3.0]
 
 
+def test_a_python_kernels_own_error_is_a_device_error_not_an_internal_one(mode):
+    """A kernel that is a Python function (fusion/ops.py's `_histc`, `_div_mode`) raising in a
+    generated run was reported as a bug of ours ("internal error ... please report it") with
+    no source line: on 3.11 its traceback stops at the CALL's last cache entry, not the CALL
+    (found by PyTorch's test_reductions.py::test_histc)."""
+    torch.histc(torch.tensor([0.5], device=N)).cpu()  # the signature's first call: at the call
+    h = torch.histc(torch.tensor([float("inf")], device=N))  # found at run time
+    with pytest.raises(ae.NeuronRuntimeError, match=r"operation=aten::histc.*not finite"):
+        h.cpu()
+    assert (torch.ones(2, device=N) + 1).tolist() == [2.0, 2.0]
+
+
 def test_launch_blocking_raises_at_the_op_in_adaptive_mode():
     with ae.adaptive(), ae.override(launch_blocking=True):
         x = torch.arange(5., device=N)
@@ -429,6 +441,38 @@ def test_float64_arguments_over_one_memory_see_each_others_writes(mode):
         torch._foreach_mul_([x, x[:1]], 2.0)  # x[0] is doubled twice
         torch._foreach_mul_([dx, dx[:1]], 2.0)
         assert dx.cpu().tolist() == x.tolist() == [13.5, -9.0, 18.0]
+
+
+def test_a_float64_scalar_past_float32s_range_is_its_float32_infinity(mode):
+    """PyTorch's test_reductions.py::test_reduce_dtype: logcumsumexp's float64 backward fills
+    with float64's `lowest()`, which CPU's float32 kernels refuse ("value cannot be converted
+    to type float without overflow"): the float32 twin holds what a cast gives, -inf."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x, gi = torch.randn(3, 3), torch.randn(3, 3)
+        grads = []
+        for dev in ("cpu", N):
+            xd = x.to(dev).requires_grad_()
+            g, = torch.autograd.grad([torch.logcumsumexp(xd.double(), 0)], [xd],
+                                     gi.double().to(dev))
+            grads.append(g.cpu())
+        torch.testing.assert_close(grads[1], grads[0])
+        lowest = torch.finfo(torch.float64).min
+        d = torch.zeros(2, dtype=torch.float64, device=N).fill_(lowest)
+        assert d.cpu().tolist() == [float("-inf")] * 2
+        assert (torch.ones(1, dtype=torch.float64, device=N) * 1e300).item() == float("inf")
+
+
+def test_sparse_and_dense_dim_are_cpus_without_a_fallback(mode):
+    """PyTorch's test_shape_ops.py::test_sparse_dense_dim: metadata of a strided tensor, not
+    a CPU fallback (nor its warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape in [(), (2,), (2, 3)]:
+            c = torch.rand(shape)
+            d = c.to(N)
+            assert (d.sparse_dim(), d.dense_dim()) == (c.sparse_dim(), c.dense_dim())
+    assert not ae.metrics().cpu_fallbacks
 
 
 def test_one_hot_is_laid_out_as_on_cpu_and_refuses_a_bad_class(mode):
