@@ -7,6 +7,8 @@ line. Bugs of ours are raised as themselves.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fusion.ir import extent_bytes
@@ -72,6 +74,28 @@ def user_error(e: BaseException) -> BaseException:
 
 def is_user_error(e: BaseException) -> bool:
     return getattr(e, "_ae_user_error", False)
+
+
+# Note [Copied views]: conjugate and negative views are materialized on the device (the
+# wrapper tensor cannot carry the bit: `_materialized` in engine.py), so a write through one
+# (`z.conj().add_(1)`, `z.conj().imag.fill_(0)`, `z.conj().copy_(w)`) would land in the copy
+# and leave `z` as it was, where CPU writes `z`: silently wrong. The copies' buffers are kept
+# here (weakly) and every write path refuses them: queued and replayed ops writing an
+# argument (queue.record, replay.follow), host and direct copies (transfer.write,
+# transfer.device_copy). A clone of the view is writable. (Empty in most programs: each path
+# asks only when the set is not empty.)
+COPIED_VIEWS: weakref.WeakSet = weakref.WeakSet()
+
+
+def refuse_copied_view(handles) -> None:
+    """Note [Copied views]: raise if one of the written `handles` is a materialized view's."""
+    for h in handles:
+        if h in COPIED_VIEWS:
+            raise user_error(RuntimeError(
+                f"a write through a conj() or neg view of a {DEVICE_TYPE} tensor is not "
+                f"supported: on {DEVICE_TYPE} the view is a copy, so the write would not reach "
+                f"the tensor it views. Write the tensor itself (e.g. z.copy_(w.conj()) for "
+                f"z.conj().copy_(w)), or clone the view to write a new tensor."))
 
 
 

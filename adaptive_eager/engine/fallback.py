@@ -15,8 +15,8 @@ from fusion.host import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor
-from ..errors import (NeuronFallbackError, _nested_error, _quantized_error,
-                      _raise_launch_error, _sparse_error, user_error)
+from ..errors import (COPIED_VIEWS, NeuronFallbackError, _nested_error, _quantized_error,
+                      _raise_launch_error, _sparse_error, refuse_copied_view, user_error)
 from .results import resize_out
 from .source import _source, _user_stacklevel
 from .templates import foreign_tensor
@@ -52,6 +52,11 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     name = func._schema.name
     cfg = _config.config
     _check_devices(eng, func, args, kwargs)
+    if COPIED_VIEWS:  # Note [Copied views] in errors.py
+        names = written_arguments(func)[1]
+        refuse_copied_view([t._handle for k, v in list(zip(
+            [a.name for a in func._schema.arguments], args)) + list(kwargs.items())
+            if k in names for t in tree_flatten(v)[0] if type(t) is NeuronTensor])
     if fallback:
         if not cfg.fallback_enabled:
             raise NeuronFallbackError(

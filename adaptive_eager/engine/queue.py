@@ -20,7 +20,7 @@ from fusion.ir import Handle, Node
 from fusion import substitute
 from fusion.partition import OnlineGroup
 
-from .. import config as _config
+from .. import config as _config, errors
 from . import cpu_settings
 from .source import _source
 
@@ -114,6 +114,9 @@ def record(eng, meta, handles, inputs, vbytes):
     """Queue one op (its cached signature `meta.op`, this call's buffers and runtime inputs)
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
     seg, traces = eng.seg, eng.traces
+    op = meta.op
+    if errors.COPIED_VIEWS and op.arg_writes:  # Note [Copied views] in errors.py
+        errors.refuse_copied_view([handles[li] for li in op.arg_writes])
     if cpu_settings.FTZ_USED[0] and seg.ftz_differs():  # Note [CPU settings]: one
         # flush-to-zero per segment (FTZ_USED first: the call is skipped in most programs)
         eng.flush("settings")
@@ -121,7 +124,6 @@ def record(eng, meta, handles, inputs, vbytes):
     if cpu_settings.THREADS_SET[0] and seg.threads_differ():  # one thread count per segment
         eng.flush("settings")
         seg.threads = cpu_settings.thread_count()
-    op = meta.op
     seg.admit(eng, op.new_total)
     new = [Handle(b, None, True) for b in op.new_bytes]
     if meta.f64:

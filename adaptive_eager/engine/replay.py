@@ -57,7 +57,7 @@ import torch
 
 from fusion.ir import Handle, encode_static
 
-from .. import config as _config
+from .. import config as _config, errors
 from . import cpu_settings
 from .tensor import NeuronTensor, fresh
 from .meta import _global_state, check_conversions, give_warnings
@@ -445,6 +445,7 @@ def follow(eng, func, args, kwargs, counted=False, handled=False, frames=3):
                 break
         else:  # (a guard is asked once: at the call, where the handler would decide)
             if (not listed or len(set(handles)) == len(handles)) \
+                    and not (errors.COPIED_VIEWS and op.arg_writes) \
                     and meta.gstate == _global_state() \
                     and (sp[3] is None or guarded or sp[3](eng, args, kwargs)):
                 ok = guarded = True

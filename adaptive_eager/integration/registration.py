@@ -329,12 +329,25 @@ def _register_fused_rnn_cells():
     # autograd must not take them for views either: it rebased a later in-place change of
     # the base onto them, and `resolve_conj()` (a copy on CPU, the tensor itself here) took
     # its gradient away (fuzzer seed 40003841: a gradient of 0 for CPU's 1)
-    lib.impl("_conj", lambda self: torch.conj_physical(self), "AutogradPrivateUse1")
-    lib.impl("_neg_view", lambda self: torch.neg(self), "AutogradPrivateUse1")
+    # Writes through them are refused (Note [Copied views] in errors.py); `resolve_conj()` /
+    # `resolve_neg()` of one is a new tensor, as CPU's resolve of a conj/neg view is.
+    lib.impl("_conj", lambda self: _copied_view(torch.conj_physical(self)), "AutogradPrivateUse1")
+    lib.impl("_neg_view", lambda self: _copied_view(torch.neg(self)), "AutogradPrivateUse1")
+    for name in ("resolve_conj", "resolve_neg"):
+        lib.impl(name, _resolved, "AutogradPrivateUse1")
     _LIBS.append(lib)
 
 
 _LIBS = []  # every torch.library.Library registered here, kept alive
+
+
+def _copied_view(t):
+    errors.COPIED_VIEWS.add(t._handle)  # Note [Copied views] in errors.py
+    return t
+
+
+def _resolved(self):
+    return self.clone() if self._handle in errors.COPIED_VIEWS else self
 
 
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,

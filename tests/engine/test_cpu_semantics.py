@@ -2,6 +2,7 @@
 probers and the fuzzer; each failed before its fix): global state in the meta cache, conj
 views, bounds, error wording, device-thread errors, deferred-error isolation, out= resizing,
 CPU's layouts and dtypes, printing."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -1089,3 +1090,50 @@ def test_refused_inplace_views_raise_cpus_errors(mode, op):
             op(t)
         return type(e.value), str(e.value)
     assert err(N) == err("cpu")
+
+
+# -- Note [Copied views] (adaptive_eager/errors.py) ------------------------------------------
+_CONJ_WRITES = {
+    "add_": lambda z: z.conj().add_(1),
+    "imag.fill_": lambda z: z.conj().imag.fill_(1),
+    "copy_ device": lambda z: z.conj().copy_(torch.ones(3, dtype=torch.cfloat, device=z.device)),
+    "copy_ host": lambda z: z.conj().copy_(torch.ones(3, dtype=torch.cfloat)),
+    "out=": lambda z: torch.mul(z, 2, out=z.conj()),
+    "neg_": lambda z: z.conj().imag.neg_(),
+    "setitem": lambda z: z.conj().__setitem__(0, 5),
+    "fallback put_": lambda z: z.conj().real.put_(torch.tensor([0], device=z.device),
+                                                 torch.tensor([9.0], device=z.device)),
+}
+_CONJ_READS = {
+    "clone then write": lambda z: z.conj().clone().add_(1),
+    "resolve_conj then write": lambda z: z.conj().resolve_conj().add_(1),
+    "read": lambda z: z.conj() * 2,
+    "resolve of a plain tensor is itself": lambda z: torch.tensor(float(z.resolve_conj() is z)),
+}
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+@pytest.mark.parametrize("name", list(_CONJ_WRITES))
+def test_a_write_through_a_conj_view_is_refused(name, adaptive):
+    """A conj view is a copy on the device: a write through it left `z` unchanged where CPU
+    writes `z` (silently wrong; found by PyTorch's test_view_ops.py). Refused at the call,
+    the tensor untouched and the engine usable."""
+    z0 = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        z = z0.to("neuron")
+        with pytest.raises(RuntimeError, match=r"a write through a conj\(\) or neg view"):
+            _CONJ_WRITES[name](z)
+        assert torch.equal(z.cpu(), z0)
+        x = torch.arange(4.0, device="neuron")
+        assert torch.equal((x * 2).cpu(), torch.arange(4.0) * 2)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+@pytest.mark.parametrize("name", list(_CONJ_READS))
+def test_reads_and_copies_of_a_conj_view_are_cpus(name, adaptive):
+    z0 = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    want = _CONJ_READS[name](z0.clone())
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        z = z0.to("neuron")
+        got = _CONJ_READS[name](z)
+        assert torch.equal(got.cpu(), want) and torch.equal(z.cpu(), z0)
