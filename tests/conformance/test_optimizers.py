@@ -11,7 +11,7 @@ Cases, for every OptimizerInfo:
   PrivateUse1 backend: `fused=True` runs on neuron (device ops, Adam, AdamW, SGD, Adagrad)
   whatever the info's `supports_fused_on` (CUDA, CPU, MPS) says;
 * each of the info's LR scheduler lists on the default configuration (no flag: PyTorch's
-  default path, the for-loop on neuron as on the CPU, LIMITS.md);
+  default path, the for-loop on neuron as on the CPU, adaptive_eager/LIMITS.md);
 * the default configuration over a flat parameter (`.flat`: parameters and gradients are views
   of one buffer per dtype, as FSDP1's flat parameter and DDP's gradient_as_bucket_view make).
 
@@ -126,8 +126,8 @@ def cases_of(info) -> list[Case]:
             cid = f"{name}.{slug}" + (f".{flag}" if flag else "")
             out.append(Case(cid, info, kw, ci=j == n % len(flags)))
     # each scheduler list on the default configuration with PyTorch's default path (no flag:
-    # the for-loop on neuron as on the CPU, LIMITS.md); the default configuration over a flat
-    # parameter, foreach where the info has it
+    # the for-loop on neuron as on the CPU, adaptive_eager/LIMITS.md); the default
+    # configuration over a flat parameter, foreach where the info has it
     default = own[0]
     assert default.desc == "default", (name, default.desc)
     kw = dict(default.kwargs, max_iter=3) if info.step_requires_closure else \
