@@ -26,6 +26,38 @@ _CONTRACTION = {
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
     "_transformer_encoder_layer_fwd",
 }
+# Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
+# CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
+# holds a few, with their pointwise epilogues, in queue order: fusion changes no value).
+# Three things CPU does that a queued op would not:
+# - errors on values: `linalg.inv`, `solve`, `cholesky`, `lu_factor`, `ldl_factor` return an
+#   `info` tensor that `_linalg_check_errors` reads, raising `torch.linalg.LinAlgError` in
+#   CPU's words (a singular matrix); eigh, svd, eig, pinv raise inside their kernels (no
+#   convergence on a NaN). Those ops (`_LINALG_CHECKED`) run at once, as barriers: CPU's
+#   error raises at the call in eager and adaptive mode alike (a `try` around the call catches
+#   it, as on CPU), as CUDA's checks synchronize the host. A queued op's error would surface
+#   at a later sync as a NeuronRuntimeError.
+# - layouts: LAPACK's results are column-major, and for structured kernels (inv, solve,
+#   cholesky, lu, qr, det...) the meta kernel is CPU's own; the FFTs' CPU kernel lays its
+#   output out by its plan (MKL's, batch dims ordered by the input's strides), unlike their
+#   meta kernels, and `_linalg_svd` / `linalg_eig`'s meta kernels lay out some results unlike
+#   CPU's (these two are barriers anyway: a barrier's results keep CPU's layouts). So every op
+#   here is checked by the CPU probe (Note [CPU probe]), which mm's kind skips, and an FFT too
+#   big to probe runs at once (`LAYOUT_BY_KERNEL`: its result keeps CPU's layout).
+# - complex results (eig, the FFTs) are plain complex buffers: nothing special.
+_LINALG = {
+    "linalg_inv_ex", "_linalg_solve_ex", "linalg_cholesky_ex", "linalg_lu_factor_ex",
+    "linalg_lu", "linalg_lu_solve", "lu_unpack", "_linalg_det", "_linalg_slogdet", "linalg_qr",
+    "geqrf", "ormqr", "linalg_householder_product", "triangular_solve", "linalg_solve_triangular",
+    "cholesky_solve", "_cholesky_solve_helper", "linalg_matrix_exp", "linalg_ldl_factor_ex",
+    "linalg_ldl_solve",
+}
+_FFT = {"_fft_c2c", "_fft_r2c", "_fft_c2r"}
+_CONTRACTION |= _LINALG | _FFT
+# Ops whose results the CPU probe lays out (Note [Linear algebra on the device]); of those,
+# the ones whose CPU layout no meta kernel gives: run at once when too big to probe.
+PROBED = frozenset(f"aten::{n}" for n in _LINALG | _FFT)
+LAYOUT_BY_KERNEL = frozenset(f"aten::{n}" for n in _FFT)
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
@@ -80,10 +112,15 @@ _AMP = {"_amp_foreach_non_finite_check_and_unscale", "_amp_update_scale"}
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
 _VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
 _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
+# Ops whose CPU kernel raises on the values it is given, run at once so at the call
+# (Note [Linear algebra on the device]); `cholesky` and `cholesky_inverse` check inside too.
+_LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linalg_eig",
+                   "_linalg_eigvals", "linalg_pinv", "cholesky", "cholesky_inverse"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
-_BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only"}
+_BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
+                  *_LINALG_CHECKED}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (

@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
-from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
+from fusion.ops import (CONTRACTION, KERNEL, LAYOUT_BY_KERNEL, PROBED, RANDOM, VIEW,
+                        device_kernel, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import _quantized_error, user_error
@@ -209,8 +210,10 @@ def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
             t.numel() * t.element_size() for t in tree_flatten(out)[0]
             if isinstance(t, torch.Tensor)) > _PROBE_MAX_BYTES:  # (a broadcast's output)
         return False
-    if cls == CONTRACTION and "conv" not in func._schema.name:  # convolutions keep their
-        # input's memory format (channels_last) on CPU, which meta does not
+    name = func._schema.name
+    if cls == CONTRACTION and "conv" not in name and name not in PROBED:  # convolutions
+        # keep their input's memory format (channels_last) on CPU, which meta does not; LAPACK
+        # and the FFTs lay out as CPU's kernel does (Note [Linear algebra on the device])
         return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
     return True
 
@@ -416,9 +419,10 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             meta_failed = True
         else:
             meta_failed = False
-    probe = None
+    probe, probed = None, False
     if cls != KERNEL and (meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t,
                                                         out)):
+        probed = True
         probe, probe_warnings = _probe(func, args, kwargs, args_t, kwargs_t, handles,
                                        cls == RANDOM)
         if not isinstance(probe, BaseException):
@@ -431,7 +435,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                 raise probe
             finally:
                 probe = None
-    if meta_failed:
+    if meta_failed or (not probed and func._schema.name in LAYOUT_BY_KERNEL):
+        # (an FFT too big to probe runs at once, in its CPU kernel's layout:
+        # Note [Linear algebra on the device])
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
     if probe is None and func in UNPROBED_AS_CPU:  # Note [Layouts of unprobed signatures]
