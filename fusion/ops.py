@@ -7,6 +7,7 @@ class has no device implementation and runs on CPU (see adaptive_eager's fallbac
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -53,6 +54,61 @@ _LINALG = {
     "linalg_ldl_solve",
 }
 _FFT = {"_fft_c2c", "_fft_r2c", "_fft_c2r"}
+
+
+def linalg_flops(func, args, kwargs) -> float | None:
+    """The FLOPs of a linear algebra or FFT op for the cost model (torch's flop counter has
+    no formula for them), or None for other ops. Assumption: the textbook operation counts
+    (LAPACK Working Note 41; 5 N log2 n for an FFT), per matrix of the batch, four times
+    over for complex; they depend on the inputs' shapes only (a barrier's are not known
+    before it runs)."""
+    name = func.overloadpacket.__name__
+    form = _LINALG_FLOPS.get(name)
+    if form is None:
+        return None
+    a = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(a, torch.Tensor) or a.dim() == 0:
+        return None
+    if name in _FFT:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim", ())
+        n = [a.shape[d] for d in dims] or [1]
+        return form * a.numel() * sum(math.log2(max(k, 2)) for k in n)
+    m, n = (a.shape[-2], a.shape[-1]) if a.dim() > 1 else (a.shape[-1], 1)
+    b = next((x for x in args[1:] if isinstance(x, torch.Tensor) and x.dim() > 1), None)
+    k = b.shape[-1] if b is not None else n
+    lo, hi = min(m, n), max(m, n)
+    batch = a.numel() // max(m * n, 1)
+    return batch * form(hi, lo, k) * (4 if a.is_complex() else 1)
+
+
+# FLOPs per matrix, of (the larger dim, the smaller, the right-hand side's columns); the FFTs'
+# factor of N log2 n (a real transform is half a complex one).
+_LINALG_FLOPS = {
+    "linalg_inv_ex": lambda m, n, k: 2 * n ** 3,
+    "_linalg_solve_ex": lambda m, n, k: 2 * n ** 3 / 3 + 2 * n * n * k,
+    "linalg_cholesky_ex": lambda m, n, k: n ** 3 / 3, "cholesky": lambda m, n, k: n ** 3 / 3,
+    "linalg_ldl_factor_ex": lambda m, n, k: n ** 3 / 3,
+    "linalg_lu_factor_ex": lambda m, n, k: m * n * n - n ** 3 / 3,
+    "linalg_lu": lambda m, n, k: m * n * n - n ** 3 / 3,
+    "_linalg_det": lambda m, n, k: 2 * n ** 3 / 3, "_linalg_slogdet": lambda m, n, k: 2 * n ** 3 / 3,
+    "linalg_lu_solve": lambda m, n, k: 2 * n * n * k, "lu_unpack": lambda m, n, k: m * n,
+    "linalg_ldl_solve": lambda m, n, k: 2 * n * n * k,
+    "cholesky_solve": lambda m, n, k: 2 * n * n * k,
+    "_cholesky_solve_helper": lambda m, n, k: 2 * n * n * k,
+    "triangular_solve": lambda m, n, k: n * n * k,
+    "linalg_solve_triangular": lambda m, n, k: n * n * k,
+    "cholesky_inverse": lambda m, n, k: n ** 3,
+    "geqrf": lambda m, n, k: 2 * m * n * n - 2 * n ** 3 / 3,
+    "linalg_qr": lambda m, n, k: 4 * m * n * n - 4 * n ** 3 / 3,
+    "linalg_householder_product": lambda m, n, k: 4 * m * n * n - 4 * n ** 3 / 3,
+    "ormqr": lambda m, n, k: 4 * m * n * k,
+    "linalg_matrix_exp": lambda m, n, k: 16 * n ** 3,  # ~8 products (Pade, squaring)
+    "_linalg_eigh": lambda m, n, k: 9 * n ** 3,  # (4/3 n^3 without vectors)
+    "_linalg_svd": lambda m, n, k: 4 * m * n * n + 8 * n ** 3,
+    "linalg_pinv": lambda m, n, k: 4 * m * n * n + 8 * n ** 3,
+    "linalg_eig": lambda m, n, k: 25 * n ** 3, "_linalg_eigvals": lambda m, n, k: 10 * n ** 3,
+    "_fft_c2c": 5.0, "_fft_r2c": 2.5, "_fft_c2r": 2.5,
+}
 _CONTRACTION |= _LINALG | _FFT
 # Ops whose results the CPU probe lays out (Note [Linear algebra on the device]); of those,
 # the ones whose CPU layout no meta kernel gives: run at once when too big to probe.

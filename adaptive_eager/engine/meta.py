@@ -17,7 +17,7 @@ from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
 from fusion.ops import (CONTRACTION, KERNEL, LAYOUT_BY_KERNEL, PROBED, RANDOM, VIEW,
-                        device_kernel, op_class)
+                        device_kernel, linalg_flops, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import _quantized_error, user_error
@@ -330,6 +330,9 @@ _FLOPS_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product
 
 def _flops(func, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry
+    flops = linalg_flops(func, args, kwargs)
+    if flops is not None:
+        return float(flops)
     name = _FLOPS_AS.get(func.overloadpacket.__name__)
     f = flop_registry.get(func.overloadpacket if name is None
                           else getattr(torch.ops.aten, name))
