@@ -43,8 +43,8 @@ _CONTRACTION = {
 #   output out by its plan (MKL's, batch dims ordered by the input's strides), unlike their
 #   meta kernels, and `_linalg_svd` / `linalg_eig`'s meta kernels lay out some results unlike
 #   CPU's (these two are barriers anyway: a barrier's results keep CPU's layouts). So every op
-#   here is checked by the CPU probe (Note [CPU probe]), which mm's kind skips, and an FFT too
-#   big to probe runs at once (`LAYOUT_BY_KERNEL`: its result keeps CPU's layout).
+#   here is checked by the CPU probe (Note [CPU probe]), which mm's kind skips; an FFT too big
+#   to probe takes CPU's fake kernel's layout (Note [Layouts of unprobed signatures]).
 # - complex results (eig, the FFTs) are plain complex buffers: nothing special.
 _LINALG = {
     "linalg_inv_ex", "_linalg_solve_ex", "linalg_cholesky_ex", "linalg_lu_factor_ex",
@@ -110,10 +110,8 @@ _LINALG_FLOPS = {
     "_fft_c2c": 5.0, "_fft_r2c": 2.5, "_fft_c2r": 2.5,
 }
 _CONTRACTION |= _LINALG | _FFT
-# Ops whose results the CPU probe lays out (Note [Linear algebra on the device]); of those,
-# the ones whose CPU layout no meta kernel gives: run at once when too big to probe.
+# Contractions whose results the CPU probe lays out (Note [Linear algebra on the device]).
 PROBED = frozenset(f"aten::{n}" for n in _LINALG | _FFT)
-LAYOUT_BY_KERNEL = frozenset(f"aten::{n}" for n in _FFT)
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
-from fusion.ops import (CONTRACTION, KERNEL, LAYOUT_BY_KERNEL, PROBED, RANDOM, VIEW,
+from fusion.ops import (CONTRACTION, KERNEL, PROBED, RANDOM, VIEW,
                         device_kernel, linalg_flops, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
@@ -422,10 +422,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             meta_failed = True
         else:
             meta_failed = False
-    probe, probed = None, False
+    probe = None
     if cls != KERNEL and (meta_failed or _worth_probing(func, cls, handles, args_t, kwargs_t,
                                                         out)):
-        probed = True
         probe, probe_warnings = _probe(func, args, kwargs, args_t, kwargs_t, handles,
                                        cls == RANDOM)
         if not isinstance(probe, BaseException):
@@ -438,9 +437,7 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
                 raise probe
             finally:
                 probe = None
-    if meta_failed or (not probed and func._schema.name in LAYOUT_BY_KERNEL):
-        # (an FFT too big to probe runs at once, in its CPU kernel's layout:
-        # Note [Linear algebra on the device])
+    if meta_failed:
         return _RUN_NOW
     out = _cpu_shaped(func, m_args, m_kwargs, out)
     if probe is None and func in UNPROBED_AS_CPU:  # Note [Layouts of unprobed signatures]

@@ -170,8 +170,8 @@ def test_cholesky_with_jitter_retry_as_cpu(mode):
 def test_an_fft_too_big_to_probe_keeps_cpus_layout(mode):
     """MKL's FFT orders an output's dims by the input's strides, which the meta kernel does
     not (rfft2 over dims (0, 1) of a (64, 512, 130) tensor: (257, 1, 16448) on CPU,
-    (1, 64, 16448) in meta). Above the probe's bound (16 MiB) the op runs at once and keeps
-    CPU's layout."""
+    (1, 64, 16448) in meta). Above the probe's bound (16 MiB) the op takes CPU's fake kernel's
+    layout (Note [Layouts of unprobed signatures] in engine/meta.py)."""
     x = torch.randn(64, 512, 130)
     with _disable_current_modes():
         want = torch.fft.rfft2(x, dim=(0, 1))
