@@ -7,6 +7,7 @@ class has no device implementation and runs on CPU (see adaptive_eager's fallbac
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -26,6 +27,91 @@ _CONTRACTION = {
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
     "_transformer_encoder_layer_fwd",
 }
+# Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
+# CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
+# holds a few, with their pointwise epilogues, in queue order: fusion changes no value).
+# Three things CPU does that a queued op would not:
+# - errors on values: `linalg.inv`, `solve`, `cholesky`, `lu_factor`, `ldl_factor` return an
+#   `info` tensor that `_linalg_check_errors` reads, raising `torch.linalg.LinAlgError` in
+#   CPU's words (a singular matrix); eigh, svd, eig, pinv raise inside their kernels (no
+#   convergence on a NaN). Those ops (`_LINALG_CHECKED`) run at once, as barriers: CPU's
+#   error raises at the call in eager and adaptive mode alike (a `try` around the call catches
+#   it, as on CPU), as CUDA's checks synchronize the host. A queued op's error would surface
+#   at a later sync as a NeuronRuntimeError.
+# - layouts: LAPACK's results are column-major, and for structured kernels (inv, solve,
+#   cholesky, lu, qr, det...) the meta kernel is CPU's own; the FFTs' CPU kernel lays its
+#   output out by its plan (MKL's, batch dims ordered by the input's strides), unlike their
+#   meta kernels, and `_linalg_svd` / `linalg_eig`'s meta kernels lay out some results unlike
+#   CPU's (these two are barriers anyway: a barrier's results keep CPU's layouts). So every op
+#   here is checked by the CPU probe (Note [CPU probe]), which mm's kind skips; an FFT too big
+#   to probe takes CPU's fake kernel's layout (Note [Layouts of unprobed signatures]).
+# - complex results (eig, the FFTs) are plain complex buffers: nothing special.
+_LINALG = {
+    "linalg_inv_ex", "_linalg_solve_ex", "linalg_cholesky_ex", "linalg_lu_factor_ex",
+    "linalg_lu", "linalg_lu_solve", "lu_unpack", "_linalg_det", "_linalg_slogdet", "linalg_qr",
+    "geqrf", "ormqr", "linalg_householder_product", "triangular_solve", "linalg_solve_triangular",
+    "cholesky_solve", "_cholesky_solve_helper", "linalg_matrix_exp", "linalg_ldl_factor_ex",
+    "linalg_ldl_solve",
+}
+_FFT = {"_fft_c2c", "_fft_r2c", "_fft_c2r"}
+
+
+def linalg_flops(func, args, kwargs) -> float | None:
+    """The FLOPs of a linear algebra or FFT op for the cost model (torch's flop counter has
+    no formula for them), or None for other ops. Assumption: the textbook operation counts
+    (LAPACK Working Note 41; 5 N log2 n for an FFT), per matrix of the batch, four times
+    over for complex; they depend on the inputs' shapes only (a barrier's are not known
+    before it runs)."""
+    name = func.overloadpacket.__name__
+    form = _LINALG_FLOPS.get(name)
+    if form is None:
+        return None
+    a = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(a, torch.Tensor) or a.dim() == 0:
+        return None
+    if name in _FFT:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim", ())
+        n = [a.shape[d] for d in dims] or [1]
+        return form * a.numel() * sum(math.log2(max(k, 2)) for k in n)
+    m, n = (a.shape[-2], a.shape[-1]) if a.dim() > 1 else (a.shape[-1], 1)
+    b = next((x for x in args[1:] if isinstance(x, torch.Tensor) and x.dim() > 1), None)
+    k = b.shape[-1] if b is not None else n
+    lo, hi = min(m, n), max(m, n)
+    batch = a.numel() // max(m * n, 1)
+    return batch * form(hi, lo, k) * (4 if a.is_complex() else 1)
+
+
+# FLOPs per matrix, of (the larger dim, the smaller, the right-hand side's columns); the FFTs'
+# factor of N log2 n (a real transform is half a complex one).
+_LINALG_FLOPS = {
+    "linalg_inv_ex": lambda m, n, k: 2 * n ** 3,
+    "_linalg_solve_ex": lambda m, n, k: 2 * n ** 3 / 3 + 2 * n * n * k,
+    "linalg_cholesky_ex": lambda m, n, k: n ** 3 / 3, "cholesky": lambda m, n, k: n ** 3 / 3,
+    "linalg_ldl_factor_ex": lambda m, n, k: n ** 3 / 3,
+    "linalg_lu_factor_ex": lambda m, n, k: m * n * n - n ** 3 / 3,
+    "linalg_lu": lambda m, n, k: m * n * n - n ** 3 / 3,
+    "_linalg_det": lambda m, n, k: 2 * n ** 3 / 3, "_linalg_slogdet": lambda m, n, k: 2 * n ** 3 / 3,
+    "linalg_lu_solve": lambda m, n, k: 2 * n * n * k, "lu_unpack": lambda m, n, k: m * n,
+    "linalg_ldl_solve": lambda m, n, k: 2 * n * n * k,
+    "cholesky_solve": lambda m, n, k: 2 * n * n * k,
+    "_cholesky_solve_helper": lambda m, n, k: 2 * n * n * k,
+    "triangular_solve": lambda m, n, k: n * n * k,
+    "linalg_solve_triangular": lambda m, n, k: n * n * k,
+    "cholesky_inverse": lambda m, n, k: n ** 3,
+    "geqrf": lambda m, n, k: 2 * m * n * n - 2 * n ** 3 / 3,
+    "linalg_qr": lambda m, n, k: 4 * m * n * n - 4 * n ** 3 / 3,
+    "linalg_householder_product": lambda m, n, k: 4 * m * n * n - 4 * n ** 3 / 3,
+    "ormqr": lambda m, n, k: 4 * m * n * k,
+    "linalg_matrix_exp": lambda m, n, k: 16 * n ** 3,  # ~8 products (Pade, squaring)
+    "_linalg_eigh": lambda m, n, k: 9 * n ** 3,  # (4/3 n^3 without vectors)
+    "_linalg_svd": lambda m, n, k: 4 * m * n * n + 8 * n ** 3,
+    "linalg_pinv": lambda m, n, k: 4 * m * n * n + 8 * n ** 3,
+    "linalg_eig": lambda m, n, k: 25 * n ** 3, "_linalg_eigvals": lambda m, n, k: 10 * n ** 3,
+    "_fft_c2c": 5.0, "_fft_r2c": 2.5, "_fft_c2r": 2.5,
+}
+_CONTRACTION |= _LINALG | _FFT
+# Contractions whose results the CPU probe lays out (Note [Linear algebra on the device]).
+PROBED = frozenset(f"aten::{n}" for n in _LINALG | _FFT)
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
@@ -80,10 +166,15 @@ _AMP = {"_amp_foreach_non_finite_check_and_unscale", "_amp_update_scale"}
 # views in the schema but are views on CPU (so must share the buffer to keep CPU semantics).
 _VIEW_EXTRA = {"_unsafe_view", "unsafe_split", "unsafe_split_with_sizes"}
 _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "randperm"}
+# Ops whose CPU kernel raises on the values it is given, run at once so at the call
+# (Note [Linear algebra on the device]); `cholesky` and `cholesky_inverse` check inside too.
+_LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linalg_eig",
+                   "_linalg_eigvals", "linalg_pinv", "cholesky", "cholesky_inverse"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
-_BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only"}
+_BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
+                  *_LINALG_CHECKED}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (

@@ -149,7 +149,7 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "settings", "complex", "outview", "intrng", "storage", "errors"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "complex", "outview", "intrng", "storage", "errors", "linalg"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -695,6 +695,35 @@ class Gen:
             if t.shape[0] == t.shape[1]:
                 ops += [f"torch.linalg.solve({z} + 3 * torch.eye({n}, device=dev), {z}, "
                         f"left=False)"]
+        return f"{v} = " + r.choice(ops)
+
+    def f_linalg(self):
+        """LAPACK and the FFTs (Note [Linear algebra on the device]): factorizations of a
+        well-conditioned matrix made from a variable (float32: float64 ones would compare a
+        float32 factorization with CPU's float64 one), and a singular one, whose error CPU
+        raises at the call."""
+        r, v, torch = self.r, self.fresh(), self.torch
+        a = self.pick(lambda t: t.dtype == torch.float32 and t.dim() >= 1 and t.numel() > 0)
+        if a is None:
+            return None
+        t = self.ns[a]
+        n = t.shape[-1]
+        m = f"{a}.reshape(-1, {n})"
+        s = f"({m}.mT @ {m} + {n} * torch.eye({n}, device=dev))"  # symmetric positive definite
+        ops = [f"torch.linalg.inv({s})", f"torch.linalg.cholesky({s})",
+               f"torch.linalg.eigvalsh({s})", f"torch.linalg.eigh({s}).eigenvectors.abs()",
+               f"torch.linalg.solve({s}, {m}.mT)", f"torch.linalg.slogdet({s}).logabsdet",
+               f"torch.linalg.lu_factor({s}).LU", f"torch.linalg.qr({m}).R.abs()",
+               f"torch.linalg.svdvals({m})", f"torch.cholesky_solve({m}.mT, torch.linalg.cholesky({s}))",
+               f"torch.linalg.solve_triangular(torch.linalg.cholesky({s}), {m}.mT, upper=False)",
+               f"torch.linalg.inv_ex({s}).inverse + {a}.sum()", f"torch.linalg.det({s} / {n})",
+               f"torch.linalg.inv({m}.mT @ {m} * 0)",  # singular: CPU's LinAlgError at the call
+               f"torch.fft.irfft(torch.fft.rfft({a}) * 0.5, n={n})",
+               f"torch.view_as_real(torch.fft.fft({a}.to(torch.complex64)))",
+               f"torch.fft.rfft({a}).abs()", f"torch.fft.ifft(torch.fft.fft({a})).real"]
+        if t.dim() >= 2:
+            ops += [f"torch.fft.fft2({a}).abs()", f"torch.fft.irfftn(torch.fft.rfftn({a}, "
+                    f"dim=(0, -1)), {a}.shape[::{t.dim() - 1}], dim=(0, -1))"]
         return f"{v} = " + r.choice(ops)
 
     def f_settings(self):

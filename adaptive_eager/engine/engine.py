@@ -756,6 +756,16 @@ def _attention_fast_path(eng, func, args, kwargs):
     return eng.run_now(func, args, kwargs, True)
 
 
+def _checks_errors(eng, func, args, kwargs):
+    """An `_ex` factorization asked to check its errors (`inv_ex(A, check_errors=True)`) raises
+    in its kernel on a singular matrix: it runs at once, so CPU's error raises at the call
+    (Note [Linear algebra on the device] in fusion/ops.py); without the check it is queued."""
+    if not kwargs.get("check_errors"):  # (keyword-only in every schema)
+        return eng.dispatch_plain(func, args, kwargs)
+    eng.count_op()
+    return eng.run_now(func, args, kwargs, False)
+
+
 def _is_pinned(eng, func, args, kwargs):
     return False  # device memory is never pinned host memory (CUDA's answer; no sync)
 
@@ -820,6 +830,10 @@ for _op in transfer.LIKE:
     _SPECIAL[_op] = transfer.like
     replay.GUARDS[_op._op] = transfer.queues_like  # (autograd's ones_like: a step's grad seed)
 _SPECIAL[aten.block_diag.default] = _block_diag
+for _packet in (aten.linalg_inv_ex, aten._linalg_solve_ex, aten.linalg_cholesky_ex,
+                aten.linalg_lu_factor_ex, aten.linalg_ldl_factor_ex):
+    for _op in _packet.overloads():
+        _SPECIAL[getattr(_packet, _op)] = _checks_errors
 for _op in aten.set_.overloads():
     _SPECIAL[getattr(aten.set_, _op)] = _set_
 for _name in {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names()}:

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
 from fusion.ir import Handle, extent_bytes, written_arguments
-from fusion.ops import RANDOM, device_kernel, op_class
+from fusion.ops import RANDOM, device_kernel, linalg_flops, op_class
 from fusion.host import cpu_kernels
 
 from .. import config as _config
@@ -105,7 +105,8 @@ def run_now(eng, func, args, kwargs, fallback: bool):
             work()
             eng.device.advance_host(eng.spec.host_op_overhead_us)
         else:
-            eng.device.submit(Launch(name, work, nbytes_in, 0.0,
+            flops = linalg_flops(func, c_args, c_kwargs)  # (a barrier's: eigh, svd...)
+            eng.device.submit(Launch(name, work, nbytes_in, flops or 0.0,
                                       context=[_FakeNode(func)]))
             try:
                 eng.synchronize()

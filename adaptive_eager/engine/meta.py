@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
-from fusion.ops import CONTRACTION, KERNEL, RANDOM, VIEW, device_kernel, op_class
+from fusion.ops import (CONTRACTION, KERNEL, PROBED, RANDOM, VIEW,
+                        device_kernel, linalg_flops, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
 from ..errors import _quantized_error, user_error
@@ -209,8 +210,10 @@ def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
             t.numel() * t.element_size() for t in tree_flatten(out)[0]
             if isinstance(t, torch.Tensor)) > _PROBE_MAX_BYTES:  # (a broadcast's output)
         return False
-    if cls == CONTRACTION and "conv" not in func._schema.name:  # convolutions keep their
-        # input's memory format (channels_last) on CPU, which meta does not
+    name = func._schema.name
+    if cls == CONTRACTION and "conv" not in name and name not in PROBED:  # convolutions
+        # keep their input's memory format (channels_last) on CPU, which meta does not; LAPACK
+        # and the FFTs lay out as CPU's kernel does (Note [Linear algebra on the device])
         return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
     return True
 
@@ -327,6 +330,9 @@ _FLOPS_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product
 
 def _flops(func, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry
+    flops = linalg_flops(func, args, kwargs)
+    if flops is not None:
+        return float(flops)
     name = _FLOPS_AS.get(func.overloadpacket.__name__)
     f = flop_registry.get(func.overloadpacket if name is None
                           else getattr(torch.ops.aten, name))

@@ -14,7 +14,7 @@ import adaptive_eager as ae
 from adaptive_eager.engine import engine as _engine
 from device import DeviceSpec
 
-FALLBACK_OP = "aten::_linalg_det"  # no device implementation: runs on CPU
+from tests.harness.fallback import FALLBACK_OP, fallback  # no device implementation
 
 
 def _forget_warnings():
@@ -27,14 +27,14 @@ def test_fallback_warns_once_per_op_and_is_counted(mode):
     x = a.to("neuron")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        d1 = torch.linalg.det(x)
-        d2 = torch.linalg.det(x * 2)
+        d1 = torch.ops.aten._test_functorch_fallback(x, x)  # (the user's line)
+        d2 = torch.ops.aten._test_functorch_fallback(x * 2, x * 2)
         _ = x.t()  # view ops never warn
     msgs = [str(m.message) for m in w]
     assert msgs.count(f"Operator '{FALLBACK_OP}' fell back to CPU") == 1, msgs
     assert w[0].filename == __file__  # the warning points at the user's line
-    torch.testing.assert_close(d1.cpu(), torch.linalg.det(a))
-    torch.testing.assert_close(d2.cpu(), torch.linalg.det(a * 2))
+    torch.testing.assert_close(d1.cpu(), fallback(a))
+    torch.testing.assert_close(d2.cpu(), fallback(a * 2))
     m = ae.metrics()
     assert m.cpu_fallbacks == {FALLBACK_OP: 2}
     assert any(k.startswith("fallback:") for k in m.flushes) or mode == "eager"
@@ -67,8 +67,8 @@ def test_custom_ops_run_on_cpu_whatever_their_tags(mode):
 def test_fallback_only_for_unimplemented_raises_when_cpu_recovery_is_off():
     x = torch.randn(3, 3, device="neuron")
     with ae.override(fallback_enabled=False):
-        with pytest.raises(ae.NeuronFallbackError, match="_linalg_det"):
-            torch.linalg.det(x)
+        with pytest.raises(ae.NeuronFallbackError, match=FALLBACK_OP[6:]):
+            fallback(x)
     assert (x + 1).cpu().shape == (3, 3)  # still usable
 
 

@@ -493,7 +493,8 @@ def test_error_in_backward_reaches_the_caller():
     code = ("import torch, adaptive_eager as ae\n"
             "class Twice(torch.autograd.Function):\n"
             "    forward = staticmethod(lambda ctx, x: x * 2)\n"
-            "    backward = staticmethod(lambda ctx, g: torch.linalg.inv(g))  # a CPU fallback\n"
+            "    backward = staticmethod(lambda ctx, g: torch.ops.aten._test_functorch_fallback("
+            "g, g))  # a CPU fallback\n"
             "x = torch.randn(3, 3).to('neuron').requires_grad_()\n"
             "try:\n"
             "    Twice.apply(x).sum().backward()\n"
@@ -536,7 +537,8 @@ def test_a_default_device_of_neuron(mode):
         t.resize_(4, 3).fill_(1.0)  # grows the buffer (a host copy)
         out = [loss.item(), bool(loss > 0), x.tolist(), net.weight.grad, t,
                torch.load(_saved({"x": x[1:]}))["x"],  # save/load (host copies)
-               torch.linalg.det(torch.eye(3) * 2),  # a CPU fallback
+               torch.ops.aten._test_functorch_fallback(torch.eye(3), torch.eye(3) * 2),  # a CPU
+               torch.linalg.det(torch.eye(3) * 2),  # fallback; linear algebra on the device
                torch.nn.init.trunc_normal_(torch.empty(3, 3)), x.cpu().pin_memory()]
         if x.device.type == "neuron":  # CUDA's rule: device memory is never pinned
             with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
