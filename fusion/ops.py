@@ -126,7 +126,7 @@ _REDUCTION = {
     "smooth_l1_loss", "huber_loss", "l1_loss", "kl_div", "soft_margin_loss", "renorm",
     "_weight_norm_interface", "rms_norm", "_fused_rms_norm", "_fused_rms_norm_backward",
     "_masked_softmax", "_masked_softmax_backward", "_cdist_backward", "_pdist_backward",
-    "_ctc_loss_backward",
+    "_ctc_loss_backward", "_is_all_true", "_is_any_true",
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
@@ -231,6 +231,14 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         forward = _aten_forward(base[:-len("_backward")])  # indexing, a reduction's reduction
         if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
             return forward
+    # An in-place or out= overload PyTorch left untagged (`gelu_`, `gelu.out`, `mish_`,
+    # `softshrink.out`, `threshold_`): the class of its functional form (the same kernel)
+    functional = getattr(getattr(torch.ops.aten, base, None), "default", None)
+    if (name != base or func._overloadname == "out") and functional is not None \
+            and functional is not func:
+        cls = _aten_class(functional)
+        if cls in (POINTWISE, REDUCTION):
+            return cls
     return None
 
 

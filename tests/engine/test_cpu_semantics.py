@@ -1139,3 +1139,27 @@ def test_reads_and_copies_of_a_conj_view_are_cpus(name, adaptive):
         z = z0.to("neuron")
         got = _CONJ_READS[name](z)
         assert torch.equal(got.cpu(), want) and torch.equal(z.cpu(), z0)
+
+
+def _untagged_overloads(d):
+    """In-place and out= overloads PyTorch leaves without its pointwise tag, and the
+    reductions distributions' argument checks call (`_is_all_true`)."""
+    x = torch.linspace(-3, 3, 11).to(d)
+    o = torch.empty(11, device=d)
+    aten = torch.ops.aten
+    return [aten.gelu_(x.clone()), aten.gelu.out(x, out=o.clone()),
+            aten.softshrink.out(x, 0.5, out=o.clone()), aten.softplus.out(x, 1, 20, out=o.clone()),
+            F.mish(x.clone(), inplace=True), F.threshold(x.clone(), 0.1, 2.0, inplace=True),
+            torch._is_all_true(x > -5).reshape(1), torch._is_any_true(x > 5).reshape(1)]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_untagged_inplace_and_out_overloads_run_on_the_device(adaptive):
+    """They took their functional form's class only by tag: each fell back to CPU (warning,
+    copies, a sync in adaptive mode)."""
+    want = _untagged_overloads("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "fell back to CPU"
+        with ae.adaptive() if adaptive else contextlib.nullcontext():
+            got = [t.cpu() for t in _untagged_overloads("neuron")]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
