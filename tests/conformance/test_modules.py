@@ -65,7 +65,8 @@ XFAIL_FILE = Path(__file__).with_name("modules_xfail.txt")
 # samples per module and training mode (runtime budget; the xfail list is made for the default)
 SAMPLES_PER_MODULE = int(os.environ.get("MODULE_SAMPLES", "2"))
 MAX_SAMPLE_NUMEL = 1 << 14  # skip samples with a bigger tensor (forward and backward)
-MODULE_TIMEOUT_S = 60       # per-module guard (SIGALRM) against hangs
+MODULE_TIMEOUT_S = 120      # per-module guard (SIGALRM, wall clock) against hangs
+STEPS = 2                   # training steps per run: the second replays the first
 # Modules left out, with the reason (not counted).
 SKIP_MODULES = {
 }
@@ -111,15 +112,18 @@ def module_inputs(mi, training: bool):
 # ------------------------------------------------------------------------------------------
 # One run: build, copy, forward, backward, read back
 # ------------------------------------------------------------------------------------------
-def _leaves(args, kwargs, device: str):
+def _leaves(args, kwargs, device: str, column_major: bool = False):
     """Forward arguments as fresh leaves on `device` (each keeps its requires_grad), and the
-    leaves that require grad, in flattening order."""
+    leaves that require grad, in flattening order. `column_major`: floating tensors of 2 or
+    more dims with their last two dims' strides swapped (same values)."""
     wrt = []
 
     def f(t):
         if not _is_tensor(t):
             return t
         v = t.detach().to(device, copy=True)
+        if column_major and v.is_floating_point() and v.dim() >= 2 and v.numel():
+            v = v.mT.contiguous().mT.detach()
         if t.requires_grad:
             v.requires_grad_(True)
             wrt.append(v)
@@ -147,23 +151,36 @@ def build(mi, minput, training: bool):
     return m
 
 
-def run(mi, minput, training: bool, device: str) -> dict:
-    """Build on CPU, move to `device`, forward and backward; every result on CPU."""
+def run(mi, minput, training: bool, device: str, column_major: bool = False) -> dict:
+    """Build on CPU, move to `device`, then STEPS steps (forward, backward, the loss read)
+    and one forward in eval mode under no_grad; every result on CPU."""
     m = build(mi, minput, training)
     if device != "cpu":
         m = m.to(device)
-    args, kwargs, wrt = _leaves(minput.forward_input.args, minput.forward_input.kwargs, device)
-    torch.manual_seed(0)
-    out = m(*args, **kwargs)
-    w = weights_for(out)
-    if any(x is not None for x in w):
-        weighted_loss(out, w).backward()
-    devs = [t.device.type for t in tree_flatten(out)[0] if _is_tensor(t)]
+    args, kwargs, wrt = _leaves(minput.forward_input.args, minput.forward_input.kwargs, device,
+                                column_major)
+    outs, losses = [], []
+    for _ in range(STEPS):
+        torch.manual_seed(0)
+        out = m(*args, **kwargs)
+        w = weights_for(out)
+        if any(x is not None for x in w):
+            loss = weighted_loss(out, w)
+            loss.backward()  # gradients accumulate over the steps
+            # a sync point ends the step: the next one is replayed (Note [Replay])
+            losses.append(loss.item())
+        outs.append(out)
+    m.eval()  # then inference: running statistics, the transformers' fast path
+    with torch.no_grad():
+        torch.manual_seed(0)
+        outs.append(m(*args, **kwargs))
+    devs = [t.device.type for t in tree_flatten(outs)[0] if _is_tensor(t)]
     if any(d != torch.device(device).type for d in devs):
         raise Mismatch(f"outputs on devices {devs}, expected all on {device}")
     names = [n for n, _ in m.named_parameters()]
     return fwd._to_cpu({
-        "output": out,
+        "output": outs,
+        "loss": losses,
         "input grads": [v.grad for v in wrt],
         "parameter grads": [p.grad for p in m.parameters()],
         "parameters": list(m.parameters()),
@@ -176,6 +193,7 @@ def compare_runs(got: dict, expected: dict, *, exact: bool = False) -> None:
     if got["names"] != expected["names"]:
         raise Mismatch(f"parameters {got['names']} != {expected['names']}")
     compare(got["output"], expected["output"], exact=exact)
+    compare(got["loss"], expected["loss"], exact=exact, what="loss")
     for what in ("input grads", "parameter grads"):
         try:
             compare_grads(got[what], expected[what], exact=exact)
@@ -185,21 +203,22 @@ def compare_runs(got: dict, expected: dict, *, exact: bool = False) -> None:
         compare(got[what], expected[what], exact=exact, what=what[:-1])
 
 
-def _run_neuron(mi, minput, training: bool, mode: str) -> dict:
+def _run_neuron(mi, minput, training: bool, mode: str, column_major: bool) -> dict:
     if mode == "eager":
-        return run(mi, minput, training, DEVICE)
+        return run(mi, minput, training, DEVICE, column_major)
     with ae.adaptive(strategy="graph" if mode == "adaptive" else "matmul"):
-        return run(mi, minput, training, DEVICE)
+        return run(mi, minput, training, DEVICE, column_major)
 
 
-def _run_sample(mi, tag: str, minput, training: bool, res: OpResult, modes) -> bool:
+def _run_sample(mi, tag: str, minput, training: bool, column_major: bool, res: OpResult,
+                modes) -> bool:
     """One module input, every mode. Returns False if CPU cannot run it."""
     try:
-        expected = run(mi, minput, training, "cpu")
+        expected = run(mi, minput, training, "cpu", column_major)
     except Exception:  # noqa: BLE001  the module does not run on CPU with this input
         return False
     try:
-        compare_runs(run(mi, minput, training, "cpu"), expected, exact=True)
+        compare_runs(run(mi, minput, training, "cpu", column_major), expected, exact=True)
     except Exception as exc:  # noqa: BLE001
         for m in modes:
             res.errors.setdefault(m, f"{tag}: CPU results not reproducible, cannot compare: "
@@ -210,7 +229,7 @@ def _run_sample(mi, tag: str, minput, training: bool, res: OpResult, modes) -> b
         if mode in res.errors:
             continue
         try:
-            got = _run_neuron(mi, minput, training, mode)
+            got = _run_neuron(mi, minput, training, mode, column_major)
             compare_runs(got, expected)
             if mode == "eager":
                 eager = got
@@ -236,9 +255,11 @@ def _run_module(mi, res: OpResult, modes) -> None:
         if isinstance(samples, str):
             reasons.append(samples)
             continue
-        for i, minput in samples:
-            tag = f"{'train' if training else 'eval'} input {i} ({minput.desc or 'default'})"
-            res.samples += _run_sample(mi, tag, minput, training, res, modes)
+        for j, (i, minput) in enumerate(samples):
+            column_major = j % 2 == 1  # every other input in another layout (same values)
+            tag = (f"{'train' if training else 'eval'} input {i} ({minput.desc or 'default'}"
+                   f"{', column-major' if column_major else ''})")
+            res.samples += _run_sample(mi, tag, minput, training, column_major, res, modes)
     if res.samples == 0:
         res.skipped = "; ".join(reasons) or "CPU fails on every module input"
         res.errors.clear()

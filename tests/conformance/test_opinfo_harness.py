@@ -1,5 +1,6 @@
-"""The OpInfo harnesses (test_opinfo.py, test_opinfo_grad.py) can fail: wrong values, wrong
-gradients, None-ness differences and leaves that cannot be compared are all reported."""
+"""The OpInfo and ModuleInfo harnesses (test_opinfo.py, test_opinfo_grad.py, test_modules.py)
+can fail: wrong values, wrong gradients, None-ness differences and leaves that cannot be
+compared are all reported."""
 import pytest
 import torch
 
@@ -138,3 +139,54 @@ def test_isolated_mode_reads_the_child_result(tmp_path, monkeypatch):
                                        '"errors": {"matmul": "x"}}\')\n')
     res = grad.run_op_isolated(_opinfo("any", lambda x: x, _samples_one), ("matmul",))
     assert res.errors == {"matmul": "x"} and res.samples == 2 and res.skipped is None
+
+
+# ------------------------------------------------------------------------------------------
+# The ModuleInfo harness (test_modules.py)
+# ------------------------------------------------------------------------------------------
+from torch.testing._internal.common_modules import (FunctionInput, ModuleInfo,  # noqa: E402
+                                                    ModuleInput)
+
+from tests.conformance import test_modules as mod  # noqa: E402
+
+
+class _Scale(torch.nn.Module):
+    """y = w * x with a running count of steps (a buffer); `wrong` says which part is wrong
+    off the CPU: "grad" (the weight's gradient doubled), "buffer" (the count off by one),
+    "second" (the output of the second call onwards) or None (right everywhere)."""
+
+    def __init__(self, wrong=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+        self.register_buffer("count", torch.zeros(()))
+        self.wrong = wrong
+
+    def forward(self, x):
+        off = x.device.type != "cpu"
+        self.count += 2 if off and self.wrong == "buffer" else 1
+        w = _WrongOnNeuron.apply(self.w) / 2 if self.wrong == "grad" else self.w
+        if off and self.wrong == "second" and self.count.item() > 1:
+            return w * x + 1
+        return w * x
+
+
+def _module_info(wrong):
+    def inputs(module_info, device, dtype, requires_grad, training, **kw):
+        x = torch.randn(4, 3, device=device, dtype=dtype, requires_grad=requires_grad)
+        return [ModuleInput(FunctionInput(wrong), forward_input=FunctionInput(x))]
+    return ModuleInfo(_Scale, module_inputs_func=inputs)
+
+
+@pytest.mark.parametrize("wrong, says", [("grad", "parameter grads: grad 0 0: values differ"),
+                                         ("buffer", "buffer 0: values differ"),
+                                         ("second", "output 1: values differ")])
+def test_module_harness_catches_a_wrong_value(wrong, says):
+    res = mod.run_module(_module_info(wrong))
+    assert res.skipped is None and res.samples == 1
+    assert set(res.errors) == set(fwd.MODES), res.errors
+    assert all(says in e for e in res.errors.values()), res.errors
+
+
+def test_module_harness_passes_a_right_module():
+    res = mod.run_module(_module_info(None))
+    assert res.skipped is None and res.samples == 1 and not res.errors, res
