@@ -6,7 +6,7 @@ ModuleInfo says training and eval differ, in eval mode too, we take up to
 list, the first always, so a module with 105 inputs is not tested on 3 variants of one) and:
 
 1. build the module on CPU after `torch.manual_seed(0)` (a lazy module gets its dry run on
-   CPU: LIMITS.md, lazy modules are initialized on the CPU before `.to("neuron")`);
+   CPU: adaptive_eager/LIMITS.md, lazy modules are initialized on the CPU before moving);
 2. copy it with `.to("neuron")` (same parameters and buffers) and make every forward tensor
    argument a fresh leaf on the device (same `requires_grad` as the sample's);
 3. run the forward after `torch.manual_seed(0)` (dropout inside transformers, the random
