@@ -562,6 +562,23 @@ def test_channels_last_convolution_keeps_cpus_memory_format(mode):
     assert torch.allclose(xs[1].cpu(), xs[0], atol=1e-5)
 
 
+def test_transformer_fast_path_on_a_column_major_input_has_cpus_layout(mode):
+    """tests/conformance/test_modules.py (TransformerEncoderLayer, norm_first, eval under
+    no_grad): CPU's `_transformer_encoder_layer_fwd` returns a contiguous output for a
+    column-major input; its meta output follows the input's strides, and contractions of
+    one dtype were not probed (Note [CPU probe]), so neuron's output kept the input's."""
+    torch.manual_seed(0)
+    m = torch.nn.TransformerEncoderLayer(4, 2, 16, dropout=0.0, batch_first=True,
+                                         norm_first=True).eval()
+    x = torch.randn(2, 3, 4).mT.contiguous().mT
+    with torch.no_grad():
+        expected = m(x)
+        m.to(N)
+        y = m(x.to(N).mT.contiguous().mT)
+    assert expected.stride() == (12, 4, 1) and y.stride() == expected.stride()
+    assert torch.equal(y.cpu(), expected)
+
+
 @pytest.mark.parametrize("dtype,good,bad", [(torch.int64, 1.5, float("nan")),
                                              (torch.uint8, 1.0, -1.0),
                                              (torch.float16, 1.0, 1e10)])
