@@ -154,8 +154,8 @@ _any_autocast = torch._C._is_any_autocast_enabled
 # the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
 # (big input buffers or outputs: a broadcast of two small inputs may be too big for the host;
 # contractions of one dtype, whose layouts meta gets right, save `_CONTRACTIONS_PROBED`); a
-# random op's probe draws from a copy of the generator, so the real draws are untouched. A probe error counts
-# only if CPU raises it, word for word, for two different fillings (zeros and ones), so value
+# random op's probe draws from a copy of the generator, so the real draws are untouched. A
+# probe error counts only if CPU raises it, word for word, for two different fillings (zeros and ones), so value
 # checks (a zero divisor, index 1 of a size-1 dim) and data-dependent shapes (a boolean mask's
 # count) are not mistaken for user errors; those are found at run time as on the device.
 
