@@ -156,8 +156,9 @@ _any_autocast = torch._C._is_any_autocast_enabled
 # contractions of one dtype, whose layouts meta gets right, save `_CONTRACTIONS_PROBED`); a
 # random op's probe draws from a copy of the generator, so the real draws are untouched. A
 # probe error counts only if CPU raises it, word for word, for two different fillings (zeros
-# and ones), so value checks (a zero divisor, index 1 of a size-1 dim) and data-dependent shapes (a boolean mask's
-# count) are not mistaken for user errors; those are found at run time as on the device.
+# and ones), so value checks (a zero divisor, index 1 of a size-1 dim) and data-dependent
+# shapes (a boolean mask's count) are not mistaken for user errors; those are found at run
+# time as on the device.
 
 _PROBE_MAX_BYTES = 16 * 2**20
 
