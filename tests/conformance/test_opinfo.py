@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import adaptive_eager as ae
 from tests.harness.opinfo_bar import MODES, hold_bar, report_and_hold, summary
+from tests.harness.opinfo_bar import load_xfail as _load_xfail
 
 pytest.importorskip("expecttest")  # op_db needs it
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
@@ -487,24 +488,8 @@ def engine_healthy() -> str | None:
 # The expected-failure list
 # ------------------------------------------------------------------------------------------
 def load_xfail(path: Path = XFAIL_FILE) -> dict:
-    """{(mode, op_id): reason}; a bare op id expands to both modes."""
-    out = {}
-    if not path.exists():
-        return out
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        body, _, reason = line.partition("#")
-        body = body.strip()
-        if not body:
-            continue
-        mode, sep, name = body.partition(":")
-        modes = (mode,) if sep else MODES
-        if not sep:
-            name = body
-        if sep and mode not in MODES:
-            raise ValueError(f"{path}:{n}: unknown mode {mode!r}")
-        for m in modes:
-            out[(m, name.strip())] = reason.strip()
-    return out
+    """{(mode, op_id): reason}; a bare op id expands to every mode."""
+    return _load_xfail(path, MODES)
 
 
 XFAIL = load_xfail()

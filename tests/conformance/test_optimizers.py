@@ -70,6 +70,8 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from tests.harness.opinfo_bar import load_xfail as _load_xfail
+from tests.conformance.test_opinfo import engine_healthy  # noqa: E402 (one health check)
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 from torch.testing._internal.common_optimizers import optim_db  # noqa: E402
@@ -564,41 +566,12 @@ def run_case(case: Case) -> Result:
     return res
 
 
-def engine_healthy() -> str | None:
-    try:
-        if ae.is_adaptive():
-            return "adaptive mode left on after the case"
-        x = torch.arange(6, dtype=torch.float32).to(DEVICE)
-        if (x * 2 + 1).sum().item() != 36.0:
-            return "eager: wrong value for (x*2+1).sum()"
-        with ae.adaptive():
-            v = (x.view(2, 3) * 2 + 1).relu().sum(0).cpu()
-        if v.tolist() != [8.0, 12.0, 16.0]:
-            return f"adaptive: wrong value {v.tolist()}"
-    except Exception as exc:  # noqa: BLE001
-        return _short(exc)
-    return None
-
-
 # ------------------------------------------------------------------------------------------
 # The expected-failure list and the tests
 # ------------------------------------------------------------------------------------------
 def load_xfail(path: Path = XFAIL_FILE) -> dict:
-    """{(mode, case id): reason}; a bare case id stands for both modes."""
-    out = {}
-    if not path.exists():
-        return out
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        body, _, reason = line.partition("#")
-        body = body.strip()
-        if not body:
-            continue
-        mode, sep, name = body.partition(":")
-        if sep and mode not in MODES:
-            raise ValueError(f"{path}:{n}: unknown mode {mode!r}")
-        for m in ((mode,) if sep else MODES):
-            out[(m, (name if sep else body).strip())] = reason.strip()
-    return out
+    """{(mode, case id): reason}; a bare case id stands for every mode."""
+    return _load_xfail(path, MODES)
 
 
 XFAIL = load_xfail()

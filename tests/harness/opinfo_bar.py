@@ -4,6 +4,7 @@ each mode, once at least 100 ops ran)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 MODES = ("eager", "adaptive", "matmul")  # adaptive: graph strategy; matmul: the reference's
 BAR = 0.995
@@ -44,3 +45,22 @@ def report_and_hold(request, results: dict, title: str, t0: float) -> None:
         reporter.write_line(f"\n{summary(results, title)}; {skipped} skipped; {samples} "
                             f"samples; {time.perf_counter() - t0:.0f}s since import")
     hold_bar(results)
+
+
+def load_xfail(path: Path, modes=MODES) -> dict:
+    """An expected-failure file (opinfo_xfail.txt and its kin): {(mode, id): reason}, from
+    lines `mode:id  # reason` or `id  # reason` (every mode in `modes`)."""
+    out = {}
+    if not path.exists():
+        return out
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        body, _, reason = line.partition("#")
+        body = body.strip()
+        if not body:
+            continue
+        mode, sep, name = body.partition(":")
+        if sep and mode not in modes:
+            raise ValueError(f"{path}:{n}: unknown mode {mode!r}")
+        for m in ((mode,) if sep else modes):
+            out[(m, (name if sep else body).strip())] = reason.strip()
+    return out
