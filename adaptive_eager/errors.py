@@ -82,9 +82,17 @@ def is_user_error(e: BaseException) -> bool:
 # and leave `z` as it was, where CPU writes `z`: silently wrong. The copies' buffers are kept
 # here (weakly) and every write path refuses them: queued and replayed ops writing an
 # argument (queue.record, replay.follow), host and direct copies (transfer.write,
-# transfer.device_copy). A clone of the view is writable. (Empty in most programs: each path
-# asks only when the set is not empty.)
+# transfer.device_copy). A clone of the view is writable. (Most programs make none: each path
+# asks only once one was made, `COPIED[0]`, a list read: a WeakSet's truth is a Python call.)
 COPIED_VIEWS: weakref.WeakSet = weakref.WeakSet()
+COPIED = [False]
+
+
+def copied_view(t):
+    """Note [Copied views]: `t` is a materialized conj/neg view; returns it."""
+    COPIED_VIEWS.add(t._handle)
+    COPIED[0] = True
+    return t
 
 
 def refuse_copied_view(handles) -> None:

@@ -633,9 +633,8 @@ def _materialized(op):
     """Conjugate and negative views carry a bit our wrapper tensors cannot honour: computed
     as a new tensor instead (`z.conj()` equals CPU's values; `is_conj()` is False)."""
     def run(eng, func, args, kwargs):
-        out = eng.dispatch_plain(op, args, kwargs)
-        errors.COPIED_VIEWS.add(out._handle)  # Note [Copied views] in errors.py
-        return out
+        # Note [Copied views] in errors.py
+        return errors.copied_view(eng.dispatch_plain(op, args, kwargs))
     return run
 
 

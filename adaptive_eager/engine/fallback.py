@@ -15,7 +15,7 @@ from fusion.host import cpu_kernels
 
 from .. import config as _config
 from .tensor import NeuronTensor
-from ..errors import (COPIED_VIEWS, NeuronFallbackError, _nested_error, _quantized_error,
+from ..errors import (COPIED, NeuronFallbackError, _nested_error, _quantized_error,
                       _raise_launch_error, _sparse_error, refuse_copied_view, user_error)
 from .results import resize_out
 from .source import _source, _user_stacklevel
@@ -52,7 +52,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     name = func._schema.name
     cfg = _config.config
     _check_devices(eng, func, args, kwargs)
-    if COPIED_VIEWS:  # Note [Copied views] in errors.py
+    if COPIED[0]:  # Note [Copied views] in errors.py
         names = written_arguments(func)[1]
         refuse_copied_view([t._handle for k, v in list(zip(
             [a.name for a in func._schema.arguments], args)) + list(kwargs.items())

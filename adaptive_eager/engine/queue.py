@@ -115,7 +115,7 @@ def record(eng, meta, handles, inputs, vbytes):
     as a Node, and flush as the policy says. Returns the handles of its new buffers."""
     seg, traces = eng.seg, eng.traces
     op = meta.op
-    if errors.COPIED_VIEWS and op.arg_writes:  # Note [Copied views] in errors.py
+    if op.arg_writes and errors.COPIED[0]:  # Note [Copied views] in errors.py
         errors.refuse_copied_view([handles[li] for li in op.arg_writes])
     if cpu_settings.FTZ_USED[0] and seg.ftz_differs():  # Note [CPU settings]: one
         # flush-to-zero per segment (FTZ_USED first: the call is skipped in most programs)

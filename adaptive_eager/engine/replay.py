@@ -445,7 +445,7 @@ def follow(eng, func, args, kwargs, counted=False, handled=False, frames=3):
                 break
         else:  # (a guard is asked once: at the call, where the handler would decide)
             if (not listed or len(set(handles)) == len(handles)) \
-                    and not (errors.COPIED_VIEWS and op.arg_writes) \
+                    and not (op.arg_writes and errors.COPIED[0]) \
                     and meta.gstate == _global_state() \
                     and (sp[3] is None or guarded or sp[3](eng, args, kwargs)):
                 ok = guarded = True

@@ -8,7 +8,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from device import Launch
 
 from .tensor import NeuronTensor
-from ..errors import (COPIED_VIEWS, _generator_error, _out_of_bounds, _raise_launch_error,
+from ..errors import (COPIED, _generator_error, _out_of_bounds, _raise_launch_error,
                       refuse_copied_view, user_error)
 from ..config import DEVICE_TYPE
 from .meta import _global_state
@@ -42,7 +42,7 @@ def read(eng, t, reason: str, dma: str = "d2h") -> torch.Tensor:
 def write(eng, dst, src: torch.Tensor, dma: str = "h2d") -> None:
     """Host-to-device copy into neuron tensor `dst` (broadcast and casts as copy_)."""
     h = dst._handle
-    if COPIED_VIEWS:  # Note [Copied views] in errors.py
+    if COPIED[0]:  # Note [Copied views] in errors.py
         refuse_copied_view([h])
     if h.seg is eng.seg.token and eng.seg.nodes:  # a queued op uses dst's buffer
         eng.flush("h2d")  # the copy must land after queued readers/writers of dst
@@ -201,7 +201,7 @@ def _first_sight(eng, func, args, kwargs) -> bool:
 
 def device_copy(eng, dst, src):
     """Note [Direct copies]: `dst.copy_(src)` on one core, done at the call."""
-    if COPIED_VIEWS:  # Note [Copied views] in errors.py
+    if COPIED[0]:  # Note [Copied views] in errors.py
         refuse_copied_view([dst._handle])
     eng.count_op()
     hd, hs = dst._handle, src._handle

@@ -331,19 +331,14 @@ def _register_fused_rnn_cells():
     # its gradient away (fuzzer seed 40003841: a gradient of 0 for CPU's 1)
     # Writes through them are refused (Note [Copied views] in errors.py); `resolve_conj()` /
     # `resolve_neg()` of one is a new tensor, as CPU's resolve of a conj/neg view is.
-    lib.impl("_conj", lambda self: _copied_view(torch.conj_physical(self)), "AutogradPrivateUse1")
-    lib.impl("_neg_view", lambda self: _copied_view(torch.neg(self)), "AutogradPrivateUse1")
+    lib.impl("_conj", lambda t: errors.copied_view(torch.conj_physical(t)), "AutogradPrivateUse1")
+    lib.impl("_neg_view", lambda t: errors.copied_view(torch.neg(t)), "AutogradPrivateUse1")
     for name in ("resolve_conj", "resolve_neg"):
         lib.impl(name, _resolved, "AutogradPrivateUse1")
     _LIBS.append(lib)
 
 
 _LIBS = []  # every torch.library.Library registered here, kept alive
-
-
-def _copied_view(t):
-    errors.COPIED_VIEWS.add(t._handle)  # Note [Copied views] in errors.py
-    return t
 
 
 def _resolved(self):
