@@ -95,6 +95,11 @@ def copied_view(t):
     return t
 
 
+def any_copied(handles, writes) -> bool:
+    """Note [Copied views]: is one of `handles[i] for i in writes` a copied view's buffer?"""
+    return any(handles[i] in COPIED_VIEWS for i in writes)
+
+
 def refuse_copied_view(handles) -> None:
     """Note [Copied views]: raise if one of the written `handles` is a materialized view's."""
     for h in handles:

@@ -445,7 +445,8 @@ def follow(eng, func, args, kwargs, counted=False, handled=False, frames=3):
                 break
         else:  # (a guard is asked once: at the call, where the handler would decide)
             if (not listed or len(set(handles)) == len(handles)) \
-                    and not (op.arg_writes and errors.COPIED[0]) \
+                    and not (op.arg_writes and errors.COPIED[0]  # Note [Copied views]
+                             and errors.any_copied(handles, op.arg_writes)) \
                     and meta.gstate == _global_state() \
                     and (sp[3] is None or guarded or sp[3](eng, args, kwargs)):
                 ok = guarded = True
