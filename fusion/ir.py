@@ -65,6 +65,16 @@ def written_arguments(func) -> tuple[frozenset, frozenset]:
             frozenset(a.name for _, a in args))
 
 
+def written_values(func, args, kwargs) -> list:
+    """The values a call of `func` writes (`written_arguments`), tensor lists flattened."""
+    positions, names = written_arguments(func)
+    out = []
+    for v in [args[i] for i in positions if i < len(args)] + [
+            v for k, v in kwargs.items() if k in names]:
+        out += list(v) if isinstance(v, (list, tuple)) else [v]
+    return out
+
+
 def encode_static(v: Any) -> Any:
     """Template form of a non-tensor, non-runtime-scalar argument. -0.0 and NaN are tagged:
     as keys, -0.0 == 0.0 (nan_to_num(nan=-0.0) reused nan=0.0's executable) and NaN equals

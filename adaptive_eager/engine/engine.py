@@ -22,7 +22,7 @@ from device import COUNTERS, Device, DeviceError, DeviceSpec, Launch
 from fusion.cache import ExecutableCache
 from fusion.executors import make_executor
 from fusion.flush import FlushReport, Runner
-from fusion.ir import Handle, Node, scalar_positions, written_arguments
+from fusion.ir import Handle, Node, scalar_positions, written_values
 from fusion.ops import BARRIER, INPLACE_VIEW, KERNEL, VIEW, composite_key, op_class
 from fusion.partition import STRATEGIES
 from fusion.ir import extent_bytes
@@ -241,7 +241,7 @@ def _tracks_views(func) -> bool:
 
 
 def _decomposed(func, key, args, kwargs):
-    written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    written = [t for t in written_values(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if not written:
         return func._op_dk(key, *args, **kwargs)
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
@@ -252,16 +252,6 @@ def _decomposed(func, key, args, kwargs):
     stale = [t for t, v in zip(ordinary, before) if t._version == v]
     if stale:
         torch.autograd.graph.increment_version(stale)
-    return out
-
-
-def _written(func, args, kwargs) -> list:
-    """The tensors `func` writes (fusion.ir.written_arguments), flattened."""
-    positions, names = written_arguments(func)
-    out = []
-    for v in [args[i] for i in positions if i < len(args)] + [
-            v for k, v in kwargs.items() if k in names]:
-        out += list(v) if isinstance(v, (list, tuple)) else [v]
     return out
 
 
@@ -703,7 +693,7 @@ def _bumps_fused_versions(eng, func, args, kwargs):
     as the foreach steps' are (`_bumps_versions`), so a backward through a graph that saved a
     parameter before `step()` raises instead of using the new values. (CPU's fused kernels
     bump none, a silently wrong gradient there; foreach=True, CPU's default, raises.)"""
-    written = [t for t in _written(func, args, kwargs) if isinstance(t, torch.Tensor)]
+    written = [t for t in written_values(func, args, kwargs) if isinstance(t, torch.Tensor)]
     if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
         raise RuntimeError(_INFERENCE_WRITE)
     out = replay.handled_step(eng, func, args, kwargs)  # Note [Handled replay]

@@ -9,7 +9,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device import Launch, LaunchError
-from fusion.ir import Handle, extent_bytes, written_arguments
+from fusion.ir import Handle, extent_bytes, written_arguments, written_values
 from fusion.ops import RANDOM, device_kernel, linalg_flops, op_class
 from fusion.host import cpu_kernels
 
@@ -53,10 +53,8 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     cfg = _config.config
     _check_devices(eng, func, args, kwargs)
     if COPIED[0]:  # Note [Copied views] in errors.py
-        names = written_arguments(func)[1]
-        refuse_copied_view([t._handle for k, v in list(zip(
-            [a.name for a in func._schema.arguments], args)) + list(kwargs.items())
-            if k in names for t in tree_flatten(v)[0] if type(t) is NeuronTensor])
+        refuse_copied_view([t._handle for t in written_values(func, args, kwargs)
+                            if type(t) is NeuronTensor])
     if fallback:
         if not cfg.fallback_enabled:
             raise NeuronFallbackError(
