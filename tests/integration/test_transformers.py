@@ -114,6 +114,24 @@ def test_save_pretrained_from_pretrained_round_trip(kind, tmp_path):
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device_map", ["neuron", {"": "neuron:0"}])
+def test_from_pretrained_with_device_map_loads_onto_neuron(device_map, tmp_path):
+    """`from_pretrained(path, device_map=...)` (accelerate's loading, straight onto the
+    device): every weight on neuron with the saved values, ties kept, CPU's loss."""
+    model = _model("gpt2")
+    model.save_pretrained(tmp_path)
+    loaded = type(model).from_pretrained(tmp_path, device_map=device_map)
+    assert {p.device.type for p in loaded.parameters()} == {"neuron"}
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v.cpu(), model.state_dict()[k]), k
+    batch = _batch("gpt2")
+    with torch.no_grad():
+        want = model(**batch).loss
+        got = loaded(**{k: v.to("neuron") for k, v in batch.items()}).loss
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
 def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
     """huggingface_hub identifies storages through the traceable-subclass protocol, where a
     neuron tensor has no inner tensors: every neuron tensor looked like one empty storage, so
