@@ -114,14 +114,17 @@ def test_save_pretrained_from_pretrained_round_trip(kind, tmp_path):
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device_map", ["neuron", {"": "neuron:0"}])
+@pytest.mark.parametrize("device_map", ["neuron", {"": "neuron:0"}, "auto"])
 def test_from_pretrained_with_device_map_loads_onto_neuron(device_map, tmp_path):
     """`from_pretrained(path, device_map=...)` (accelerate's loading, straight onto the
-    device): every weight on neuron with the saved values, ties kept, CPU's loss."""
-    model = _model("gpt2")
+    device): every weight on neuron with the saved values, ties kept, CPU's loss and
+    tokens. "auto" (accelerate >= 1.16 asks `torch.accelerator`) spreads the layers over
+    the cores, as over GPUs, and its hooks move the activations between them."""
+    model = _model("gpt2").eval()
     model.save_pretrained(tmp_path)
     loaded = type(model).from_pretrained(tmp_path, device_map=device_map)
-    assert {p.device.type for p in loaded.parameters()} == {"neuron"}
+    cores = {p.device for p in loaded.parameters()}
+    assert {d.type for d in cores} == {"neuron"} and (len(cores) > 1) == (device_map == "auto")
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     for k, v in loaded.state_dict().items():
         assert torch.equal(v.cpu(), model.state_dict()[k]), k
@@ -130,6 +133,10 @@ def test_from_pretrained_with_device_map_loads_onto_neuron(device_map, tmp_path)
         want = model(**batch).loss
         got = loaded(**{k: v.to("neuron") for k, v in batch.items()}).loss
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    prompt = batch["input_ids"][:1]
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert loaded.generate(prompt.to("neuron"), **kw).cpu().tolist() == \
+        model.generate(prompt, **kw).tolist()
 
 
 def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
