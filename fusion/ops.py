@@ -110,8 +110,16 @@ _LINALG_FLOPS = {
     "_fft_c2c": 5.0, "_fft_r2c": 2.5, "_fft_c2r": 2.5,
 }
 _CONTRACTION |= _LINALG | _FFT
-# Contractions whose results the CPU probe lays out (Note [Linear algebra on the device]).
-PROBED = frozenset(f"aten::{n}" for n in _LINALG | _FFT)
+# Contractions whose meta layout is not CPU's, so probed whatever their dtypes (the probe,
+# Note [CPU probe] in adaptive_eager/engine/meta.py, skips other contractions of one dtype,
+# mm's kind, whose layouts meta gets right): convolutions keep their input's memory format
+# (channels_last) on CPU, which meta does not; the transformer fast path's layer on a
+# non-contiguous input (norm_first) is contiguous on CPU, while its meta output follows the
+# input's strides; LAPACK's and the FFTs' CPU kernels lay out unlike some meta kernels
+# (Note [Linear algebra on the device]).
+PROBED = frozenset(f"aten::{n}" for n in (
+    "convolution", "_convolution", "convolution_backward", "_transformer_encoder_layer_fwd",
+    *_LINALG, *_FFT))
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
