@@ -189,6 +189,22 @@ LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"))
 
+# Ops whose meta or fake kernel lays out or shapes its results by the device's type, and gives
+# a device other than the CPU (or a meta tensor: `device_hint` defaults to "cuda") an answer
+# unlike CPU's kernel's, which is what the device runs. The device takes CPU's fake kernel's
+# answer for them in two places, each adding ops of its own: graphs traced on the device
+# (Note [Fake layouts of the device] in adaptive_eager/integration/fake_layouts.py) and
+# signatures too big for the CPU probe (Note [Layouts of unprobed signatures] in
+# adaptive_eager/engine/meta.py).
+LAID_OUT_BY_DEVICE_TYPE = tuple(
+    getattr(getattr(aten, op), overload) for op, overload in (
+        ("convolution", "default"), ("_convolution", "default"),
+        ("_convolution", "deprecated"), ("convolution_backward", "default"),
+        ("pixel_shuffle", "default"), ("nonzero_static", "default"),
+        ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
+        ("_fft_c2c", "default"))
+    if hasattr(getattr(aten, op, None), overload))
+
 
 def op_class(func: torch._ops.OpOverload) -> str | None:
     """The class of an ATen op on our device, or None when the device lacks it (CPU fallback).

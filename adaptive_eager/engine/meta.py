@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
-from fusion.ops import (CONTRACTION, KERNEL, PROBED, RANDOM, VIEW,
+from fusion.ops import (CONTRACTION, KERNEL, LAID_OUT_BY_DEVICE_TYPE, PROBED, RANDOM, VIEW,
                         device_kernel, linalg_flops, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
@@ -168,14 +168,12 @@ _PROBE_MAX_BYTES = 16 * 2**20
 # FakeTensors (metadata only, nothing allocated) and the op run in a fake mode, so a 20 MB
 # channels_last convolution stays channels_last as on CPU. The same rules answer for graphs
 # traced on the device (Note [Fake layouts of the device] in integration/fake_layouts.py):
-# without this, a graph's layout and the device's disagreed above 16 MiB.
-UNPROBED_AS_CPU = frozenset(
+# without this, a graph's layout and the device's disagreed above 16 MiB. The ops: those of
+# `fusion.ops.LAID_OUT_BY_DEVICE_TYPE` (the graphs' too), and those whose rules single out
+# "cuda", which answer as CPU's for a neuron FakeTensor but not for a meta tensor.
+UNPROBED_AS_CPU = frozenset(LAID_OUT_BY_DEVICE_TYPE).union(
     getattr(getattr(torch.ops.aten, op), overload) for op, overload in (
-        ("convolution", "default"), ("_convolution", "default"),
-        ("_convolution", "deprecated"), ("convolution_backward", "default"),
-        ("pixel_shuffle", "default"), ("nonzero_static", "default"),
-        ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
-        ("_fft_c2c", "default"), ("_fft_r2c", "default"), ("_fft_c2r", "default"),
+        ("_fft_r2c", "default"), ("_fft_c2r", "default"),
         ("linalg_eig", "default"), ("_linalg_svd", "default"),
         ("reflection_pad2d", "default"), ("replication_pad2d", "default"))
     if hasattr(getattr(torch.ops.aten, op, None), overload))
