@@ -10,9 +10,11 @@ once when torch is already imported (`import torch; import adaptive_eager`, and 
 autoload, _autoload.py); otherwise at the first use of one of the package's names, or right
 after torch's import. So a module of the package can be imported without torch: the pytest
 plugin (tools/pytest_entry.py, the `pytest11` entry point, imported by every pytest run where
-the package is installed) leaves a run that does not use its fixture without torch. A module
-that imports `device` or `fusion` imports torch first (LIMITS.md: torch's autoload would load
-the API, which needs the half-made `device`).
+the package is installed) leaves a run that does not use its fixture without torch. A module of
+ours imported first (`import device`, `import adaptive_eager.errors`, an unpickled error) meets
+torch's import half made, and the API needs it whole (`from device import COUNTERS` failed,
+and torch refused the backend): while one is half made, torch's autoload and import load the
+API once that module's import has run (`_load_when_whole`).
 """
 import importlib as _importlib
 import sys as _sys
@@ -40,6 +42,23 @@ def _load():
     return api
 
 
+_OURS = ("adaptive_eager", "device", "fusion")
+
+
+def _load_when_whole(_torch=None) -> None:
+    """Note [Lazy package]: `_load()`, or, while a module of ours is half made (its import
+    imported torch, whose autoload calls this), right after the outermost one's import ran.
+    (This package's own module, at its last line, and the API's, finished by the outer call,
+    are not waited for.)"""
+    half = next((name for name, m in list(_sys.modules.items())
+                 if name.partition(".")[0] in _OURS and name not in (__name__, f"{__name__}.api")
+                 and getattr(getattr(m, "__spec__", None), "_initializing", False)), None)
+    if half is None:
+        _load()
+    else:  # (sys.modules keeps the order imports began in: the first is the outermost)
+        _patches.after_import(half, lambda _: _load())
+
+
 def __getattr__(name):
     """An API name (or `ae.kernels`, api.__getattr__) before the API loaded. Other names
     (submodules, asked for by `from . import x` before their import) are not the API's."""
@@ -53,6 +72,6 @@ def __dir__():
 
 
 if "torch" in _sys.modules:
-    _load()
+    _load_when_whole()
 else:
-    _TORCH_HOOK = _patches.after_import("torch", lambda _: _load())
+    _TORCH_HOOK = _patches.after_import("torch", _load_when_whole)

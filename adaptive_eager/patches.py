@@ -91,13 +91,17 @@ def applied() -> list[Patch]:
 def after_import(module_name: str, fn: Callable[[Any], None]):
     """`fn(module)` once `module_name` is imported: now if it is, else right after its import
     has run (a meta-path hook that finds nothing itself: it asks the finders after it and
-    wraps that loader's `exec_module`, once). Used for modules we must not import ourselves
-    (torch._dynamo takes seconds; Lightning is the user's to import). Returns the hook (None:
-    ran at once), which `sys.meta_path.remove` cancels."""
+    wraps that loader's `exec_module`, once; a module whose import is under way, its spec:
+    `_when_made`). Used for modules we must not import ourselves (torch._dynamo takes
+    seconds; Lightning is the user's to import). Returns the meta-path hook (None: ran at
+    once, or follows a module under way), which `sys.meta_path.remove` cancels."""
     module = sys.modules.get(module_name)
-    if module is not None and not getattr(getattr(module, "__spec__", None),
-                                          "_initializing", False):
-        fn(module)
+    if module is not None:
+        spec = getattr(module, "__spec__", None)
+        if getattr(spec, "_initializing", False):
+            _when_made(spec, fn)
+        else:
+            fn(module)
         return None
     hook = _AfterImport(module_name, fn)
     sys.meta_path.insert(0, hook)
@@ -125,3 +129,29 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             fn(module)
         loader.exec_module = exec_then_call  # this loader instance only
         return spec
+
+
+def _when_made(spec, fn) -> None:
+    """`fn(module)` once the import under way of `spec`'s module has run its code: importlib
+    (`_load_unlocked`, private) sets `spec._initializing = False` then, which `_Made`'s
+    property sees (the spec's class for that time only). Not if the import failed."""
+    spec.__dict__.setdefault("_ae_then", []).append(fn)
+    if not isinstance(spec, _Made):
+        spec.__class__ = type(f"_Made{type(spec).__name__}", (_Made, type(spec)), {})
+
+
+class _Made:
+    @property
+    def _initializing(self):
+        return self.__dict__.get("_initializing", False)
+
+    @_initializing.setter
+    def _initializing(self, value):
+        self.__dict__["_initializing"] = value
+        if value:
+            return
+        self.__class__ = self.__class__.__bases__[1]  # its own class again
+        then = self.__dict__.pop("_ae_then", [])
+        module = sys.modules.get(self.name)  # (gone: the import failed)
+        for fn in then if module is not None else ():
+            fn(module)

@@ -110,8 +110,16 @@ _LINALG_FLOPS = {
     "_fft_c2c": 5.0, "_fft_r2c": 2.5, "_fft_c2r": 2.5,
 }
 _CONTRACTION |= _LINALG | _FFT
-# Contractions whose results the CPU probe lays out (Note [Linear algebra on the device]).
-PROBED = frozenset(f"aten::{n}" for n in _LINALG | _FFT)
+# Contractions whose meta layout is not CPU's, so probed whatever their dtypes (the probe,
+# Note [CPU probe] in adaptive_eager/engine/meta.py, skips other contractions of one dtype,
+# mm's kind, whose layouts meta gets right): convolutions keep their input's memory format
+# (channels_last) on CPU, which meta does not; the transformer fast path's layer on a
+# non-contiguous input (norm_first) is contiguous on CPU, while its meta output follows the
+# input's strides; LAPACK's and the FFTs' CPU kernels lay out unlike some meta kernels
+# (Note [Linear algebra on the device]).
+PROBED = frozenset(f"aten::{n}" for n in (
+    "convolution", "_convolution", "convolution_backward", "_transformer_encoder_layer_fwd",
+    *_LINALG, *_FFT))
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
@@ -180,6 +188,22 @@ _BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
     "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
     "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full"))
+
+# Ops whose meta or fake kernel lays out or shapes its results by the device's type, and gives
+# a device other than the CPU (or a meta tensor: `device_hint` defaults to "cuda") an answer
+# unlike CPU's kernel's, which is what the device runs. The device takes CPU's fake kernel's
+# answer for them in two places, each adding ops of its own: graphs traced on the device
+# (Note [Fake layouts of the device] in adaptive_eager/integration/fake_layouts.py) and
+# signatures too big for the CPU probe (Note [Layouts of unprobed signatures] in
+# adaptive_eager/engine/meta.py).
+LAID_OUT_BY_DEVICE_TYPE = tuple(
+    getattr(getattr(aten, op), overload) for op, overload in (
+        ("convolution", "default"), ("_convolution", "default"),
+        ("_convolution", "deprecated"), ("convolution_backward", "default"),
+        ("pixel_shuffle", "default"), ("nonzero_static", "default"),
+        ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
+        ("_fft_c2c", "default"))
+    if hasattr(getattr(aten, op, None), overload))
 
 
 def op_class(func: torch._ops.OpOverload) -> str | None:

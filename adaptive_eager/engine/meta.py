@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import re
-
 import warnings
 
 import torch
@@ -17,7 +15,7 @@ from torch.utils._pytree import tree_map, tree_flatten
 from device import with_generator
 from fusion.ir import OpSig, extent_bytes
 from fusion.kernels import cost_of
-from fusion.ops import (CONTRACTION, KERNEL, PROBED, RANDOM, VIEW,
+from fusion.ops import (CONTRACTION, KERNEL, LAID_OUT_BY_DEVICE_TYPE, PROBED, RANDOM, VIEW,
                         device_kernel, linalg_flops, op_class)
 from fusion.host import QUIET_OPS, cpp_warnings_scope, cpu_kernels
 
@@ -153,7 +151,7 @@ _any_autocast = torch._C._is_any_autocast_enabled
 # On a new signature the op also runs on CPU over blank host buffers shaped and aliased like
 # the device buffers; CPU's answer wins. The probe is skipped where it would cost real time
 # (big input buffers or outputs: a broadcast of two small inputs may be too big for the host;
-# contractions of one dtype, whose layouts meta gets right, save `_CONTRACTIONS_PROBED`); a
+# contractions of one dtype, whose layouts meta gets right, save `fusion.ops.PROBED`); a
 # random op's probe draws from a copy of the generator, so the real draws are untouched. A
 # probe error counts only if CPU raises it, word for word, for two different fillings (zeros
 # and ones), so value checks (a zero divisor, index 1 of a size-1 dim) and data-dependent
@@ -170,14 +168,12 @@ _PROBE_MAX_BYTES = 16 * 2**20
 # FakeTensors (metadata only, nothing allocated) and the op run in a fake mode, so a 20 MB
 # channels_last convolution stays channels_last as on CPU. The same rules answer for graphs
 # traced on the device (Note [Fake layouts of the device] in integration/fake_layouts.py):
-# without this, a graph's layout and the device's disagreed above 16 MiB.
-UNPROBED_AS_CPU = frozenset(
+# without this, a graph's layout and the device's disagreed above 16 MiB. The ops: those of
+# `fusion.ops.LAID_OUT_BY_DEVICE_TYPE` (the graphs' too), and those whose rules single out
+# "cuda", which answer as CPU's for a neuron FakeTensor but not for a meta tensor.
+UNPROBED_AS_CPU = frozenset(LAID_OUT_BY_DEVICE_TYPE).union(
     getattr(getattr(torch.ops.aten, op), overload) for op, overload in (
-        ("convolution", "default"), ("_convolution", "default"),
-        ("_convolution", "deprecated"), ("convolution_backward", "default"),
-        ("pixel_shuffle", "default"), ("nonzero_static", "default"),
-        ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
-        ("_fft_c2c", "default"), ("_fft_r2c", "default"), ("_fft_c2r", "default"),
+        ("_fft_r2c", "default"), ("_fft_c2r", "default"),
         ("linalg_eig", "default"), ("_linalg_svd", "default"),
         ("reflection_pad2d", "default"), ("replication_pad2d", "default"))
     if hasattr(getattr(torch.ops.aten, op, None), overload))
@@ -207,22 +203,13 @@ def _cpu_fake(func, m_args, m_kwargs, out):
 
 
 
-# Contractions whose meta layout is not CPU's, so probed whatever their dtypes: convolutions
-# keep their input's memory format (channels_last) on CPU, which meta does not; the
-# transformer fast path's layer on a non-contiguous input (norm_first) is contiguous on CPU,
-# while its meta output follows the input's strides.
-_CONTRACTIONS_PROBED = re.compile(r"conv|_transformer_encoder_layer_fwd")
-
-
 def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
     if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES or sum(
             t.numel() * t.element_size() for t in tree_flatten(out)[0]
             if isinstance(t, torch.Tensor)) > _PROBE_MAX_BYTES:  # (a broadcast's output)
         return False
-    name = func._schema.name
-    if cls == CONTRACTION and not _CONTRACTIONS_PROBED.search(name) and name not in PROBED:
-        # (PROBED: LAPACK and the FFTs lay out as CPU's kernel does,
-        # Note [Linear algebra on the device])
+    if cls == CONTRACTION and func._schema.name not in PROBED:  # (fusion/ops.py: those whose
+        # meta layout is not CPU's)
         return len({t[5] for t in _tensor_templates(args_t + tuple(v for _, v in kwargs_t))}) > 1
     return True
 

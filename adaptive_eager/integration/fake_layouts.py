@@ -9,7 +9,8 @@ channels_last input or weight channels_last; `pixel_shuffle`'s meta kernel keeps
 only for device type "cpu". The graph then believed in layouts the device never makes, and a
 `reshape` it had turned into `view` failed at run time ("view size is not compatible").
 
-For the ops in `_OPS`, a fake call whose tensors are all on the neuron device is answered by
+For the ops of `_ops()` (`fusion.ops.LAID_OUT_BY_DEVICE_TYPE`, which the engine reads too, and
+`_scaled_mm`), a fake call whose tensors are all on the neuron device is answered by
 CPU's own fake kernel: each tensor relabelled as a CPU FakeTensor (a view of the same meta
 storage: sizes, strides, offset and requires_grad kept, nothing allocated, so a 10 GB input
 costs what a small one does), the op run in the same fake mode, and its results relabelled
@@ -50,6 +51,8 @@ import contextlib
 import torch
 import torch.utils._pytree as pytree
 
+from fusion.ops import LAID_OUT_BY_DEVICE_TYPE
+
 from ..config import DEVICE_TYPE
 
 aten = torch.ops.aten
@@ -57,13 +60,13 @@ _CPU = torch.device("cpu")
 
 
 def _ops() -> list:
-    names = [("convolution", "default"), ("_convolution", "default"),
-             ("_convolution", "deprecated"), ("convolution_backward", "default"),
-             ("pixel_shuffle", "default"), ("nonzero_static", "default"),
-             ("_embedding_bag", "default"), ("_embedding_bag_forward_only", "default"),
-             ("_fft_c2c", "default"), ("_scaled_mm", "default"), ("_scaled_mm_v2", "default")]
-    return [getattr(getattr(aten, op), overload) for op, overload in names
-            if hasattr(aten, op) and hasattr(getattr(aten, op), overload)]
+    """fusion.ops.LAID_OUT_BY_DEVICE_TYPE (shared with the engine's unprobed signatures) and
+    the ops only a graph's fake rules need here (CPU's stride checks of `_scaled_mm`, an op
+    the device does not run)."""
+    names = [("_scaled_mm", "default"), ("_scaled_mm_v2", "default")]
+    return [*LAID_OUT_BY_DEVICE_TYPE, *(getattr(getattr(aten, op), overload)
+                                        for op, overload in names
+                                        if hasattr(getattr(aten, op, None), overload))]
 
 
 def _relabel(fake_mode, t, device, requires_grad=False):

@@ -23,6 +23,11 @@ from fusion import substitute
 from fusion.kernels import (FLASH_BLOCK, flash_attention_cost, moe_cost, register_cost,
                             rms_norm_cost)
 
+from .. import _load
+
+_load()  # the neuron kernels below need the device registered (Note [Lazy package]: imported
+# first, this module is half made at torch's import, so the API would wait for it)
+
 __all__ = ["flash_attention", "rms_norm", "moe_mlp"]
 
 _NS = "aelib"

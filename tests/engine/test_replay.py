@@ -933,3 +933,35 @@ def test_scalar_lists_are_replayed_as_runtime_values(mode):
     checked, mc = run(N, check_replay=True)
     assert all(torch.equal(x, y) for x, y in zip(checked, ref))
     assert [m.replayed_ops for m in mc] == [m.replayed_ops for m in ms]
+
+
+@pytest.mark.parametrize("mode", ["eager", "adaptive"])
+def test_in_place_ops_are_replayed_while_a_conj_view_is_alive_elsewhere(mode):
+    """Note [Copied views] in errors.py: the replay declines an op that writes a copied
+    view's buffer, and only such an op (a first version turned every in-place op's replay off
+    once any conj view existed). A steady in-place step on a tensor of its own is replayed
+    whole while a materialized conj view lives; the same step given the conj view is
+    declined, so the slow path refuses it (replayed, it would write the copy silently)."""
+    from adaptive_eager import errors
+
+    def step(t):
+        t.add_(1).mul_(2)
+        torch.neuron.synchronize()
+
+    z0 = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    z = z0.to(N)
+    with ae.override(adaptive=mode == "adaptive"):
+        view = z.conj()  # materialized on the device: a copied view
+        assert view._handle in errors.COPIED_VIEWS
+        x = torch.zeros(3, dtype=torch.cfloat).to(N)
+        for _ in range(3):
+            ae.reset_metrics()
+            step(x)
+            m = ae.metrics()
+        assert (m.ops, m.replayed_ops) == (2, 2), m
+        assert torch.equal(x.cpu(), torch.full((3,), 14 + 0j))
+        ae.reset_metrics()
+        with pytest.raises(RuntimeError, match=r"a write through a conj\(\) or neg view"):
+            step(view)
+        assert ae.metrics().replayed_ops == 0
+        assert torch.equal(z.cpu(), z0) and torch.equal(view.cpu(), z0.conj().resolve_conj())

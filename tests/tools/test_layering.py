@@ -156,11 +156,16 @@ def test_nothing_is_filled_in_from_outside(package):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("module", ["fusion.host", "fusion.program", "fusion.flush"])
-def test_a_fusion_module_imported_before_torch(module):
+@pytest.mark.parametrize("module", [
+    "fusion.host", "fusion.program", "fusion.flush", "device", "device.counters",
+    "adaptive_eager.errors", "adaptive_eager.engine.meta", "adaptive_eager.integration.kernels"])
+def test_a_module_of_ours_imported_before_torch(module):
     """`import fusion.host` before torch: torch's import loads the backend, which imports
     fusion's modules, and met fusion.host half made (`cannot import name 'QUIET_OPS' from
-    partially initialized module`: torch then refused the backend)."""
+    partially initialized module`: torch then refused the backend). So did `import device`
+    (`COUNTERS`) and `import adaptive_eager.errors` (`_quantized_error`): the API now loads
+    once the module of ours half made is whole (Note [Lazy package]); the kernel library,
+    which needs the device at its import, loads it itself."""
     import os
     import subprocess
     import sys

@@ -1,6 +1,7 @@
 """Note [Patches]: every monkeypatch of torch or a library is made through
 `adaptive_eager.patches`, listed with the private API it rests on, in place, and made once."""
 import importlib
+import importlib.machinery
 import sys
 import types
 
@@ -137,6 +138,32 @@ def test_after_import_runs_after_the_module_ran(tmp_path, monkeypatch):
     finally:
         sys.modules.pop(name, None)
         sys.meta_path[:] = hooks_before
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["made", "failed"])
+def test_after_import_of_a_module_under_way_runs_once_it_ran(tmp_path, monkeypatch, fails):
+    """Asked while the module's import is under way (torch's autoload, inside a module of
+    ours that imported torch: Note [Lazy package]), after its code ran; not if it failed."""
+    name = f"ae_after_import_under_way_{fails}"
+    (tmp_path / f"{name}.py").write_text(
+        "import sys\nfrom adaptive_eager import patches\n"
+        "patches.after_import(__name__, lambda m: sys.ae_seen.append(m.VALUE))\n"
+        f"sys.ae_seen.append(0)\nVALUE = 41\n{'1 / 0' if fails else ''}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(sys, "ae_seen", [], raising=False)
+    try:
+        if fails:
+            with pytest.raises(ZeroDivisionError):
+                importlib.import_module(name)
+            assert sys.ae_seen == [0]
+        else:
+            module = importlib.import_module(name)
+            assert sys.ae_seen == [0, 41]
+            assert type(module.__spec__) is importlib.machinery.ModuleSpec  # its own again
+            assert not module.__spec__._initializing
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_after_import_of_a_module_that_does_not_exist_does_nothing(monkeypatch):
