@@ -31,6 +31,18 @@ class NeuronRuntimeError(RuntimeError):
         super().__init__(f"An error occurred on Neuron for operation={op}; "
                          f"error message={message}; python stack trace={where}")
 
+    def __reduce__(self):
+        """Pickled (a worker's error sent to another process) as its message and attributes:
+        unpickling calls no __init__ (its arguments are gone; BaseException's reduce gave
+        `cls(message)`, a TypeError)."""
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls, args, state):
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
 
 
 def _raise_launch_error(launch):

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -131,6 +132,27 @@ def test_deferred_error_names_op_and_line_and_device_keeps_working(mode):
     torch.testing.assert_close(z.cpu(), x.cpu() + 1)
     torch.neuron.synchronize()  # the error was reported once
     del y
+
+
+def test_deferred_error_pickles_for_another_process():
+    """A NeuronRuntimeError crosses processes (a worker's error, concurrent.futures): it
+    pickles with its message, op, source and notes (unpickling called its __init__ with the
+    message alone: a TypeError), here and in a fresh process importing nothing first."""
+    x = torch.randn(4, device="neuron")
+    x.index_select(0, torch.tensor([7], device="neuron"))
+    with pytest.raises(ae.NeuronRuntimeError) as e:
+        torch.neuron.synchronize()
+    e.value.add_note("a note")
+    data = pickle.dumps(e.value)
+    back = pickle.loads(data)
+    assert type(back) is ae.NeuronRuntimeError and str(back) == str(e.value)
+    assert (back.op, back.source, back.__notes__) == (e.value.op, e.value.source, ["a note"])
+    code = ("import pickle, sys; e = pickle.loads(sys.stdin.buffer.read()); "
+            "print(type(e).__name__, e.op)")
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True,
+                         timeout=300)
+    assert out.stdout.decode().split() == ["NeuronRuntimeError", "aten::index_select"], \
+        out.stderr.decode()[-2000:]
 
 
 def test_earliest_deferred_error_first():
