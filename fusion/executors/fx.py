@@ -290,6 +290,18 @@ def scalar_key(positions, inputs) -> tuple:
     return tuple([_freeze(inputs[k][i]) for k, i in positions])
 
 
+class _Empties(dict):
+    """dtype -> an empty CPU tensor, whose `new()` makes `FxGroup.args`' flat inputs."""
+
+    def __missing__(self, d):
+        t = self[d] = torch.empty(0, dtype=d, device="cpu")
+        return t
+
+
+_EMPTY = _Empties()
+_UNIT = (1,)
+
+
 @dataclasses.dataclass(frozen=True)
 class FxGroup:
     gm: fx.GraphModule
@@ -316,26 +328,35 @@ class FxGroup:
         return torch.tensor(vals, dtype=torch.float32)
 
     def args(self, st, inputs, scalars=None) -> list[torch.Tensor]:
-        """The graph's inputs over this launch's slot storages (`scalars`: scalar_input)."""
-        out = ([torch.empty(0, dtype=d, device="cpu").set_(st[s], 0, (n,), (1,))
-                for s, d, n in self.ext]
-               + [inputs[k][i].contiguous() for k, i, _, _ in self.hosts])
+        """The graph's inputs over this launch's slot storages (`scalars`: scalar_input).
+        (A flat input is an empty CPU tensor of its dtype `set_` over the storage: made by
+        `Tensor.new`, the cheapest constructor, which also keeps the CPU device under a
+        `torch.device` context; AdamW's group makes about 120 per launch.)"""
+        out = [_EMPTY[d].new().set_(st[s], 0, (n,), _UNIT) for s, d, n in self.ext]
+        if self.hosts:
+            out += [inputs[k][i].contiguous() for k, i, _, _ in self.hosts]
         if self.scalars:
             out.append(scalars)
         return out
 
     def store(self, outs, st, args) -> None:
-        """Fill the created slots from the graph's outputs, in the layout readers assume."""
+        """Fill the created slots from the graph's outputs, in the layout readers assume.
+        An output over an input's storage or another output's (Inductor may return one
+        as is) is copied: each created slot gets a storage of its own."""
+        if not self.outputs:  # (an optimizer's group writes its inputs in place only)
+            return
         seen = {a.untyped_storage().data_ptr() for a in args}
         for (s, size, stride, dtype), r in zip(self.outputs, outs):
-            ptr = r.untyped_storage().data_ptr()
+            storage = r.untyped_storage()
+            ptr = storage.data_ptr()
             if (r.dtype is not dtype or r.shape != size or r.stride() != stride
                     or r.storage_offset() != 0 or ptr in seen):
                 e = torch.empty_strided(size, stride, dtype=dtype, device="cpu")
                 e.copy_(r)
-                r = e
-            seen.add(r.untyped_storage().data_ptr())
-            st[s] = r.untyped_storage()
+                storage = e.untyped_storage()
+                ptr = storage.data_ptr()
+            seen.add(ptr)
+            st[s] = storage
 
 
 def build(exe, inputs) -> FxGroup:

@@ -89,6 +89,35 @@ def test_a_compiled_launch_makes_no_host_views_an_interpreted_one_does():
     assert torch.equal(y, chain(x, b))
 
 
+def test_fx_group_inputs_over_slot_storages_and_outputs_in_storages_of_their_own():
+    """FxGroup.args and .store, without a compile: each flat input is a CPU tensor of the
+    slot's dtype over exactly its elements of the slot's storage (also under a
+    `torch.device` context); an output over an input's storage, or over another output's,
+    is copied, so every created slot gets a storage of its own; a group without outputs
+    (an optimizer's in-place group) leaves the slots alone."""
+    from fusion.executors.fx import FxGroup
+    x, k = torch.arange(6.0), torch.arange(3, dtype=torch.int64)
+    ext = ((0, torch.float32, 4), (1, torch.int64, 3))
+    outs = ((2, (4,), (1,), torch.float32), (3, (4,), (1,), torch.float32),
+            (4, (2, 2), (2, 1), torch.float32), (5, (2,), (1,), torch.int64))
+    st = [x.untyped_storage(), k.untyped_storage(), None, None, None, None]
+    with torch.device("meta"):
+        args = FxGroup(None, ext, (), outs).args(st, [])
+    assert [(a.device.type, a.dtype, a.shape, a.stride()) for a in args] == [
+        ("cpu", torch.float32, (4,), (1,)), ("cpu", torch.int64, (3,), (1,))]
+    assert args[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    y = torch.full((4,), 7.0)
+    FxGroup(None, ext, (), outs).store([args[0], y, y.view(2, 2), args[1][:2]], st, args)
+    ptrs = [s.data_ptr() for s in st]
+    assert len(set(ptrs)) == 6 and ptrs[3] == y.untyped_storage().data_ptr()
+    for s, expected in zip(st[2:], (x[:4], y, y, k[:2])):
+        got = torch.empty(0, dtype=expected.dtype).set_(s, 0, expected.shape, (1,))
+        assert torch.equal(got, expected)
+    before = list(st)
+    FxGroup(None, ext, (), ()).store([], st, args)
+    assert st == before
+
+
 def test_inductor_in_place_updates_of_inputs_and_strided_views():
     """An optimizer-like update of a buffer from outside the group (written back into its
     storage), reading transposed and sliced views of inputs."""
