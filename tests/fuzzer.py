@@ -159,12 +159,7 @@ FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", 
 # generator knows runs in CI). Add an entry only with a repro and an issue, and remove it
 # with the fix.
 CI_EXCLUDED_FAMILIES: dict[str, str] = {}
-CI_EXCLUDED_PATTERNS: dict[str, str] = {
-    # ZeroTensor (adaptive_eager/LIMITS.md): hessian's forward AD adds autograd's known-zero
-    # tangent, materialized zeros on the device: +0.0 where CPU's ZeroTensor add keeps -0.0
-    # (seed 77134: `v5 = torch.func.hessian(lambda u: (u ** 3).sum())(v0); v7 = v2 // v5`)
-    r"torch\.func\.hessian": "zero tensors are materialized zeros on neuron (sign of zero)",
-}
+CI_EXCLUDED_PATTERNS: dict[str, str] = {}
 
 
 class Gen:

@@ -375,9 +375,18 @@ def _as_strided(self, size, stride, storage_offset=None):
 
 
 def _efficientzerotensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
-    """Autograd's known-zero gradients (`sgn`, `angle`, ...). CPU returns a ZeroTensor, a tensor
-    kind without memory; the device has no such kind, so it gets materialized zeros."""
-    return _empty(size, dtype=dtype, device=device).zero_()
+    """Note [Zero tensors]: autograd's known-zero gradients and tangents (`sgn`, `angle`, forward
+    AD...). CPU's is a ZeroTensor: a tensor with the ZeroTensor dispatch key, whose kernels
+    skip the arithmetic (`mul` gives a ZeroTensor whatever the other factor, so 0 * inf is 0;
+    `add` gives the other operand, so -0.0 stays -0.0), and whose fallback materializes zeros
+    for every other op. The device's is zeros in a buffer, given that key by the native hooks
+    (the key has no Python setter): ZeroTensor's kernels then run as on CPU, above the
+    device's, and the fallback's zeros are the device's own. Without the native hooks it is
+    plain zeros (adaptive_eager/LIMITS.md)."""
+    t = _empty(size, dtype=dtype, device=device).zero_()
+    if _native.loaded():
+        _native.module().mark_zero(t)
+    return t
 
 
 def _copy_from(src, dst, non_blocking=False):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae  # noqa: F401  (registers the device)
+from adaptive_eager.integration.native import loaded as native_loaded
 
 
 # -- 1. Module.to keeps parameter identity and ties -------------------------------------------
@@ -429,6 +430,32 @@ def test_sgn_backward_uses_zero_tensors(mode):
 def test_efficientzerotensor_is_zeros():
     z = torch._efficientzerotensor((2, 3), dtype=torch.float32, device="neuron")
     assert z.device.type == "neuron" and torch.equal(z.cpu(), torch.zeros(2, 3))
+
+
+def _bits(t):
+    t = t.cpu()  # (CPU's ZeroTensor has no storage to read)
+    t = torch.zeros(t.shape, dtype=t.dtype) if t._is_zerotensor() else t
+    return repr(t.tolist()), t.signbit().tolist()  # (repr: NaN equals NaN)
+
+
+@pytest.mark.skipif(not native_loaded(), reason="the ZeroTensor key needs the native hooks")
+def test_zero_tensors_skip_arithmetic_as_on_cpu(mode):
+    """Note [Zero tensors]: autograd's known-zero tensors are ZeroTensors on the device too:
+    0 * inf is 0 and x + 0 keeps -0.0 (materialized zeros gave NaN and +0.0: hessian's forward
+    AD at inf, fuzzer seeds 19006231 and 77134), and they refuse writes in CPU's words."""
+    inf = float("inf")
+    got = {}
+    for dev in ("cpu", "neuron"):
+        z = torch._efficientzerotensor((3,), device=dev)
+        x = torch.tensor([inf, -0.0, 2.0], device=dev)
+        hess = torch.func.hessian(lambda u: (u ** 3).sum())(torch.tensor([inf, 2.0], device=dev))
+        u = torch.tensor([-0.0, 1.0], device=dev)
+        _, tangent = torch.func.jvp(lambda v: v.abs().sgn() * v, (u,), (u,))
+        with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):
+            torch._efficientzerotensor((2,), device=dev).add_(1)
+        got[dev] = (z._is_zerotensor(), (z * x)._is_zerotensor(), _bits(z * x), _bits(x + z),
+                    _bits(torch.tensor(-0.0, device=dev) + z), _bits(hess), _bits(tangent))
+    assert got["neuron"] == got["cpu"]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

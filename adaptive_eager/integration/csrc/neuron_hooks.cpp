@@ -331,9 +331,25 @@ PyMethodDef g_host_call_def = {"host_call", reinterpret_cast<PyCFunction>(
     reinterpret_cast<void (*)()>(&host_call)), METH_FASTCALL,
     "host_call(fn, *args): fn(*args) under fusion.host.host_kernels()'s dispatch keys"};
 
+// -- zero tensors ---------------------------------------------------------------------------
+// Note [Zero tensors] in adaptive_eager/integration/registration.py: autograd's known-zero
+// tensors (`_efficientzerotensor`) carry the ZeroTensor dispatch key, whose kernels skip the
+// arithmetic (0 * inf is 0, x + 0 keeps -0.0). TensorImpl's only setter refuses to add it
+// (`_set_zero(true)` asserts: CPU and CUDA make theirs inside ATen), so the key set, protected,
+// is reached through a subclass's member pointer.
+struct KeySetOf : c10::TensorImpl {
+  using c10::TensorImpl::key_set_;
+};
+
+void mark_zero(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->*(&KeySetOf::key_set_) = impl->key_set().add(c10::DispatchKey::ZeroTensor);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mark_zero", &mark_zero, "add the ZeroTensor dispatch key to a tensor (Note [Zero tensors])");
   m.def("install", &install, "register the device guard and hooks for PrivateUse1");
   m.def("installed", &installed);
   m.def("current_device", []() { return static_cast<int>(t_current); });
