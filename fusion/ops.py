@@ -26,6 +26,7 @@ _CONTRACTION = {
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
     "_transformer_encoder_layer_fwd",
+    "_grouped_mm",  # MoE experts (Transformers' default `grouped_mm` experts): CPU's kernel
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
 # CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group

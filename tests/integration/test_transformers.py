@@ -83,6 +83,41 @@ def test_training_matches_cpu(kind):
             assert torch.equal(p.cpu(), q.cpu()), name
 
 
+def _moe_train(device):
+    """A tiny Mixtral, 2 AdamW steps: Transformers runs its experts through `_grouped_mm`."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        experts_implementation="grouped_mm")).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {k: v.to(device) for k, v in _batch("llama").items()}
+    losses = []
+    for _ in range(2):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_moe_experts_train_on_the_device_as_cpu():
+    """Mixtral, Qwen-MoE and the other MoE models of Transformers 5 run their experts through
+    `torch._grouped_mm`, which fell back to the CPU at every expert layer (4 calls forward
+    and backward each). Now CPU's kernel on the device: losses (with the router's aux loss)
+    and weights bit for bit, no fallback, in eager and adaptive mode."""
+    cpu = _moe_train("cpu")
+    for ctx in (contextlib.nullcontext(), ae.adaptive()):
+        ae.reset_metrics()
+        with ctx:
+            got = _moe_train("neuron")
+        assert ae.metrics().cpu_fallbacks == {}
+        assert got[0] == cpu[0] and cpu[0][0] != cpu[0][1]
+        assert all(torch.equal(p, q) for p, q in zip(got[1], cpu[1]))
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("mode", ["eager", "graph", "matmul"])
 def test_greedy_generate_gives_cpu_tokens(kind, mode):
