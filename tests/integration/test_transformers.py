@@ -167,6 +167,41 @@ def test_from_pretrained_with_device_map_loads_onto_neuron(device_map, tmp_path)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["device_map", "cpu_offload", "disk_offload"])
+def test_weights_offloaded_to_the_cpu_run_on_neuron(how, tmp_path):
+    """accelerate's offloading (a `device_map` naming "cpu" beside the device, `cpu_offload`,
+    `disk_offload`): each offloaded layer's weights come onto neuron for its forward and go
+    back to meta after, through `type(p)(data, requires_grad=...)`, which raised a TypeError
+    (a neuron Parameter's type is NeuronTensor: Note [type(p) of a neuron Parameter]).
+    Logits and greedy tokens are CPU's."""
+    accelerate = pytest.importorskip("accelerate")
+    model = _model("llama").eval()
+    batch = _batch("llama")["input_ids"]
+    with torch.no_grad():
+        want = model(batch).logits
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want_tokens = model.generate(batch[:, :4], **kw)
+    if how == "device_map":
+        model.save_pretrained(tmp_path)
+        model = type(model).from_pretrained(tmp_path, device_map={
+            "model.embed_tokens": "neuron:0", "model.layers.0": "cpu", "model.layers.1": "cpu",
+            "model.norm": "neuron:0", "model.rotary_emb": "neuron:0", "lm_head": "neuron:0"})
+    else:
+        offload = getattr(accelerate, how)
+        offload(model, *([tmp_path] if how == "disk_offload" else []), execution_device="neuron:0")
+    ae.reset_metrics()
+    x = batch.to("neuron")
+    with torch.no_grad():
+        got = model(x).logits
+    assert got.device.type == "neuron" and torch.equal(got.cpu(), want)
+    assert model.generate(x[:, :4], **kw).cpu().tolist() == want_tokens.tolist()
+    assert ae.metrics().cpu_fallbacks == {}
+    w = model.lm_head.weight if how == "device_map" else torch.ones(2, device="neuron")
+    p = type(w)(w.detach() * 2, requires_grad=False)  # the call form, as nn.Parameter's
+    assert isinstance(p, torch.nn.Parameter) and not p.requires_grad and p.device == w.device
+    assert type(w)(torch.ones(2, device="meta")).requires_grad  # Parameter's default
+
+
 def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
     """huggingface_hub identifies storages through the traceable-subclass protocol, where a
     neuron tensor has no inner tensors: every neuron tensor looked like one empty storage, so
