@@ -27,10 +27,13 @@ class NeuronTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, engine, handle=None, size=None, stride=None, offset=None, dtype=None,
-                requires_grad=None, info=None):
+                requires_grad=None, info=None, **attrs):
         if isinstance(engine, torch.Tensor):  # Note [type(p) of a neuron Parameter]
             grad = handle if handle is not None else requires_grad  # (data, requires_grad)
-            return torch.nn.Parameter(engine, True if grad is None else grad)
+            return torch.nn.Parameter(engine, True if grad is None else grad,
+                                      **{k: v for k, v in attrs.items() if k not in _OURS})
+        if attrs:
+            raise TypeError(f"NeuronTensor() got unexpected keyword arguments {sorted(attrs)}")
         # The wrapper's own (data-less) storage is made as large as can be, so that in-place
         # resizes (resize_, out= of another shape) can restride it; the engine checks every
         # view against the real buffer (`_handle.nbytes`) instead.
@@ -74,6 +77,8 @@ class NeuronTensor(torch.Tensor):
     # PEFT's copy of it. That call form (a tensor first) is nn.Parameter's constructor here too:
     # `NeuronTensor(t, requires_grad=r)` is `nn.Parameter(t, r)` (a meta or CPU `t` gives a
     # plain Parameter there, a neuron one a flagged neuron tensor, as `Parameter(t)` does).
+    # `init_on_device` passes the old parameter's `__dict__` as keywords too, where a neuron
+    # tensor keeps its own attributes (`_OURS`: they describe the old tensor, so are dropped).
     #
     # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
     # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper

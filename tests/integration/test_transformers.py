@@ -172,8 +172,9 @@ def test_weights_offloaded_to_the_cpu_run_on_neuron(how, tmp_path):
     """accelerate's offloading (a `device_map` naming "cpu" beside the device, `cpu_offload`,
     `disk_offload`): each offloaded layer's weights come onto neuron for its forward and go
     back to meta after, through `type(p)(data, requires_grad=...)`, which raised a TypeError
-    (a neuron Parameter's type is NeuronTensor: Note [type(p) of a neuron Parameter]).
-    Logits and greedy tokens are CPU's."""
+    (a neuron Parameter's type is NeuronTensor: Note [type(p) of a neuron Parameter]); so did
+    `init_empty_weights()` under `torch.device("neuron")`. Logits and greedy tokens are
+    CPU's."""
     accelerate = pytest.importorskip("accelerate")
     model = _model("llama").eval()
     batch = _batch("llama")["input_ids"]
@@ -200,6 +201,8 @@ def test_weights_offloaded_to_the_cpu_run_on_neuron(how, tmp_path):
     p = type(w)(w.detach() * 2, requires_grad=False)  # the call form, as nn.Parameter's
     assert isinstance(p, torch.nn.Parameter) and not p.requires_grad and p.device == w.device
     assert type(w)(torch.ones(2, device="meta")).requires_grad  # Parameter's default
+    with torch.device("neuron"), accelerate.init_empty_weights():  # the old __dict__ passed
+        assert torch.nn.Linear(2, 2).weight.device.type == "meta"  # as keywords too
 
 
 def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
