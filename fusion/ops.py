@@ -26,6 +26,7 @@ _CONTRACTION = {
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
     "_transformer_encoder_layer_fwd",
+    "_grouped_mm",  # MoE experts (Transformers' default `grouped_mm` experts): CPU's kernel
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
 # CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
@@ -116,10 +117,11 @@ _CONTRACTION |= _LINALG | _FFT
 # (channels_last) on CPU, which meta does not; the transformer fast path's layer on a
 # non-contiguous input (norm_first) is contiguous on CPU, while its meta output follows the
 # input's strides; LAPACK's and the FFTs' CPU kernels lay out unlike some meta kernels
-# (Note [Linear algebra on the device]).
+# (Note [Linear algebra on the device]); `_grouped_mm`'s meta kernel is CUDA's
+# (adaptive_eager/engine/meta.py `_META_AS_CPU`).
 PROBED = frozenset(f"aten::{n}" for n in (
     "convolution", "_convolution", "convolution_backward", "_transformer_encoder_layer_fwd",
-    *_LINALG, *_FFT))
+    "_grouped_mm", *_LINALG, *_FFT))
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",

@@ -203,6 +203,32 @@ def _cpu_fake(func, m_args, m_kwargs, out):
 
 
 
+def _grouped_mm_meta(a, b, offs=None, bias=None, out_dtype=None):
+    """CPU's `_grouped_mm` (MoE experts): float32, float16 and bfloat16, each result row
+    padded to 16 bytes. Torch's meta kernel is CUDA's: bfloat16 only (a float32 call ran at
+    once, a sync in adaptive mode), padded only in a CUDA build. Checks: the probe's
+    (CPU's kernel), as for any contraction."""
+    if a.dim() == 2 and b.dim() == 2:  # the groups split K: one (M, N) result per group
+        size = [offs.shape[0], a.shape[0], b.shape[1]]
+    elif a.dim() == 2:  # rows of a by group, one (K, N) matrix of b each
+        size = [a.shape[0], b.shape[-1]]
+    elif b.dim() == 2:  # columns of b by group
+        size = [a.shape[1], b.shape[1]]
+    else:  # a batch
+        size = [a.shape[0], a.shape[1], b.shape[-1]]
+    dtype = out_dtype or a.dtype
+    align = 16 // dtype.itemsize
+    n = -(-size[-1] // align) * align
+    stride = [size[1] * n, n, 1] if len(size) == 3 else [n, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device="meta")
+
+
+# Ops whose meta kernel is another device's, answered by CPU's rule (the device runs CPU's
+# kernel).
+_META_AS_CPU = {getattr(torch.ops.aten, op).default: rule for op, rule in (
+    ("_grouped_mm", _grouped_mm_meta),) if hasattr(torch.ops.aten, op)}
+
+
 def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
     if sum(h.nbytes for h in handles) > _PROBE_MAX_BYTES or sum(
             t.numel() * t.element_size() for t in tree_flatten(out)[0]
@@ -324,11 +350,28 @@ _FLOPS_AS = {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product
              "_scaled_dot_product_flash_attention_backward"}
 
 
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> float:
+    """`_grouped_mm` (MoE experts: Transformers' `grouped_mm` experts): 2 K per output
+    element, K the contracted size; with two 2-D operands the groups split K instead, so
+    each of the (M, N) products sums over all of it once (the (G, M, N) output holds G
+    partial ones)."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2.0 * out_val.numel() * a.shape[-1]
+
+
+# Ops torch's flop counter has no formula for, with a formula of ours (its arguments).
+_FLOPS_OF = {"_grouped_mm": _grouped_mm_flops}
+
+
 def _flops(func, args, kwargs, out) -> float:
     from torch.utils.flop_counter import flop_registry
     flops = linalg_flops(func, args, kwargs)
     if flops is not None:
         return float(flops)
+    own = _FLOPS_OF.get(func.overloadpacket.__name__)
+    if own is not None:
+        return float(own(*args, **kwargs, out_val=out))
     name = _FLOPS_AS.get(func.overloadpacket.__name__)
     f = flop_registry.get(func.overloadpacket if name is None
                           else getattr(torch.ops.aten, name))
@@ -362,7 +405,8 @@ def infer_view(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult | No
             m_args = [_view_twin(v, t, metas) for v, t in zip(args, args_t)]
             m_kwargs = {k: _view_twin(v, t, metas) for (k, v), (_, t) in zip(kwargs.items(),
                                                                               kwargs_t)}
-            out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
+            meta = _META_AS_CPU.get(func, func)
+            out = cpp_warnings_scope(lambda: meta(*m_args, **m_kwargs))
         except Exception:
             return None
     if caught:
@@ -411,7 +455,8 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
         # until the garbage collector runs)
         cls = op_class(func)
         try:  # (Note [C++ warnings]: a C++ meta kernel's warnings are recorded here too)
-            out = cpp_warnings_scope(lambda: func(*m_args, **m_kwargs))
+            meta = _META_AS_CPU.get(func, func)
+            out = cpp_warnings_scope(lambda: meta(*m_args, **m_kwargs))
         except Exception as e:  # no meta kernel, data-dependent shapes, or a user error
             if cls == KERNEL:  # Note [Custom kernels]: its fake impl is the contract: its
                 raise user_error(e)  # error (or its absence) is the user's, at the call

@@ -26,15 +26,21 @@ class NeuronTensor(torch.Tensor):
     __slots__ = ()  # the handle lives in __dict__ (wrapper subclasses need one)
 
     @staticmethod
-    def __new__(cls, engine, handle, size, stride, offset, dtype, requires_grad=False,
-                info=None):
+    def __new__(cls, engine, handle=None, size=None, stride=None, offset=None, dtype=None,
+                requires_grad=None, info=None, **attrs):
+        if isinstance(engine, torch.Tensor):  # Note [type(p) of a neuron Parameter]
+            grad = handle if handle is not None else requires_grad  # (data, requires_grad)
+            return torch.nn.Parameter(engine, True if grad is None else grad,
+                                      **{k: v for k, v in attrs.items() if k not in _OURS})
+        if attrs:
+            raise TypeError(f"NeuronTensor() got unexpected keyword arguments {sorted(attrs)}")
         # The wrapper's own (data-less) storage is made as large as can be, so that in-place
         # resizes (resize_, out= of another shape) can restride it; the engine checks every
         # view against the real buffer (`_handle.nbytes`) instead.
         if offset or requires_grad or info is None:
             t = torch.Tensor._make_wrapper_subclass(
                 cls, size, strides=stride, storage_offset=offset, dtype=dtype,
-                device=engine.tdev or _device(engine), requires_grad=requires_grad,
+                device=engine.tdev or _device(engine), requires_grad=bool(requires_grad),
                 storage_size=_UNBOUNDED)
             t._engine = engine
             t._handle = handle
@@ -63,6 +69,17 @@ class NeuronTensor(torch.Tensor):
         self._engine, self._handle = new._engine, new._handle
         self._set_layout()
 
+    # Note [type(p) of a neuron Parameter]: a neuron Parameter is a neuron tensor flagged
+    # `_is_param` (nn.Parameter's own rule for tensor subclasses: `isinstance(p, Parameter)`
+    # holds), so `type(p)` is NeuronTensor where CUDA's is nn.Parameter. Libraries rebuild a
+    # parameter as `type(p)(data, requires_grad=...)`: accelerate's `set_module_tensor_to_device`
+    # (CPU and disk offload, `device_map` with "cpu", `dispatch_model`), `init_on_device`, and
+    # PEFT's copy of it. That call form (a tensor first) is nn.Parameter's constructor here too:
+    # `NeuronTensor(t, requires_grad=r)` is `nn.Parameter(t, r)` (a meta or CPU `t` gives a
+    # plain Parameter there, a neuron one a flagged neuron tensor, as `Parameter(t)` does).
+    # `init_on_device` passes the old parameter's `__dict__` as keywords too, where a neuron
+    # tensor keeps its own attributes (`_OURS`: they describe the old tensor, so are dropped).
+    #
     # Note [Module.to keeps Parameters]: `Module._apply` keeps a parameter's identity by
     # `param.data = new` only for tensor types compatible with the old one (CPU and a wrapper
     # subclass are not), and otherwise makes a new Parameter, which breaks ties and

@@ -231,6 +231,15 @@ _NN = {  # name -> (input shape, function of x and a generator); forward and bac
         F.ctc_loss(x.log_softmax(-1), torch.tensor([[1, 2, 3, 1], [2, 2, 4, 0]]).to(x.device),
                    torch.tensor([12, 10]).to(d), torch.tensor([4, 3]).to(d), reduction=r)
         .sum() for d, r in (("cpu", "mean"), (x.device, "sum")))),
+    "grouped_mm 2-D x 3-D, 3-D x 3-D, 2-D x 2-D (MoE experts)": ((12, 8), lambda x, g: (
+        torch._grouped_mm(x, torch.randn(4, 8, 8, generator=g).to(x.device),
+                          offs=torch.tensor([3, 3, 9, 12], dtype=torch.int32).to(x.device))
+        .pow(2).sum()
+        + torch._grouped_mm(x.view(3, 4, 8), torch.randn(3, 8, 8, generator=g).to(x.device))
+        .pow(2).sum()
+        + torch._grouped_mm(x.t(), torch.randn(12, 8, generator=g).to(x.device),
+                            offs=torch.tensor([4, 4, 12], dtype=torch.int32).to(x.device))
+        .pow(2).sum())),
 }
 
 
@@ -347,7 +356,8 @@ def test_common_nn_ops_train_on_the_device_as_cpu(mode, name):
     backwards (ReLU6, LeakyReLU, ELU, Softplus, Hardswish, LogSigmoid), losses (BCE with
     logits, smooth L1, Huber, multi-margin), Bilinear, rot90, max_unpool, floor_divide,
     complex, polar and embedding_bag all fell back to the CPU (found by a scan of OpInfo's
-    samples; embedding_bag by a sweep of compile mode): CPU's
+    samples; embedding_bag by a sweep of compile mode; `_grouped_mm`, Transformers' MoE
+    experts, by a tour of its models): CPU's
     kernels on the device, values and gradients bit for bit, 0 fallbacks."""
     with _disable_current_modes():
         ref = _train(name, "cpu")
@@ -367,3 +377,35 @@ def test_common_nn_ops_under_the_inductor_executor_are_cpus_within_tolerance():
         with ae.override(executor="inductor"), ae.adaptive():
             got = _train(name, N)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_queues_with_cpus_layout_and_flops(dtype):
+    """Torch's meta kernel of `_grouped_mm` is CUDA's: bfloat16 only (a float32 call, every
+    MoE layer of a float32 model, ran at once: a sync in adaptive mode) and rows unpadded
+    in a CPU build (a bfloat16 batch was contiguous where CPU pads each row to 16 bytes, so
+    `view(-1)` worked where CPU's raises). The device's rule is CPU's (meta.py
+    `_META_AS_CPU`), and its FLOPs are counted (the cost model saw one per output element)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 6, 8, generator=g).to(dtype)
+    b = torch.randn(4, 3, 8, generator=g).to(dtype).transpose(-2, -1)  # N = 3: padded rows
+    want = torch._grouped_mm(a, b)
+    with ae.adaptive():
+        a_n, b_n = a.to(N), b.to(N)
+        torch.neuron.synchronize()
+        ae.reset_metrics()
+        a_n = a_n * 1  # queued: a sync would flush it
+        got = torch._grouped_mm(a_n, b_n)
+        assert ae.metrics().flushes == {}  # queued too, not run at once
+        assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+    x = torch.randn(512, 512, device=N)
+    w = torch.randn(1, 512, 512, device=N)
+    offs = torch.tensor([512], dtype=torch.int32, device=N)
+    times = []
+    for f in (lambda: torch._grouped_mm(x, w, offs=offs), lambda: x @ w[0]):
+        torch.neuron.synchronize()
+        before = ae.metrics()
+        f()
+        torch.neuron.synchronize()
+        times.append((ae.metrics() - before).device_time_us)
+    assert times[0] == pytest.approx(times[1])  # one group: mm's FLOPs, compute-bound

@@ -83,6 +83,41 @@ def test_training_matches_cpu(kind):
             assert torch.equal(p.cpu(), q.cpu()), name
 
 
+def _moe_train(device):
+    """A tiny Mixtral, 2 AdamW steps: Transformers runs its experts through `_grouped_mm`."""
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        experts_implementation="grouped_mm")).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = {k: v.to(device) for k, v in _batch("llama").items()}
+    losses = []
+    for _ in range(2):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_moe_experts_train_on_the_device_as_cpu():
+    """Mixtral, Qwen-MoE and the other MoE models of Transformers 5 run their experts through
+    `torch._grouped_mm`, which fell back to the CPU at every expert layer (4 calls forward
+    and backward each). Now CPU's kernel on the device: losses (with the router's aux loss)
+    and weights bit for bit, no fallback, in eager and adaptive mode."""
+    cpu = _moe_train("cpu")
+    for ctx in (contextlib.nullcontext(), ae.adaptive()):
+        ae.reset_metrics()
+        with ctx:
+            got = _moe_train("neuron")
+        assert ae.metrics().cpu_fallbacks == {}
+        assert got[0] == cpu[0] and cpu[0][0] != cpu[0][1]
+        assert all(torch.equal(p, q) for p, q in zip(got[1], cpu[1]))
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("mode", ["eager", "graph", "matmul"])
 def test_greedy_generate_gives_cpu_tokens(kind, mode):
@@ -137,6 +172,44 @@ def test_from_pretrained_with_device_map_loads_onto_neuron(device_map, tmp_path)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert loaded.generate(prompt.to("neuron"), **kw).cpu().tolist() == \
         model.generate(prompt, **kw).tolist()
+
+
+@pytest.mark.parametrize("how", ["device_map", "cpu_offload", "disk_offload"])
+def test_weights_offloaded_to_the_cpu_run_on_neuron(how, tmp_path):
+    """accelerate's offloading (a `device_map` naming "cpu" beside the device, `cpu_offload`,
+    `disk_offload`): each offloaded layer's weights come onto neuron for its forward and go
+    back to meta after, through `type(p)(data, requires_grad=...)`, which raised a TypeError
+    (a neuron Parameter's type is NeuronTensor: Note [type(p) of a neuron Parameter]); so did
+    `init_empty_weights()` under `torch.device("neuron")`. Logits and greedy tokens are
+    CPU's."""
+    accelerate = pytest.importorskip("accelerate")
+    model = _model("llama").eval()
+    batch = _batch("llama")["input_ids"]
+    with torch.no_grad():
+        want = model(batch).logits
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want_tokens = model.generate(batch[:, :4], **kw)
+    if how == "device_map":
+        model.save_pretrained(tmp_path)
+        model = type(model).from_pretrained(tmp_path, device_map={
+            "model.embed_tokens": "neuron:0", "model.layers.0": "cpu", "model.layers.1": "cpu",
+            "model.norm": "neuron:0", "model.rotary_emb": "neuron:0", "lm_head": "neuron:0"})
+    else:
+        offload = getattr(accelerate, how)
+        offload(model, *([tmp_path] if how == "disk_offload" else []), execution_device="neuron:0")
+    ae.reset_metrics()
+    x = batch.to("neuron")
+    with torch.no_grad():
+        got = model(x).logits
+    assert got.device.type == "neuron" and torch.equal(got.cpu(), want)
+    assert model.generate(x[:, :4], **kw).cpu().tolist() == want_tokens.tolist()
+    assert ae.metrics().cpu_fallbacks == {}
+    w = model.lm_head.weight if how == "device_map" else torch.ones(2, device="neuron")
+    p = type(w)(w.detach() * 2, requires_grad=False)  # the call form, as nn.Parameter's
+    assert isinstance(p, torch.nn.Parameter) and not p.requires_grad and p.device == w.device
+    assert type(w)(torch.ones(2, device="meta")).requires_grad  # Parameter's default
+    with torch.device("neuron"), accelerate.init_empty_weights():  # the old __dict__ passed
+        assert torch.nn.Linear(2, 2).weight.device.type == "meta"  # as keywords too
 
 
 def test_sharded_save_and_hub_shared_tensor_check_see_neuron_storages(tmp_path):
