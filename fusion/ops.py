@@ -25,7 +25,7 @@ _CONTRACTION = {
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
-    "_transformer_encoder_layer_fwd",
+    "_transformer_encoder_layer_fwd", "conv_tbc", "affine_grid_generator",
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
 # CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
@@ -153,6 +153,8 @@ _INDEXING = {
     "_embedding_bag_per_sample_weights_backward",
     # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
     "split_with_sizes_copy", "_chunk_cat",
+    # (each fell back to the CPU: found by a scan of every aten op with a CPU kernel)
+    "block_diag", "put", "nonzero_static", "native_channel_shuffle", "embedding_renorm",
 }
 # torch.optim's fused steps (`fused=True`; Trainer's default `adamw_torch_fused`): one op
 # updating every parameter, gradient and state list in place, elementwise, run with CPU's
@@ -220,7 +222,8 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
             "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not",
             "rsub", "hardswish", "log_sigmoid_forward", "_prelu_kernel", "floor_divide",
-            "polar", "complex", "log_sigmoid_backward", "rrelu_with_noise_backward"}:
+            "polar", "complex", "log_sigmoid_backward", "rrelu_with_noise_backward",
+            "_add_relu"}:
         return POINTWISE
     if base in _INDEXING or base.startswith(_INDEXING_PREFIXES):
         return INDEXING
@@ -232,13 +235,31 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
             return forward
     # An in-place or out= overload PyTorch left untagged (`gelu_`, `gelu.out`, `mish_`,
-    # `softshrink.out`, `threshold_`): the class of its functional form (the same kernel)
-    functional = getattr(getattr(torch.ops.aten, base, None), "default", None)
-    if (name != base or func._overloadname == "out") and functional is not None \
-            and functional is not func:
+    # `softshrink.out`, `threshold_`, `eq_.Scalar`, `copysign_.Tensor`, `__irshift__.Scalar`):
+    # the class of its functional form (the same kernel)
+    functional = _functional_form(name, base, func._overloadname)
+    if functional is not None and functional is not func:
         cls = _aten_class(functional)
         if cls in (POINTWISE, REDUCTION):
             return cls
+    return None
+
+
+def _functional_form(name: str, base: str, overload: str):
+    """The functional overload of the in-place or out= overload `name.overload`, or None:
+    the overload of the same name (`eq_.Scalar` -> `eq.Scalar`, `add.Scalar_out` ->
+    `add.Scalar`), else the default one (`gelu_.default`, `gelu.out` -> `gelu.default`)."""
+    if name.startswith("__i") and name.endswith("__"):  # `x >>= 1`: __irshift__ -> __rshift__
+        base = "__" + name[3:]
+    elif name == base and not overload.endswith("out"):
+        return None  # a functional overload itself
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is None:
+        return None
+    names = packet.overloads()
+    for ov in (overload, overload.removesuffix("_out").removesuffix("out"), "default"):
+        if ov in names and (ov != overload or base != name):
+            return getattr(packet, ov)
     return None
 
 
