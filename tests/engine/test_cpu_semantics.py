@@ -306,6 +306,9 @@ def test_out_and_resize_grow_past_their_buffer_as_on_cpu(mode):
         torch.clamp(t, 0, 1, out=torch.empty(1, 1)).stride()
     with pytest.raises(RuntimeError, match="out of bounds for storage"):
         torch.arange(4., device=N).as_strided_((3, 3), (3, 1))
+    y = torch.arange(2., device=N)  # resize_as_ grows too (it raised "out of bounds")
+    y.resize_as_(torch.ones(2, 3, 2, device=N).transpose(1, 2))
+    assert y.shape == (2, 2, 3) and y.stride() == (6, 3, 1) and y.flatten()[:2].tolist() == [0., 1.]
 
 
 @pytest.mark.parametrize("name,f", [
