@@ -302,6 +302,25 @@ def test_a_0_dim_tensor_made_inside_a_compiled_function_in_a_fresh_process():
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_one_element_host_tensor_moved_to_the_device_inside_a_compiled_function(adaptive):
+    """`torch.tensor(0.5).to(x.device)` (or `.to("neuron")`) traced: Dynamo runs the copy of
+    a one-element constant for real and keys the result's storage by a `StorageWeakRef`,
+    which raised AttributeError `_weak_ref` (Note [Storage weak references])."""
+    def f(x):
+        return (x * torch.tensor(0.5).to(x.device) + torch.tensor([3.0]).to("neuron"),
+                x - torch.tensor(2, dtype=torch.int64).to("neuron:0"))
+
+    x = torch.arange(4.0)
+    want = [x * 0.5 + 3.0, x - 2]
+    g = torch.compile(f, backend="neuron")
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        for _ in range(2):
+            got = g(x.to("neuron"))
+            for a, b in zip(got, want):
+                assert a.device.type == "neuron" and torch.equal(a.cpu(), b)
+
+
 def test_functional_copy_across_devices():
     """`aten.copy` (copy_'s functional form, as functionalized graphs hold it) with a host
     source or a host destination: a new tensor laid out as clone() is, on self's device."""
