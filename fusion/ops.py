@@ -130,6 +130,7 @@ _REDUCTION = {
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
+    "hash_tensor",
 }  # (the Inductor executors compile these with corrected decompositions: fusion/decomps.py)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
@@ -155,6 +156,7 @@ _INDEXING = {
     "split_with_sizes_copy", "_chunk_cat",
     # (each fell back to the CPU: found by a scan of every aten op with a CPU kernel)
     "block_diag", "put", "nonzero_static", "native_channel_shuffle", "embedding_renorm",
+    "_unsafe_masked_index", "_unsafe_masked_index_put_accumulate",
 }
 # torch.optim's fused steps (`fused=True`; Trainer's default `adamw_torch_fused`): one op
 # updating every parameter, gradient and state list in place, elementwise, run with CPU's

@@ -1206,14 +1206,19 @@ def _ops_without_a_class(d):
             x.clone().put_(torch.tensor([1, 1, -1], device=d), x[:3], accumulate=True),
             x.clone().put(torch.tensor([0, 5], device=d), x[:2]),
             F.embedding(torch.tensor([0, 2, 2], device=d), w.clone(), max_norm=5.0),
-            torch._VF._add_relu(x, x.flip(0))]
+            torch._VF._add_relu(x, x.flip(0)),
+            torch.ops.aten._unsafe_masked_index(w, x[5:9, None] > 0,
+                                                [torch.tensor([0, 3, 1, 2], device=d)], -1.0),
+            torch.ops.aten._unsafe_masked_index_put_accumulate(
+                w, x[5:9, None] > 0, [torch.tensor([0, 3, 3, 2], device=d)], w[:, :1] * 0.5),
+            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1])]
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
 def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
-    embedding's max_norm renorm and _add_relu fell back to the CPU (warning, copies, a sync in
-    adaptive mode)."""
+    embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions') and
+    hash_tensor fell back to the CPU (warning, copies, a sync in adaptive mode)."""
     want = _ops_without_a_class("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "fell back to CPU"
