@@ -119,6 +119,8 @@ _REDUCTION = {
     "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "native_group_norm",
+    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
+    "batch_norm_backward",
     "native_group_norm_backward", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward",
     "nll_loss2d_backward", "cumsum", "cumprod", "all", "any", "_foreach_norm", "mse_loss",
     "mse_loss_backward", "binary_cross_entropy", "binary_cross_entropy_backward",

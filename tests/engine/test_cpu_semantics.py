@@ -1211,14 +1211,28 @@ def _ops_without_a_class(d):
                                                 [torch.tensor([0, 3, 1, 2], device=d)], -1.0),
             torch.ops.aten._unsafe_masked_index_put_accumulate(
                 w, x[5:9, None] > 0, [torch.tensor([0, 3, 3, 2], device=d)], w[:, :1] * 0.5),
-            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1])]
+            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1])] + _bn_with_update(d)
+
+
+def _bn_with_update(d):
+    """Batch norm's forms for graphs (`_batch_norm_with_update`, its backward and its
+    functional and no-update forms): values, running statistics and gradients."""
+    x = torch.linspace(-2, 3, 24).reshape(4, 3, 2).to(d).requires_grad_()
+    w = torch.tensor([0.5, -1.0, 2.0]).to(d).requires_grad_()
+    rm, rv = torch.zeros(3).to(d), torch.ones(3).to(d)
+    out = torch.ops.aten._batch_norm_with_update(x, w, w * 0.1, rm, rv, 0.1, 1e-5)
+    out[0].pow(2).sum().backward()
+    args = (x.detach(), w.detach(), None, rm, rv, 0.1, 1e-5)
+    return [*out[:3], rm, rv, x.grad, w.grad, torch.ops.aten._batch_norm_no_update(*args)[0],
+            *torch.ops.aten._batch_norm_with_update_functional(*args)[3:]]
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
 def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
-    embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions') and
-    hash_tensor fell back to the CPU (warning, copies, a sync in adaptive mode)."""
+    embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
+    hash_tensor and the _batch_norm_with_update family fell back to the CPU (warning, copies,
+    a sync in adaptive mode)."""
     want = _ops_without_a_class("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "fell back to CPU"
