@@ -180,7 +180,11 @@ _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linal
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
 _BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
-                  *_LINALG_CHECKED}
+                  *_LINALG_CHECKED,
+                  # no meta kernel in PyTorch (their shapes follow from `bins`, but nothing
+                  # infers them): run at the call
+                  "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+                  "_histogramdd_from_bin_tensors"}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (

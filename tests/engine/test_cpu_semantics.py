@@ -1211,7 +1211,15 @@ def _ops_without_a_class(d):
                                                 [torch.tensor([0, 3, 1, 2], device=d)], -1.0),
             torch.ops.aten._unsafe_masked_index_put_accumulate(
                 w, x[5:9, None] > 0, [torch.tensor([0, 3, 3, 2], device=d)], w[:, :1] * 0.5),
-            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1])] + _bn_with_update(d)
+            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1]),
+            *torch.histogram(x, bins=torch.tensor([-3.0, 0.0, 1.0, 3.0], device=d), weight=x.abs()),
+            torch.histogram(x, 5, range=(-1.0, 1.0), density=True).hist,
+            *_histogramdd(torch.stack([x, x.flip(0)], 1))] + _bn_with_update(d)
+
+
+def _histogramdd(points):
+    hist, edges = torch.histogramdd(points, bins=[3, 2])
+    return [hist, *edges]
 
 
 def _bn_with_update(d):
@@ -1231,8 +1239,8 @@ def _bn_with_update(d):
 def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
     embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
-    hash_tensor and the _batch_norm_with_update family fell back to the CPU (warning, copies,
-    a sync in adaptive mode)."""
+    hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
+    the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
     want = _ops_without_a_class("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "fell back to CPU"
