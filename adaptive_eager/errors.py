@@ -94,17 +94,56 @@ def is_user_error(e: BaseException) -> bool:
 # and leave `z` as it was, where CPU writes `z`: silently wrong. The copies' buffers are kept
 # here (weakly) and every write path refuses them: queued and replayed ops writing an
 # argument (queue.record, replay.follow), host and direct copies (transfer.write,
-# transfer.device_copy). A clone of the view is writable. (Most programs make none: each path
+# transfer.device_copy), and in-place calls of a graph torch.compile captured
+# (refuse_traced_writes). A clone of the view is writable. (Most programs make none: each path
 # asks only once one was made, `COPIED[0]`, a list read: a WeakSet's truth is a Python call.)
 COPIED_VIEWS: weakref.WeakSet = weakref.WeakSet()
 COPIED = [False]
 
 
 def copied_view(t):
-    """Note [Copied views]: `t` is a materialized conj/neg view; returns it."""
-    COPIED_VIEWS.add(t._handle)
-    COPIED[0] = True
+    """Note [Copied views]: `t` is a materialized conj/neg view; returns it. A tensor traced
+    on the device has no buffer: Dynamo's fake tensor has its storage marked instead
+    (`refuse_traced_writes`), AOTAutograd's functional tensor nothing (its graph holds the
+    copy: `conj_physical`)."""
+    handle = getattr(t, "_handle", None)
+    if handle is not None:
+        COPIED_VIEWS.add(handle)
+        COPIED[0] = True
+    elif isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        if len(TRACED_COPIES) > 1024:  # (a weak reference keeps its storage's address taken)
+            TRACED_COPIES.difference_update([r for r in TRACED_COPIES if r.expired()])
+        TRACED_COPIES.add(StorageWeakRef(t.untyped_storage()))
     return t
+
+
+TRACED_COPIES: set = set()  # StorageWeakRefs of Dynamo's fake copied views (Note [Copied views])
+_WRITES = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+           "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
+
+
+def refuse_traced_writes(gm) -> None:
+    """Note [Copied views] in a graph Dynamo captured: an in-place call (`v.add_(1)`,
+    `v[0] = 5`, `v += 1`, `out=v`) writing a copied view (or a view of one) is refused, as in
+    eager mode: the compiled graph would write the copy, where CPU writes the tensor."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    if not TRACED_COPIES:
+        return
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        written = []
+        if node.op in ("call_method", "call_function") and node.args and (
+                (name.endswith("_") and not name.startswith("_")) or name in _WRITES
+                or (name.startswith("__i") and name.endswith("__"))):
+            written.append(node.args[0])
+        if "out" in node.kwargs:
+            written.append(node.kwargs["out"])
+        for w in written:
+            v = getattr(w, "meta", {}).get("example_value")
+            if isinstance(v, torch.Tensor) and \
+                    StorageWeakRef(v.untyped_storage()) in TRACED_COPIES:
+                refuse_copied_view([None])
 
 
 def any_copied(handles, writes) -> bool:
@@ -115,7 +154,7 @@ def any_copied(handles, writes) -> bool:
 def refuse_copied_view(handles) -> None:
     """Note [Copied views]: raise if one of the written `handles` is a materialized view's."""
     for h in handles:
-        if h in COPIED_VIEWS:
+        if h is None or h in COPIED_VIEWS:  # (None: a traced one, `refuse_traced_writes`)
             raise user_error(RuntimeError(
                 f"a write through a conj() or neg view of a {DEVICE_TYPE} tensor is not "
                 f"supported: on {DEVICE_TYPE} the view is a copy, so the write would not reach "

@@ -25,7 +25,7 @@ _CONTRACTION = {
     "convolution", "convolution_backward", "_convolution", "matmul", "linear", "outer",
     "_addmm_activation", "tensordot", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
-    "_transformer_encoder_layer_fwd",
+    "_transformer_encoder_layer_fwd", "conv_tbc", "affine_grid_generator",
     "_grouped_mm",  # MoE experts (Transformers' default `grouped_mm` experts): CPU's kernel
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
@@ -129,6 +129,8 @@ _REDUCTION = {
     "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "native_group_norm",
+    "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
+    "batch_norm_backward",
     "native_group_norm_backward", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward",
     "nll_loss2d_backward", "cumsum", "cumprod", "all", "any", "_foreach_norm", "mse_loss",
     "mse_loss_backward", "binary_cross_entropy", "binary_cross_entropy_backward",
@@ -140,6 +142,7 @@ _REDUCTION = {
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
+    "hash_tensor",
 }  # (the Inductor executors compile these with corrected decompositions: fusion/decomps.py)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
@@ -163,6 +166,9 @@ _INDEXING = {
     "_embedding_bag_per_sample_weights_backward",
     # FSDP2's copy-out of an all-gather and copy-in of a reduce-scatter:
     "split_with_sizes_copy", "_chunk_cat",
+    # (each fell back to the CPU: found by a scan of every aten op with a CPU kernel)
+    "block_diag", "put", "nonzero_static", "native_channel_shuffle", "embedding_renorm",
+    "_unsafe_masked_index", "_unsafe_masked_index_put_accumulate",
 }
 # torch.optim's fused steps (`fused=True`; Trainer's default `adamw_torch_fused`): one op
 # updating every parameter, gradient and state list in place, elementwise, run with CPU's
@@ -184,7 +190,11 @@ _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linal
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
 _BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
-                  *_LINALG_CHECKED}
+                  *_LINALG_CHECKED,
+                  # no meta kernel in PyTorch (their shapes follow from `bins`, but nothing
+                  # infers them): run at the call
+                  "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+                  "_histogramdd_from_bin_tensors"}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
@@ -246,7 +256,8 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
             "clone", "fill", "zero", "masked_fill", "where", "lerp", "clamp", "clamp_min",
             "clamp_max", "addcmul", "addcdiv", "_foreach_copy", "sign", "logical_not",
             "rsub", "hardswish", "log_sigmoid_forward", "_prelu_kernel", "floor_divide",
-            "polar", "complex", "log_sigmoid_backward", "rrelu_with_noise_backward"}:
+            "polar", "complex", "log_sigmoid_backward", "rrelu_with_noise_backward",
+            "_add_relu"}:
         return POINTWISE
     if base in _INDEXING or base.startswith(_INDEXING_PREFIXES):
         return INDEXING
@@ -258,13 +269,31 @@ def _aten_class(func: torch._ops.OpOverload) -> str | None:
         if forward is not None and forward in (POINTWISE, INDEXING, REDUCTION):
             return forward
     # An in-place or out= overload PyTorch left untagged (`gelu_`, `gelu.out`, `mish_`,
-    # `softshrink.out`, `threshold_`): the class of its functional form (the same kernel)
-    functional = getattr(getattr(torch.ops.aten, base, None), "default", None)
-    if (name != base or func._overloadname == "out") and functional is not None \
-            and functional is not func:
+    # `softshrink.out`, `threshold_`, `eq_.Scalar`, `copysign_.Tensor`, `__irshift__.Scalar`):
+    # the class of its functional form (the same kernel)
+    functional = _functional_form(name, base, func._overloadname)
+    if functional is not None and functional is not func:
         cls = _aten_class(functional)
         if cls in (POINTWISE, REDUCTION):
             return cls
+    return None
+
+
+def _functional_form(name: str, base: str, overload: str):
+    """The functional overload of the in-place or out= overload `name.overload`, or None:
+    the overload of the same name (`eq_.Scalar` -> `eq.Scalar`, `add.Scalar_out` ->
+    `add.Scalar`), else the default one (`gelu_.default`, `gelu.out` -> `gelu.default`)."""
+    if name.startswith("__i") and name.endswith("__"):  # `x >>= 1`: __irshift__ -> __rshift__
+        base = "__" + name[3:]
+    elif name == base and not overload.endswith("out"):
+        return None  # a functional overload itself
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is None:
+        return None
+    names = packet.overloads()
+    for ov in (overload, overload.removesuffix("_out").removesuffix("out"), "default"):
+        if ov in names and (ov != overload or base != name):
+            return getattr(packet, ov)
     return None
 
 

@@ -139,7 +139,8 @@ def _at_zero(func, args):
 
 def inplace_view(eng, func, args, kwargs):
     """squeeze_, t_, as_strided_, resize_...: change the tensor's own sizes and strides
-    over the same buffer; resize_ past the buffer moves the tensor to a larger one."""
+    over the same buffer; resize_ (or resize_as_) past the buffer moves the tensor to a
+    larger one."""
     t = args[0]
     args_t, kwargs_t, handles, _, _ = template(eng, func, args, kwargs)
     metas = _meta_buffers(handles)
@@ -153,7 +154,7 @@ def inplace_view(eng, func, args, kwargs):
     need = extent_bytes(m.shape, m.stride(), m.storage_offset(), m.element_size())
     old = t._handle.nbytes
     if need > old:
-        if func.overloadpacket is not aten.resize_:
+        if func.overloadpacket not in (aten.resize_, aten.resize_as_):
             _out_of_bounds(m.shape, m.stride(), m.storage_offset(), m.dtype, old)
         grow(eng, t, need)
     with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEYS):

@@ -51,6 +51,17 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# Note [Storage weak references]: PyTorch keys storages by `StorageWeakRef(storage)`, which
+# holds a C++ weak pointer made by `storage._weak_ref()` and freed by
+# `torch.Storage._free_weak_ref`: FakeTensor's constants (a one-element tensor made and moved
+# `.to("neuron")` inside a compiled function: Dynamo runs that op for real, then records the
+# result's storage) and AOTAutograd's alias checks. A device buffer has no C++ storage, so
+# each gets a token, an empty host storage made at the first `_weak_ref()` and living as long
+# as the buffer's handle: the weak reference is the token's, the same for every view of the
+# buffer, and expires when the buffer is gone.
+_tokens: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Handle -> token
+
+
 # Note [Storage resize]: PyTorch resizes a wrapper tensor's storage through the C++
 # PrivateUse1 hooks (`resizePrivateUse1Bytes`), which the Python hooks object cannot provide
 # (torch._C._acc.PrivateUse1Hooks exposes is_available, is_built, has_primary_context only).
@@ -83,6 +94,13 @@ class NeuronStorage:
     @property
     def _cdata(self) -> int:  # the identity PyTorch compares storages by (fake_utils' alias
         return device_address(self._handle)  # checks): one per buffer, never reused
+
+    def _weak_ref(self, *args, **kwargs) -> int:
+        """What `StorageWeakRef` keeps of a storage (Note [Storage weak references])."""
+        token = _tokens.get(self._handle)
+        if token is None:
+            token = _tokens[self._handle] = torch.UntypedStorage(0)
+        return token._weak_ref(*args, **kwargs)
 
     size = nbytes
 

@@ -32,7 +32,7 @@ from .. import patches
 from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..config import config
-from ..errors import NeuronInductorError
+from ..errors import NeuronInductorError, refuse_traced_writes
 from ..config import DEVICE_TYPE
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
@@ -141,6 +141,7 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         import warnings
         warnings.warn(f"backend 'neuron' ignores torch.compile's {sorted(kwargs)}: it compiles "
                       f"every graph one way (mode= and options= choose Inductor's behaviour)")
+    refuse_traced_writes(gm)  # Note [Copied views]
     return aot_module_simplified(
         gm, example_inputs,
         fw_compiler=_graph_compiler("forward"),

@@ -306,6 +306,9 @@ def test_out_and_resize_grow_past_their_buffer_as_on_cpu(mode):
         torch.clamp(t, 0, 1, out=torch.empty(1, 1)).stride()
     with pytest.raises(RuntimeError, match="out of bounds for storage"):
         torch.arange(4., device=N).as_strided_((3, 3), (3, 1))
+    y = torch.arange(2., device=N)  # resize_as_ grows too (it raised "out of bounds")
+    y.resize_as_(torch.ones(2, 3, 2, device=N).transpose(1, 2))
+    assert y.shape == (2, 2, 3) and y.stride() == (6, 3, 1) and y.flatten()[:2].tolist() == [0., 1.]
 
 
 @pytest.mark.parametrize("name,f", [
@@ -1167,7 +1170,13 @@ def _untagged_overloads(d):
     return [aten.gelu_(x.clone()), aten.gelu.out(x, out=o.clone()),
             aten.softshrink.out(x, 0.5, out=o.clone()), aten.softplus.out(x, 1, 20, out=o.clone()),
             F.mish(x.clone(), inplace=True), F.threshold(x.clone(), 0.1, 2.0, inplace=True),
-            torch._is_all_true(x > -5).reshape(1), torch._is_any_true(x > 5).reshape(1)]
+            torch._is_all_true(x > -5).reshape(1), torch._is_any_true(x > 5).reshape(1),
+            # overloads named other than `default` (`eq_.Scalar` -> `eq.Scalar`), dunders
+            x.clone().eq_(0.6), x.clone().gt_(x.flip(0)), x.clone().ne_(0), x.clone().lt_(0.1),
+            x.clone().le_(x * 0), x.clone().ge_(-0.6), x.clone().copysign_(-1.0),
+            x.clone().copysign_(x.flip(0)), x.abs().xlogy_(2.0),
+            torch.arange(-4, 7, device=d).__irshift__(1), torch.arange(11, device=d).__irshift__(
+                torch.arange(11, device=d) % 3)]
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
@@ -1179,4 +1188,62 @@ def test_untagged_inplace_and_out_overloads_run_on_the_device(adaptive):
         warnings.simplefilter("error")  # no "fell back to CPU"
         with ae.adaptive() if adaptive else contextlib.nullcontext():
             got = [t.cpu() for t in _untagged_overloads("neuron")]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _ops_without_a_class(d):
+    """ATen ops the device had no class for (a scan of every op with a CPU kernel)."""
+    x = torch.linspace(-3, 3, 12).to(d)
+    w = torch.arange(12.0).reshape(4, 3).to(d)
+    img = torch.arange(16.0).reshape(1, 4, 2, 2).to(d)
+    theta = torch.tensor([[[1.0, 0.2, 0.0], [0.0, 1.0, 0.1]]]).to(d)
+    return [torch.block_diag(x[:4].reshape(2, 2), x[None, 4:7]),
+            F.affine_grid(theta, [1, 1, 3, 4], align_corners=False),
+            torch.conv_tbc(x[:10].reshape(5, 1, 2), w[:3, :2].reshape(3, 2, 1).expand(3, 2, 2),
+                           x[:2].clone()),
+            torch.nonzero_static(x > 0, size=8, fill_value=-1),
+            torch.native_channel_shuffle(img, 2),
+            x.clone().put_(torch.tensor([1, 1, -1], device=d), x[:3], accumulate=True),
+            x.clone().put(torch.tensor([0, 5], device=d), x[:2]),
+            F.embedding(torch.tensor([0, 2, 2], device=d), w.clone(), max_norm=5.0),
+            torch._VF._add_relu(x, x.flip(0)),
+            torch.ops.aten._unsafe_masked_index(w, x[5:9, None] > 0,
+                                                [torch.tensor([0, 3, 1, 2], device=d)], -1.0),
+            torch.ops.aten._unsafe_masked_index_put_accumulate(
+                w, x[5:9, None] > 0, [torch.tensor([0, 3, 3, 2], device=d)], w[:, :1] * 0.5),
+            torch.hash_tensor(torch.arange(6, device=d).reshape(2, 3), [1]),
+            *torch.histogram(x, bins=torch.tensor([-3.0, 0.0, 1.0, 3.0], device=d), weight=x.abs()),
+            torch.histogram(x, 5, range=(-1.0, 1.0), density=True).hist,
+            *_histogramdd(torch.stack([x, x.flip(0)], 1))] + _bn_with_update(d)
+
+
+def _histogramdd(points):
+    hist, edges = torch.histogramdd(points, bins=[3, 2])
+    return [hist, *edges]
+
+
+def _bn_with_update(d):
+    """Batch norm's forms for graphs (`_batch_norm_with_update`, its backward and its
+    functional and no-update forms): values, running statistics and gradients."""
+    x = torch.linspace(-2, 3, 24).reshape(4, 3, 2).to(d).requires_grad_()
+    w = torch.tensor([0.5, -1.0, 2.0]).to(d).requires_grad_()
+    rm, rv = torch.zeros(3).to(d), torch.ones(3).to(d)
+    out = torch.ops.aten._batch_norm_with_update(x, w, w * 0.1, rm, rv, 0.1, 1e-5)
+    out[0].pow(2).sum().backward()
+    args = (x.detach(), w.detach(), None, rm, rv, 0.1, 1e-5)
+    return [*out[:3], rm, rv, x.grad, w.grad, torch.ops.aten._batch_norm_no_update(*args)[0],
+            *torch.ops.aten._batch_norm_with_update_functional(*args)[3:]]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
+    """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
+    embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
+    hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
+    the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
+    want = _ops_without_a_class("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "fell back to CPU"
+        with ae.adaptive() if adaptive else contextlib.nullcontext():
+            got = [t.cpu() for t in _ops_without_a_class("neuron")]
     assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -27,6 +27,24 @@ def test_storage_is_a_typed_storage_over_the_buffer_as_on_cuda():
     assert s.cpu().tolist() == t.cpu().storage().tolist()
 
 
+def test_storage_weak_references_as_pytorch_keys_storages(mode):
+    """Note [Storage weak references]: `StorageWeakRef` (FakeTensor's constants, AOTAutograd's
+    alias checks) raised AttributeError `_weak_ref` on a neuron storage. One reference per
+    buffer, shared by its views, expiring with it."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+    t = torch.ones(4, device=N) * 2
+    ref = StorageWeakRef(t.untyped_storage())
+    assert ref == StorageWeakRef(t[1:].view(3, 1).untyped_storage())
+    assert ref == StorageWeakRef(t.storage())
+    other = torch.ones(4, device=N)
+    assert ref != StorageWeakRef(other.untyped_storage()) and not ref.expired()
+    del t
+    gc.collect()
+    assert ref.expired() and other.tolist() == [1.0] * 4
+
+
 def test_storage_repr_is_proportionate():
     """A failure report repr'd a storage element by element, a device read each (208 s)."""
     big = torch.zeros(2_000_000, device=N)

@@ -302,6 +302,53 @@ def test_a_0_dim_tensor_made_inside_a_compiled_function_in_a_fresh_process():
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_one_element_host_tensor_moved_to_the_device_inside_a_compiled_function(adaptive):
+    """`torch.tensor(0.5).to(x.device)` (or `.to("neuron")`) traced: Dynamo runs the copy of
+    a one-element constant for real and keys the result's storage by a `StorageWeakRef`,
+    which raised AttributeError `_weak_ref` (Note [Storage weak references])."""
+    def f(x):
+        return (x * torch.tensor(0.5).to(x.device) + torch.tensor([3.0]).to("neuron"),
+                x - torch.tensor(2, dtype=torch.int64).to("neuron:0"))
+
+    x = torch.arange(4.0)
+    want = [x * 0.5 + 3.0, x - 2]
+    g = torch.compile(f, backend="neuron")
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        for _ in range(2):
+            got = g(x.to("neuron"))
+            for a, b in zip(got, want):
+                assert a.device.type == "neuron" and torch.equal(a.cpu(), b)
+
+
+_CONJ_READS = {"product": lambda z: (z.conj() * z).real, "resolve then write":
+               lambda z: z.conj().resolve_conj().add_(1), "clone then write":
+               lambda z: torch.conj(z).clone().mul_(2), "neg view": lambda z: z._neg_view() + 1}
+_CONJ_WRITES = {"add_": lambda z: z.conj().add_(1), "imag.fill_": lambda z: z.conj().imag.fill_(0),
+                "setitem": lambda z: z.conj().__setitem__(0, 5), "out=": lambda z: torch.mul(
+                    z, 2, out=z.conj()), "neg view": lambda z: z._neg_view().mul_(2)}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_conj_views_in_a_compiled_function(adaptive):
+    """Note [Copied views] under torch.compile: every `z.conj()` raised AttributeError
+    `_handle` (the copied view's mark asked a fake tensor for its buffer); writes through one
+    are refused as in eager mode (the graph would write the copy, CPU writes `z`)."""
+    z0 = torch.tensor([1 + 2j, 3 - 1j, -0.5 + 0j])
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        for name, f in _CONJ_READS.items():
+            torch._dynamo.reset()
+            z = z0.to("neuron")
+            got = torch.compile(f, backend="neuron")(z)
+            assert torch.equal(got.cpu(), f(z0.clone())) and torch.equal(z.cpu(), z0), name
+        for name, f in _CONJ_WRITES.items():
+            torch._dynamo.reset()
+            z = z0.to("neuron")
+            with pytest.raises(Exception, match="a write through a conj.. or neg view"):
+                torch.compile(f, backend="neuron")(z)
+            assert torch.equal(z.cpu(), z0), name
+
+
 def test_functional_copy_across_devices():
     """`aten.copy` (copy_'s functional form, as functionalized graphs hold it) with a host
     source or a host destination: a new tensor laid out as clone() is, on self's device."""
