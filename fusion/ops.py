@@ -120,8 +120,8 @@ _CONTRACTION |= _LINALG | _FFT
 # (Note [Linear algebra on the device]); `_grouped_mm`'s meta kernel is CUDA's
 # (adaptive_eager/engine/meta.py `_META_AS_CPU`).
 PROBED = frozenset(f"aten::{n}" for n in (
-    "convolution", "_convolution", "convolution_backward", "_transformer_encoder_layer_fwd",
-    "_grouped_mm", *_LINALG, *_FFT))
+    "convolution", "_convolution", "convolution_backward", "conv_tbc",
+    "_transformer_encoder_layer_fwd", "_grouped_mm", *_LINALG, *_FFT))
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
