@@ -95,7 +95,8 @@ def is_user_error(e: BaseException) -> bool:
 # here (weakly) and every write path refuses them: queued and replayed ops writing an
 # argument (queue.record, replay.follow), host and direct copies (transfer.write,
 # transfer.device_copy), and in-place calls of a graph torch.compile captured
-# (refuse_traced_writes). A clone of the view is writable. (Most programs make none: each path
+# (refuse_traced_writes); a compiled function's outputs that are copied views are marked at
+# each call (traced_copy_outputs). A clone of the view is writable. (Most programs make none: each path
 # asks only once one was made, `COPIED[0]`, a list read: a WeakSet's truth is a Python call.)
 COPIED_VIEWS: weakref.WeakSet = weakref.WeakSet()
 COPIED = [False]
@@ -144,6 +145,23 @@ def refuse_traced_writes(gm) -> None:
             if isinstance(v, torch.Tensor) and \
                     StorageWeakRef(v.untyped_storage()) in TRACED_COPIES:
                 refuse_copied_view([None])
+
+
+def traced_copy_outputs(gm) -> list[int]:
+    """Note [Copied views]: which outputs of a graph Dynamo captured are copied views (or
+    views of one): the backend marks them at each run, as eager mode marks its own, so a
+    write to one after the compiled call is refused (CPU's output is a view of its input,
+    which the write reaches)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    if not TRACED_COPIES:
+        return []
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    found = []
+    for i, node in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
+        v = getattr(node, "meta", {}).get("example_value")
+        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) in TRACED_COPIES:
+            found.append(i)
+    return found
 
 
 def any_copied(handles, writes) -> bool:

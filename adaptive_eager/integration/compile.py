@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 
 import torch
@@ -32,7 +33,7 @@ from .. import patches
 from ..engine import engine as _engine
 from ..engine.tensor import NeuronTensor
 from ..config import config
-from ..errors import NeuronInductorError, refuse_traced_writes
+from ..errors import NeuronInductorError, copied_view, refuse_traced_writes, traced_copy_outputs
 from ..config import DEVICE_TYPE
 
 GRAPH_REASON = "compile graph"  # the flush that runs one captured graph
@@ -142,11 +143,23 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         warnings.warn(f"backend 'neuron' ignores torch.compile's {sorted(kwargs)}: it compiles "
                       f"every graph one way (mode= and options= choose Inductor's behaviour)")
     refuse_traced_writes(gm)  # Note [Copied views]
-    return aot_module_simplified(
+    copies = traced_copy_outputs(gm)
+    compiled = aot_module_simplified(
         gm, example_inputs,
         fw_compiler=_graph_compiler("forward"),
         bw_compiler=_graph_compiler("backward"),
         inference_compiler=_graph_compiler("inference"))
+    if not copies:
+        return compiled
+
+    @functools.wraps(compiled)
+    def marking(*args):
+        outs = compiled(*args)
+        for i in copies:
+            if isinstance(outs[i], NeuronTensor):
+                copied_view(outs[i])
+        return outs
+    return marking
 
 
 _INDUCTOR_MESSAGE = (

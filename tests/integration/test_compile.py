@@ -349,6 +349,29 @@ def test_conj_views_in_a_compiled_function(adaptive):
             assert torch.equal(z.cpu(), z0), name
 
 
+@pytest.mark.parametrize("returned", ["conj", "a view of it", "neg view", "a product"])
+def test_a_conj_view_returned_by_a_compiled_function_refuses_writes(returned):
+    """Note [Copied views]: a copied view a compiled function returns (CPU's output is a view
+    of its input) is marked as eager mode marks one: a write to it after the call raises
+    (it left `z` unchanged, silently, where CPU writes `z`); a computed output stays
+    writable, with CPU's values."""
+    f = {"conj": lambda z: z.conj(), "a view of it": lambda z: z.conj()[1:],
+         "neg view": lambda z: z._neg_view(), "a product": lambda z: z.conj() * 2}[returned]
+    z0 = torch.tensor([1 + 2j, 3 - 1j, -0.5 + 0j])
+    torch._dynamo.reset()
+    z = z0.to("neuron")
+    v = torch.compile(f, backend="neuron")(z)
+    if returned == "a product":
+        v.add_(1)
+        want = f(z0.clone()).add_(1)
+        assert torch.equal(v.cpu(), want) and torch.equal(z.cpu(), z0)
+        return
+    with pytest.raises(RuntimeError, match="a write through a conj.. or neg view"):
+        v.add_(1)
+    assert torch.equal(z.cpu(), z0) and torch.equal(v.cpu(), f(z0.clone()).resolve_conj()
+                                                    .resolve_neg())
+
+
 def test_functional_copy_across_devices():
     """`aten.copy` (copy_'s functional form, as functionalized graphs hold it) with a host
     source or a host destination: a new tensor laid out as clone() is, on self's device."""
