@@ -1183,12 +1183,17 @@ def _untagged_overloads(d):
 def test_untagged_inplace_and_out_overloads_run_on_the_device(adaptive):
     """They took their functional form's class only by tag: each fell back to CPU (warning,
     copies, a sync in adaptive mode)."""
-    want = _untagged_overloads("cpu")
+    _on_the_device_as_cpu(_untagged_overloads, adaptive)
+
+
+def _on_the_device_as_cpu(make, adaptive):
+    """`make(device)`'s tensors on neuron equal CPU's, with no op falling back."""
+    want = make("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "fell back to CPU"
         with ae.adaptive() if adaptive else contextlib.nullcontext():
-            got = [t.cpu() for t in _untagged_overloads("neuron")]
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+            got = [t.cpu() for t in make("neuron")]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def _ops_without_a_class(d):
@@ -1241,9 +1246,4 @@ def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
     hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
     the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
-    want = _ops_without_a_class("cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "fell back to CPU"
-        with ae.adaptive() if adaptive else contextlib.nullcontext():
-            got = [t.cpu() for t in _ops_without_a_class("neuron")]
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    _on_the_device_as_cpu(_ops_without_a_class, adaptive)
