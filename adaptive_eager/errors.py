@@ -96,8 +96,9 @@ def is_user_error(e: BaseException) -> bool:
 # argument (queue.record, replay.follow), host and direct copies (transfer.write,
 # transfer.device_copy), and in-place calls of a graph torch.compile captured
 # (refuse_traced_writes); a compiled function's outputs that are copied views are marked at
-# each call (traced_copy_outputs). A clone of the view is writable. (Most programs make none: each path
-# asks only once one was made, `COPIED[0]`, a list read: a WeakSet's truth is a Python call.)
+# each call (traced_copy_outputs). A clone of the view is writable. (Most programs make none:
+# each path asks only once one was made, `COPIED[0]`, a list read: a WeakSet's truth is a
+# Python call.)
 COPIED_VIEWS: weakref.WeakSet = weakref.WeakSet()
 COPIED = [False]
 
