@@ -49,7 +49,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import adaptive_eager as ae
-from tests.harness.opinfo_bar import MODES, summary
+from tests.harness.opinfo_bar import MODES, report, summary
 
 pytest.importorskip("expecttest")  # common_modules needs it
 from torch.testing._internal.common_modules import module_db  # noqa: E402
@@ -311,15 +311,8 @@ def test_module(mi):
 def _summary(request):
     """The pass counts over the modules this file ran, printed after its last test."""
     yield
-    if not RESULTS:
-        return
-    skipped = sum(r.skipped is not None for r in RESULTS.values())
-    samples = sum(r.samples for r in RESULTS.values())
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\n{summary(RESULTS, 'ModuleInfo')}; {skipped} skipped; "
-                            f"{samples} samples; "
-                            f"{time.perf_counter() - _PROCESS_T0:.0f}s since import")
+    if RESULTS:
+        report(request, RESULTS, "ModuleInfo", _PROCESS_T0)
 
 
 # ------------------------------------------------------------------------------------------

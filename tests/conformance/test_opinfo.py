@@ -520,21 +520,22 @@ def test_opinfo(op):
     judge(res, XFAIL, XFAIL_FILE.name)
 
 
-def judge(res, xfail: dict, xfail_name: str) -> None:
+def judge(res, xfail: dict, xfail_name: str, modes=MODES) -> None:
     """Pass, skip or fail one op's test: the engine must still work, and failures must be
-    exactly the ones `xfail` lists (both ways). Shared by the forward and backward tests."""
+    exactly the ones `xfail` lists (both ways), in `modes`. Shared by the forward and
+    backward tests and the optimizer suite."""
     health = engine_healthy()
     if health is not None:
         ae.set_adaptive(False)
         pytest.fail(f"CASCADING FAILURE: the engine is unusable after {res.op_id}: {health}")
     if res.skipped:
-        stale = [m for m in MODES if (m, res.op_id) in xfail]
+        stale = [m for m in modes if (m, res.op_id) in xfail]
         if stale:
             pytest.fail(f"{res.op_id} is skipped ({res.skipped}) but listed in "
                         f"{xfail_name} for {stale}: remove it")
         pytest.skip(res.skipped)
     problems = []
-    for mode in MODES:
+    for mode in modes:
         listed = (mode, res.op_id) in xfail
         failed = mode in res.errors
         if failed and not listed:

@@ -71,7 +71,8 @@ import torch
 
 import adaptive_eager as ae
 from tests.harness.opinfo_bar import load_xfail as _load_xfail
-from tests.conformance.test_opinfo import engine_healthy  # noqa: E402 (one health check)
+from tests.conformance.test_opinfo import engine_healthy, judge  # noqa: E402 (one health
+# check, one judge)
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 from torch.testing._internal.common_optimizers import optim_db  # noqa: E402
@@ -473,6 +474,11 @@ class Result:
     errors: dict = field(default_factory=dict)  # mode -> first failure
     note: str = ""                              # e.g. "refused on CPU and neuron"
     bitwise_cpu: bool = True                    # eager equal to CPU bit for bit
+    skipped = None  # (test_opinfo.judge reads an OpResult's fields)
+
+    @property
+    def op_id(self) -> str:
+        return self.id
 
 
 @contextlib.contextmanager
@@ -585,21 +591,7 @@ def test_xfail_file_names_exist():
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_optimizer(case):
-    res = run_case(case)
-    health = engine_healthy()
-    if health is not None:
-        ae.set_adaptive(False)
-        pytest.fail(f"CASCADING FAILURE: the engine is unusable after {case.id}: {health}")
-    problems = []
-    for mode in MODES:
-        listed, failed = (mode, case.id) in XFAIL, mode in res.errors
-        if failed and not listed:
-            problems.append(f"[{mode}] {res.errors[mode]}")
-        elif listed and not failed:
-            problems.append(f"[{mode}] unexpected success: remove it from {XFAIL_FILE.name} "
-                            f"(listed as: {XFAIL[(mode, case.id)]})")
-    if problems:
-        pytest.fail(f"{case.id}: " + "; ".join(problems), pytrace=False)
+    judge(run_case(case), XFAIL, XFAIL_FILE.name, MODES)
 
 
 # ------------------------------------------------------------------------------------------

@@ -32,18 +32,23 @@ def hold_bar(results: dict) -> None:
             assert rate >= BAR, f"{mode}: {rate:.1%} of {len(tested)} ops pass (bar: 99.5%)"
 
 
-def report_and_hold(request, results: dict, title: str, t0: float) -> None:
-    """A module fixture's teardown (after the module's last test, whatever order the tests
-    ran in; a bar held by a test named to come last held only in file order): the summary
-    printed, then the bar held (a miss is an error at that teardown)."""
-    if not results:
-        return
+def report(request, results: dict, title: str, t0: float) -> None:
+    """The pass counts over what a module ran, printed (a module fixture's teardown)."""
     skipped = sum(r.skipped is not None for r in results.values())
     samples = sum(r.samples for r in results.values())
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"\n{summary(results, title)}; {skipped} skipped; {samples} "
                             f"samples; {time.perf_counter() - t0:.0f}s since import")
+
+
+def report_and_hold(request, results: dict, title: str, t0: float) -> None:
+    """A module fixture's teardown (after the module's last test, whatever order the tests
+    ran in; a bar held by a test named to come last held only in file order): the summary
+    printed, then the bar held (a miss is an error at that teardown)."""
+    if not results:
+        return
+    report(request, results, title, t0)
     hold_bar(results)
 
 
