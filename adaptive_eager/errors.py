@@ -121,6 +121,13 @@ def copied_view(t):
 
 
 TRACED_COPIES: set = set()  # StorageWeakRefs of Dynamo's fake copied views (Note [Copied views])
+
+
+def traced_copy(v) -> bool:
+    """Note [Copied views]: is `v` a fake tensor over a traced copied view's storage?"""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return bool(TRACED_COPIES) and isinstance(v, torch._subclasses.fake_tensor.FakeTensor) \
+        and StorageWeakRef(v.untyped_storage()) in TRACED_COPIES
 _WRITES = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
            "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
 
@@ -129,7 +136,6 @@ def refuse_traced_writes(gm) -> None:
     """Note [Copied views] in a graph Dynamo captured: an in-place call (`v.add_(1)`,
     `v[0] = 5`, `v += 1`, `out=v`) writing a copied view (or a view of one) is refused, as in
     eager mode: the compiled graph would write the copy, where CPU writes the tensor."""
-    from torch.multiprocessing.reductions import StorageWeakRef
     if not TRACED_COPIES:
         return
     for node in gm.graph.nodes:
@@ -142,9 +148,7 @@ def refuse_traced_writes(gm) -> None:
         if "out" in node.kwargs:
             written.append(node.kwargs["out"])
         for w in written:
-            v = getattr(w, "meta", {}).get("example_value")
-            if isinstance(v, torch.Tensor) and \
-                    StorageWeakRef(v.untyped_storage()) in TRACED_COPIES:
+            if traced_copy(getattr(w, "meta", {}).get("example_value")):
                 refuse_copied_view([None])
 
 
@@ -153,16 +157,11 @@ def traced_copy_outputs(gm) -> list[int]:
     views of one): the backend marks them at each run, as eager mode marks its own, so a
     write to one after the compiled call is refused (CPU's output is a view of its input,
     which the write reaches)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
     if not TRACED_COPIES:
         return []
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    found = []
-    for i, node in enumerate(out if isinstance(out, (list, tuple)) else (out,)):
-        v = getattr(node, "meta", {}).get("example_value")
-        if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) in TRACED_COPIES:
-            found.append(i)
-    return found
+    return [i for i, node in enumerate(out if isinstance(out, (list, tuple)) else (out,))
+            if traced_copy(getattr(node, "meta", {}).get("example_value"))]
 
 
 def any_copied(handles, writes) -> bool:

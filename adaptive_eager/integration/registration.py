@@ -343,15 +343,8 @@ _LIBS = []  # every torch.library.Library registered here, kept alive
 
 def _resolved(self):
     if type(self) is not NeuronTensor:  # traced (Note [Copied views]): clone a copied view
-        return self.clone() if _traced_copy(self) else self
+        return self.clone() if errors.traced_copy(self) else self
     return self.clone() if self._handle in errors.COPIED_VIEWS else self
-
-
-def _traced_copy(t) -> bool:
-    if not errors.TRACED_COPIES or not isinstance(t, torch._subclasses.fake_tensor.FakeTensor):
-        return False
-    from torch.multiprocessing.reductions import StorageWeakRef
-    return StorageWeakRef(t.untyped_storage()) in errors.TRACED_COPIES
 
 
 def _empty(size, *, dtype=None, layout=None, device=None, pin_memory=None,
