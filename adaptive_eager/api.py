@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .integration import registration as _registration
 from .errors import FlushInterrupted, NeuronFallbackError, NeuronInductorError, NeuronRuntimeError
-from .engine import engine as _engine
+from .engine import engine as _engine, handlers
 from .integration import neuron as _neuron
 from .engine.tensor import NeuronTensor, engine_of
 from .config import config
@@ -232,7 +232,7 @@ class adaptive(TorchDispatchMode):
                 return eng.dispatch(func, args, kwargs or {})
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            if _engine.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
+            if handlers.writes_foreach(func) and args[0] and type(args[0][0]) is not NeuronTensor:
                 # Under any dispatch mode, CPU's in-place foreach kernels bump no version of
                 # what they write (outside one, each per-tensor op does): autograd would
                 # miss the write (a silently wrong gradient). Neuron's handler bumps its own.

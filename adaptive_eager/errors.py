@@ -89,7 +89,7 @@ def is_user_error(e: BaseException) -> bool:
 
 
 # Note [Copied views]: conjugate and negative views are materialized on the device (the
-# wrapper tensor cannot carry the bit: `_materialized` in engine.py), so a write through one
+# wrapper tensor cannot carry the bit: `_materialized` in engine/handlers.py), so a write through one
 # (`z.conj().add_(1)`, `z.conj().imag.fill_(0)`, `z.conj().copy_(w)`) would land in the copy
 # and leave `z` as it was, where CPU writes `z`: silently wrong. The copies' buffers are kept
 # here (weakly) and every write path refuses them: queued and replayed ops writing an

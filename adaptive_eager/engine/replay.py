@@ -36,7 +36,7 @@ entry, and under launch blocking the same wait (its errors raise at the call). T
 then filed as `remember` files a trace replayed to its end. Everything before (counting,
 checks, admission, the source line, new buffers) and after (results) is the replay's.
 Engine.dispatch tries the traces beginning with an op (`step`) before its handlers (views
-aside: Note [Replayed views] in engine.py), so a replayed eager op never enters
+aside: Note [Replayed views] in handlers.py), so a replayed eager op never enters
 Engine.dispatch_plain; it is counted once it matches (`follow`),
 before anything reads the clock, as the slow path counts it first.
 A one-op launch that is not a custom kernel's goes through `Device.submit_plain`: its
@@ -74,7 +74,7 @@ _MAX_TRACES = 1024  # first ops (with their first argument's layout: `first_key`
 MAX_TRACE = 1 << 13  # nodes: a longer run with no sync (no flush but device-idle ones) is
 # not recorded, so a loop that never syncs keeps flat host memory
 _PER_OP = 4  # traces kept per first op and layout
-# Note [Guarded replay]: an op the engine's own handler takes (`_SPECIAL` in engine.py) is
+# Note [Guarded replay]: an op the engine's own handler takes (`HANDLERS` in handlers.py) is
 # never replayed (Engine.dispatch tries the trace before the handler), except those with a
 # guard here, by `func._op`: `guard(eng, args, kwargs)`, asked once when the op matches the
 # trace, before anything is counted or flushed, says whether the handler, called now, would queue

@@ -28,7 +28,7 @@ from device import Launch
 from device.interconnect import BARRIER, P2P, RING_ALL_REDUCE, RING_GATHER, TREE, collective_us
 
 from .. import patches
-from ..engine import engine as _engine
+from ..engine import engine as _engine, handlers
 from ..engine.tensor import NeuronTensor
 from ..errors import _raise_launch_error
 from ..engine.templates import _two_devices
@@ -85,13 +85,13 @@ def register() -> None:
     for name in _COLLECTIVES:
         packet = getattr(torch.ops.c10d, name)
         for overload in packet.overloads():
-            _engine._SPECIAL[getattr(packet, overload)] = collective
+            handlers.handle(getattr(packet, overload), collective)
     _register_functional()
     _route_work_results()
     _release_works_at_destroy()
     _engine.AT_SYNC.append(_release)  # Note [Gloo's thread and the GIL]
     for op, kernel in sync_batch_norm.KERNELS.items():  # Note [SyncBatchNorm ops]
-        _engine._SPECIAL[op] = _functional(kernel)
+        handlers.handle(op, _functional(kernel))
     patches.after_import("torch.distributed.pipelining.stage", _patch_pipeline_stage)
     patches.after_import("torch.distributed.checkpoint._state_dict_stager", _patch_stager)
     # the step `ae.explain()` reports communication for (Note [Collective stream])
@@ -499,14 +499,14 @@ def _register_functional() -> None:
         if hasattr(ns, name):
             packet = getattr(ns, name)
             for overload in packet.overloads():
-                _engine._SPECIAL[getattr(packet, overload)] = _functional(impl)
+                handlers.handle(getattr(packet, overload), _functional(impl))
     # DTensor wraps a collective's result for autograd with this Python custom op: its own
     # function runs (it wraps the neuron tensor in an AsyncCollectiveTensor).
     from torch._library.custom_ops import _maybe_get_opdef
     wrap = getattr(ns, "_wrap_tensor_autograd", None)
     opdef = _maybe_get_opdef(wrap.default) if wrap is not None else None
     if opdef is not None:
-        _engine._SPECIAL[wrap.default] = _functional(opdef._init_fn)
+        handlers.handle(wrap.default, _functional(opdef._init_fn))
     try:
         import torch.distributed.fsdp  # noqa: F401  (defines fsdp::*)
     except ImportError:
@@ -515,7 +515,7 @@ def _register_functional() -> None:
         if hasattr(torch.ops.fsdp, name):
             packet = getattr(torch.ops.fsdp, name)
             for overload in packet.overloads():
-                _engine._SPECIAL[getattr(packet, overload)] = _python_kernel
+                handlers.handle(getattr(packet, overload), _python_kernel)
 
 
 # -- pipelines (torch.distributed.pipelining) ------------------------------------------------

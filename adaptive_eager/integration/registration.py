@@ -14,7 +14,7 @@ from ..engine.tensor import NeuronTensor, _refuse_sharing, install_set_data
 from ..config import DEVICE_TYPE
 from . import native as _native, attention, autocast, compile, distributed, frameworks, lightning, linalg, neuron, pinned, profiler, rnn  # noqa: F401,E501
 from .. import errors, patches
-from ..engine import engine as _engine, storage as _storage, cpu_settings, hooks, results, serialization, transfer
+from ..engine import engine as _engine, storage as _storage, cpu_settings, handlers, hooks, results, serialization, transfer
 
 _done = False
 _lib = None
@@ -35,7 +35,7 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
     native = _install_native()  # before PyTorch's Python guard and hooks (Note [Native hooks])
     _setup_privateuseone_for_python_backend("neuron", backend_module=neuron)
-    _engine._SPECIAL[torch.ops.aten.record_stream.default] = neuron.record_stream
+    handlers.handle(torch.ops.aten.record_stream.default, neuron.record_stream)
     _lib = torch.library.Library("aten", "IMPL")
     # Kernels below the Python key: entries into the engine, under its lock (Note [Threads])
     kernels = {"empty.memory_format": _empty, "empty_strided": _empty_strided,

@@ -871,7 +871,7 @@ def test_views_in_inference_mode_follow_their_base(mode):
 
 
 def test_composite_ops_in_inference_mode_decompose_as_on_cpu(mode):
-    """Note [Composite ops in inference mode] (engine/engine.py): with autograd's key skipped,
+    """Note [Composite ops in inference mode] (engine/handlers.py): with autograd's key skipped,
     `to`, `softmax`, `layer_norm`... reached the device whole: `.cpu()` of a tensor made in
     inference mode returned a neuron tensor, and softmax or layer_norm fell back to the CPU."""
     x = torch.randn(4, 8)

@@ -561,7 +561,7 @@ def test_a_view_key_keeps_an_entry_per_global_state(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["eager", "adaptive"])
 def test_views_skip_the_replay_which_stays_on_across_them(monkeypatch, mode):
-    """Note [Replayed views] in engine.py: a view never reaches the replay (`follow`, `step`:
+    """Note [Replayed views] in engine/handlers.py: a view never reaches the replay (`follow`, `step`:
     no trace holds it), and the replay goes on across it: every other op of a steady step is
     replayed. Views alias as on CPU: `_base`, versions, in-place writes through a view,
     gradients, values bit for bit."""

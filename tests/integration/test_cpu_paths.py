@@ -317,7 +317,7 @@ def test_attention_without_weights_falls_back_however_need_weights_is_passed(how
 def test_attention_fast_path_reads_need_weights_by_its_name_in_the_schema():
     """The handler read need_weights as `args[10]`: a schema that moved it would have made it
     read another argument (here an int, truthy: the device's empty weights for CPU's None)."""
-    from adaptive_eager.engine.engine import _attention_fast_path
+    from adaptive_eager.engine.handlers import _attention_fast_path
     assert "need_weights" in [
         a.name for a in torch.ops.aten._native_multi_head_attention.default._schema.arguments]
 
