@@ -371,7 +371,10 @@ def find_route(func) -> Route:
 
 
 def handle(op, handler: Callable) -> None:
-    """`handler(eng, func, args, kwargs)` takes op overload `op` from now on (an integration
-    module's: a collective, `record_stream`), before anything else the engine does with it."""
+    """`handler(eng, func, args, kwargs)` takes op overload `op` (an integration module's: a
+    collective, `record_stream`), before anything else the engine does with it. Added before
+    the op first runs: its route, its meta results and the replay's traces of it are made
+    once, without a handler (refused afterwards rather than silently not taken)."""
+    if op._op in ROUTES:
+        raise RuntimeError(f"{op} already ran on the neuron device: add its handler before")
     HANDLERS[op] = handler
-    ROUTES.pop(op._op, None)  # (a route looked up before holds no handler)

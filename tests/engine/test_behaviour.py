@@ -582,3 +582,14 @@ def test_demo_refuses_zero_steps(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_a_handler_is_added_before_its_op_first_runs(mode):
+    """handlers.handle: an op's route, meta results and traces are made once; a handler added
+    after the op ran would not be taken (the replay runs the op without it), so it is refused."""
+    from adaptive_eager.engine import handlers
+    x = torch.rand(4).to("neuron") + 1
+    torch.digamma(x).cpu()
+    with pytest.raises(RuntimeError, match="already ran on the neuron device"):
+        handlers.handle(torch.ops.aten.digamma.default, lambda *a: None)
+    assert torch.ops.aten.digamma.default not in handlers.HANDLERS
