@@ -14,15 +14,26 @@ module built from `compat` below. `ADAPTIVE_EAGER_FRAMEWORKS=0` (setting `framew
 the answer off, for users who want these frameworks on the CPU; it is read at each lookup,
 and the frameworks cache their answer for the process (`functools.lru_cache`).
 
+Note [Trainer's RNG state]: Transformers' Trainer saves, in each checkpoint, the RNG states of
+the devices it knows by name (CPU, CUDA, NPU, HPU, MLU, MUSA, XLA: `_save_rng_state`) and
+restores them at `resume_from_checkpoint` (`_load_rng_state`); it has no neuron branch, so a
+resumed run with dropout drew other masks than the uninterrupted one (on CUDA the two are the
+same run). Once `transformers.trainer` is imported, both methods are wrapped: beside Trainer's
+own file, the checkpoint gets every core's neuron RNG state (`torch.neuron.get_rng_state_all`,
+one file per process as Trainer names its own), restored after Trainer's own when present.
+Only a Trainer on the neuron device (`args.device`) writes it.
+
 Frameworks load only when the user imports them: nothing here imports one.
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
-from ..config import config
+from .. import patches
+from ..config import DEVICE_TYPE, config
 
 NAME = "torch_neuronx"
 
@@ -82,6 +93,43 @@ class Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Append the finder once (registration calls this)."""
+    """Append the finder once, and wait for Trainer (registration calls this)."""
     if not any(isinstance(f, Finder) for f in sys.meta_path):
         sys.meta_path.append(Finder())
+        patches.after_import("transformers.trainer", _keep_neuron_rng)
+
+
+def _keep_neuron_rng(module) -> None:
+    """Note [Trainer's RNG state]."""
+    trainer = getattr(module, "Trainer", None)
+    if trainer is None or not hasattr(trainer, "_save_rng_state"):
+        return  # another Transformers than the one this was written for
+    rests_on = "Trainer's private checkpoint methods (`(self, output_dir)`, `(self, checkpoint)`)"
+    patches.patch(trainer, "_save_rng_state", wrap=_saving, rests_on=rests_on)
+    patches.patch(trainer, "_load_rng_state", wrap=_loading, rests_on=rests_on)
+
+
+def _rng_file(trainer, directory: str) -> str:
+    args = trainer.args
+    name = "neuron_rng_state.pth" if args.world_size <= 1 else \
+        f"neuron_rng_state_{args.process_index}.pth"  # (Trainer's own naming)
+    return os.path.join(directory, name)
+
+
+def _saving(save):
+    def _save_rng_state(self, output_dir, *args, **kwargs):
+        save(self, output_dir, *args, **kwargs)
+        if self.args.device.type == DEVICE_TYPE:
+            import torch
+            torch.save(torch.neuron.get_rng_state_all(), _rng_file(self, output_dir))
+    return _save_rng_state
+
+
+def _loading(load):
+    def _load_rng_state(self, checkpoint, *args, **kwargs):
+        load(self, checkpoint, *args, **kwargs)
+        if checkpoint is None or not os.path.isfile(_rng_file(self, checkpoint)):
+            return
+        import torch
+        torch.neuron.set_rng_state_all(torch.load(_rng_file(self, checkpoint), weights_only=True))
+    return _load_rng_state

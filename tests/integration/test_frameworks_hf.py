@@ -173,30 +173,15 @@ def test_checkpoint_and_resume_match_cpu(tmp_path):
     _same_everywhere(run)
 
 
-class _NeuronRNGTrainer(transformers.Trainer):
-    """The README's recipe: Trainer's checkpoints carry the RNG states of CPU, CUDA, NPU, HPU,
-    MLU, MUSA and XLA, not neuron's; these two overrides add it."""
-
-    def _save_rng_state(self, output_dir):
-        super()._save_rng_state(output_dir)
-        torch.save(torch.neuron.get_rng_state_all(), os.path.join(output_dir, "neuron_rng.pth"))
-
-    def _load_rng_state(self, checkpoint):
-        super()._load_rng_state(checkpoint)
-        path = os.path.join(checkpoint or "", "neuron_rng.pth")
-        if checkpoint is not None and os.path.isfile(path):
-            torch.neuron.set_rng_state_all(torch.load(path))
-
-
 @pytest.mark.timeout(300)
-def test_resume_with_dropout_needs_the_rng_recipe(tmp_path):
-    """With dropout, Trainer's own resume restores CPU's generator but not the device's:
-    the resumed steps draw other masks (this test documents it, and fails once transformers
-    learns neuron's RNG state). The two-method recipe (README) restores it."""
-    full, resumed = _resume("eager", tmp_path / "stock", dropout=0.1)
-    assert resumed[3:] != full[3:]
-    full, resumed = _resume("eager", tmp_path / "recipe", _NeuronRNGTrainer, dropout=0.1)
-    assert resumed == full
+def test_resume_with_dropout_is_the_uninterrupted_run(tmp_path):
+    """Note [Trainer's RNG state]: with dropout, a stock Trainer resumed from a checkpoint
+    draws the masks the uninterrupted run drew (Trainer saves CPU's generator and, through our
+    wrapper, the device's: without it the resumed losses differ), in both modes."""
+    for mode in ("eager", "adaptive"):
+        full, resumed = _resume(mode, tmp_path / mode, dropout=0.1)
+        assert resumed == full, mode
+        assert os.path.isfile(tmp_path / mode / mode / "checkpoint-3" / "neuron_rng_state.pth")
 
 
 def test_model_moved_by_hand_then_trained_by_a_default_trainer(tmp_path):
