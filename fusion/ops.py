@@ -142,7 +142,7 @@ _REDUCTION = {
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
-    "hash_tensor",
+    "hash_tensor", "segment_reduce", "_segment_reduce_backward",
 }  # (the Inductor executors compile these with corrected decompositions: fusion/decomps.py)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",

@@ -160,6 +160,22 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 _PROBE_MAX_BYTES = 16 * 2**20
 
+
+def _unchecked(func):
+    """`func` with `unsafe=True`: its checks of the values of its arguments (not of their
+    shapes) left to the run."""
+    def kernel(*args, **kwargs):
+        return func(*args, **dict(kwargs, unsafe=True))
+    return kernel
+
+
+# Ops whose CPU kernel checks values that no filling of the probe's blank buffers passes:
+# segment_reduce's lengths must sum to the data's size (both fillings failed alike, so the
+# check was taken for a user error). The probe runs them without those checks, which run with
+# the op on the device (an error at the next sync, as an index out of range).
+_PROBE_KERNELS = {f: _unchecked(f) for f in (torch.ops.aten.segment_reduce.default,
+                                             torch.ops.aten.segment_reduce.out)}
+
 # Note [Layouts of unprobed signatures]: where the probe is skipped (big buffers), the meta
 # kernel's layout stands, and some meta kernels lay out by device: given meta tensors their
 # rules answer as for CUDA (`device_hint` defaults to "cuda"), and the convolution's meta
@@ -274,7 +290,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
     # A random op's probe draws from a throwaway generator (the op's overload that takes
     # one), or else from a throwaway copy of the process's (fork_rng: restoring it would undo
     # another thread's CPU draws meanwhile, so only where unavoidable).
-    kernel = device_kernel(func)
+    kernel = _PROBE_KERNELS.get(func) or device_kernel(func)
     gen_op = with_generator(func) if random and kernel is func else None
     for fill in (0, 1):
         bufs = [_host_zeros(h.nbytes) for h in handles]

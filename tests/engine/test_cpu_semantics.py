@@ -1247,3 +1247,51 @@ def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
     the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
     _on_the_device_as_cpu(_ops_without_a_class, adaptive)
+
+
+def _segment_reductions(d):
+    """torch.segment_reduce by lengths and by offsets, each reduction, along the last and an
+    inner axis of a strided input, empty segments, `initial`, and each one's gradient."""
+    data = torch.linspace(-2, 3, 24).reshape(4, 6).T.to(d)  # (6, 4), column-major
+    lengths = torch.tensor([2, 0, 3, 1], device=d)
+    offsets = torch.tensor([[0, 1, 1, 4], [0, 2, 4, 4]], device=d)  # axis 1 of a (2, 4, 3)
+    cube = torch.arange(24.0).reshape(2, 4, 3).to(d)
+    out = []
+    for reduce, initial in (("sum", None), ("mean", 0.5), ("max", None), ("min", -1.0),
+                            ("prod", 2.0)):
+        x, c = data.clone().requires_grad_(), cube.clone().requires_grad_()
+        y = torch.segment_reduce(x, reduce, lengths=lengths, initial=initial)
+        z = torch.segment_reduce(c, reduce, offsets=offsets, axis=1, initial=initial,
+                                 unsafe=True)
+        (y * torch.arange(1.0, 5.0, device=d)[:, None]).sum().add(z.pow(2).sum()).backward()
+        out += [y, z, x.grad, c.grad]
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_segment_reduce_and_its_backward_run_on_the_device(adaptive):
+    """They fell back to the CPU (a sync in adaptive mode); then the CPU probe took their
+    lengths check (they must sum to the data's size), which its blank buffers fail for every
+    filling, for a user error. Values and gradients are CPU's bit for bit."""
+    _on_the_device_as_cpu(_segment_reductions, adaptive)
+    if adaptive:
+        with ae.adaptive():
+            before = ae.metrics()
+            _segment_reductions("neuron")[-1].sum().item()
+        assert list((ae.metrics() - before).flushes) == ["item"]
+
+
+def test_segment_reduce_errors_as_cpu(mode):
+    """Shape errors raise at the call with CPU's message; lengths that do not sum to the
+    data's size (a check of values) at the next sync, as an index out of range does."""
+    data = torch.arange(6.0, device=N)
+    with pytest.raises(RuntimeError, match="reduce argument"):
+        torch.segment_reduce(data, "median", lengths=torch.tensor([6], device=N))
+    with pytest.raises(RuntimeError, match="Expected axis to be the last dimension"):
+        torch.segment_reduce(data.reshape(2, 3), "sum", lengths=torch.tensor([1, 1], device=N),
+                             axis=1)
+    y = torch.segment_reduce(data, "sum", lengths=torch.tensor([2, 3], device=N))
+    with pytest.raises(ae.NeuronRuntimeError, match="segment_reduce.*sum to data.size"):
+        y.tolist()
+    assert torch.segment_reduce(data, "max", lengths=torch.tensor([2, 4], device=N)).tolist() \
+        == [1.0, 5.0]
