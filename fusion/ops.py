@@ -314,14 +314,26 @@ def _aten_forward(name: str) -> str | None:
     return _aten_class(getattr(packet, ov))
 
 
+# PyTorch's own custom ops (torch.library.custom_op) whose one kernel, CompositeExplicitAutograd,
+# is written in torch ops for any device, as CUDA runs it: F.linear_cross_entropy's chunked
+# path (`options=`). Their ops are the device's (a custom op without a neuron kernel falls back
+# to the CPU otherwise: a user's may do anything in Python).
+_COMPOSITE_CUSTOM_OPS = frozenset({
+    "torch_nn::_linear_cross_entropy_batch_chunked",
+    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction"})
+
+
 @functools.lru_cache(maxsize=None)
 def composite_key(func: torch._ops.OpOverload):
     """PyTorch decomposes `func` above the backend (CompositeImplicitAutograd) unless the
     backend has its own kernel: such an op reaches the device whole only where autograd's key
     is skipped (inference mode, inference tensors). The key of the kernel that runs it then:
-    the backend's own autograd kernel where one is registered, else the decomposition. None
-    for every other op."""
+    the backend's own autograd kernel where one is registered, else the decomposition. For
+    `_COMPOSITE_CUSTOM_OPS`, which always reach the device whole, their composite kernel's
+    key. None for every other op."""
     name, has = func.name(), torch._C._dispatch_has_kernel_for_dispatch_key
+    if name in _COMPOSITE_CUSTOM_OPS and not has(name, "PrivateUse1"):
+        return torch._C.DispatchKey.CompositeExplicitAutograd
     if not has(name, "CompositeImplicitAutograd") or has(name, "PrivateUse1"):
         return None
     if has(name, "AutogradPrivateUse1"):
