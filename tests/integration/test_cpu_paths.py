@@ -438,3 +438,17 @@ def test_linear_cross_entropy_chunked_path_runs_on_the_device(mode, reduction, c
         got = _chunked_cross_entropy(N, reduction, torch.float32, batch_chunk_size=chunk)
     assert ae.metrics().cpu_fallbacks == {}
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_chunked_path_in_half_precision_as_cpu(mode, dtype, reduction):
+    """The chunked path picks its accumulation (policy, chunks, float32 accumulation) by the
+    input's device type, float32 on `cpu` only: on neuron a float16 / bfloat16 loss and its
+    gradients were 1-2 ulps off CPU's. The device takes CPU's picks (registration.py
+    `_cpu_picks_for_chunked_cross_entropy`)."""
+    with _disable_current_modes():
+        want = _chunked_cross_entropy("cpu", reduction, dtype)
+    got = _chunked_cross_entropy(N, reduction, dtype)
+    assert ae.metrics().cpu_fallbacks == {}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
