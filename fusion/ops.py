@@ -160,7 +160,9 @@ _INDEXING = {
     "index_reduce", "searchsorted", "bucketize", "isin", "max_pool1d", "max_pool3d_with_indices",
     "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
-    "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
+    "histc", "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+    "_histogramdd_from_bin_tensors",  # (no meta kernel in PyTorch: meta.py `_META_AS_CPU`)
+    "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
     "arange", "range", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
     "_embedding_bag_backward", "_embedding_bag_dense_backward",
     "_embedding_bag_per_sample_weights_backward",
@@ -190,11 +192,7 @@ _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linal
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
 _BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
-                  *_LINALG_CHECKED,
-                  # no meta kernel in PyTorch (their shapes follow from `bins`, but nothing
-                  # infers them): run at the call
-                  "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
-                  "_histogramdd_from_bin_tensors"}
+                  *_LINALG_CHECKED}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (

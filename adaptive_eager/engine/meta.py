@@ -239,10 +239,40 @@ def _grouped_mm_meta(a, b, offs=None, bias=None, out_dtype=None):
     return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
-# Ops whose meta kernel is another device's, answered by CPU's rule (the device runs CPU's
-# kernel).
-_META_AS_CPU = {getattr(torch.ops.aten, op).default: rule for op, rule in (
-    ("_grouped_mm", _grouped_mm_meta),) if hasattr(torch.ops.aten, op)}
+def _histogram_meta(self, bins=100, *, range=None, weight=None, density=False):
+    """torch.histogram's hist and bin edges: `bins` of them (`bins` + 1 edges), or one fewer
+    than the edges given, in the input's dtype (CPU's `histogramdd_prepare_out`). Checks: the
+    probe's (CPU's kernel)."""
+    n = bins if isinstance(bins, int) else bins.shape[0] - 1
+    return (self.new_empty((n,)), self.new_empty((n + 1,)))
+
+
+def _histogramdd_bin_edges_meta(self, bins, *, range=None, weight=None, density=False):
+    return [self.new_empty((b + 1,)) for b in bins]
+
+
+def _histogramdd_from_bin_cts_meta(self, bins, *, range=None, weight=None, density=False):
+    return self.new_empty(tuple(bins))
+
+
+def _histogramdd_from_bin_tensors_meta(self, bins, *, weight=None, density=False):
+    return self.new_empty(tuple(b.shape[0] - 1 for b in bins))
+
+
+# Ops whose meta kernel is another device's, or missing, answered by CPU's rule (the device
+# runs CPU's kernel). The histograms' shapes follow from their bins (they ran at the call, a
+# sync in adaptive mode); a range taken from non-finite values raises at the next sync, as any
+# error only execution finds.
+_META_AS_CPU = {getattr(getattr(torch.ops.aten, op), overload): rule
+                for op, overload, rule in (
+                    ("_grouped_mm", "default", _grouped_mm_meta),
+                    ("histogram", "bin_ct", _histogram_meta),
+                    ("histogram", "bins_tensor", _histogram_meta),
+                    ("_histogramdd_bin_edges", "default", _histogramdd_bin_edges_meta),
+                    ("_histogramdd_from_bin_cts", "default", _histogramdd_from_bin_cts_meta),
+                    ("_histogramdd_from_bin_tensors", "default",
+                     _histogramdd_from_bin_tensors_meta))
+                if hasattr(getattr(torch.ops.aten, op, None), overload)}
 
 
 def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:

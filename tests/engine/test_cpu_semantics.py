@@ -1244,9 +1244,57 @@ def _bn_with_update(d):
 def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
     embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
-    hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
-    the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
+    hash_tensor, the _batch_norm_with_update family and histogram(dd) (then run at the call,
+    now queued: test_histograms_queue_on_the_device) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
     _on_the_device_as_cpu(_ops_without_a_class, adaptive)
+
+
+def _histograms(d):
+    """histc, histogram (bin count, range, bin tensor, weight, density) and histogramdd (bin
+    counts, bin tensors) of a strided input."""
+    x = torch.linspace(-3, 3, 24).reshape(4, 6).T.to(d)  # column-major
+    pts = x[:, :2]
+    edges = [torch.tensor([-3.0, -1.0, 0.5, 3.0], device=d), torch.tensor([-2.0, 2.0], device=d)]
+    return [torch.histc(x, bins=7), torch.histc(x, bins=5, min=-1, max=2),
+            *torch.histogram(x, 5), *torch.histogram(x, 3, range=(-1.0, 1.0)),
+            *torch.histogram(x, edges[0], weight=x.abs(), density=True),
+            *_histogramdd(pts), *torch.histogramdd(pts, bins=edges, weight=x[:, 2])[:1],
+            torch.histogramdd(pts, bins=[4, 2], range=[-2.0, 2.0, -1.0, 3.0], density=True).hist]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_histograms_queue_on_the_device(adaptive):
+    """histogram and histogramdd had no meta kernel (their shapes follow from the bins): they
+    ran at the call, a sync in adaptive mode. CPU's rules (meta.py `_META_AS_CPU`) make them
+    queued device ops, as histc; CPU's values, no flush until the read."""
+    _on_the_device_as_cpu(_histograms, adaptive)
+    with ae.adaptive():
+        before = ae.metrics()
+        got = _histograms("neuron")
+        assert (ae.metrics() - before).flushes == {}
+        got[-1].sum().item()
+
+
+def test_histogram_errors_as_cpu(mode):
+    """Shape, dtype and bin errors raise at the call with CPU's words; a range taken from
+    non-finite values (a check of values) at the next sync, as histc's and an index out of
+    range's."""
+    x = torch.randn(5, device=N)
+    for call, words in ((lambda: torch.histogram(x, 0), "bins must be > 0"),
+                        (lambda: torch.histogram(x, 3, range=(2.0, 1.0)), "min should not exceed"),
+                        (lambda: torch.histogram(x, 3, weight=x[:4]), "if weight tensor"),
+                        (lambda: torch.histogram(x, torch.tensor([1, 2], device=N)), "same dtype"),
+                        (lambda: torch.histogramdd(x[:, None], [3, 2]), "bins")):
+        with pytest.raises(RuntimeError, match=words):
+            call()
+    inf = torch.tensor([1.0, float("inf")], device=N)
+    for call, op in ((lambda: torch.histogram(inf, 3), "histogram"),
+                     (lambda: torch.histogramdd(inf[:, None], [3]), "_histogramdd_bin_edges"),
+                     (lambda: torch.histc(inf), "histc")):
+        y = call()
+        with pytest.raises(ae.NeuronRuntimeError, match=f"aten::{op}.*is not finite"):
+            ae.synchronize()
+    assert torch.histogram(x.cpu(), 3).hist.tolist() == torch.histogram(x, 3).hist.tolist()
 
 
 def _segment_reductions(d):
