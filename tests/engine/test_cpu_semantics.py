@@ -1297,6 +1297,23 @@ def test_histogram_errors_as_cpu(mode):
     assert torch.histogram(x.cpu(), 3).hist.tolist() == torch.histogram(x, 3).hist.tolist()
 
 
+def test_index_of_a_tensor_refuses_from_metadata_without_a_sync():
+    """`operator.index` of a floating, complex or many-element tensor raises CPU's TypeError
+    without reading the value (PyTorch's argument parser asks it of tensors in a list given
+    where an overload takes int[]: a sync each); an integer or bool one-element tensor reads it."""
+    import operator
+    with ae.adaptive():
+        x = torch.arange(3.0, device=N) * 2
+        before = ae.metrics()
+        for t in (x, x[1], x.long(), x.to(torch.complex64)[:1]):
+            with pytest.raises(TypeError, match="only integer tensors of a single element"):
+                operator.index(t)
+            with pytest.raises(TypeError, match="only integer tensors of a single element"):
+                operator.index(torch.empty_like(t, device="cpu"))  # CPU's words
+        assert (ae.metrics() - before).flushes == {}
+        assert operator.index(x.long()[1:2]) == 2 and operator.index(x[1:2] > 1) == 1
+
+
 def _segment_reductions(d):
     """torch.segment_reduce by lengths and by offsets, each reduction, along the last and an
     inner axis of a strided input, empty segments, `initial`, and each one's gradient."""
