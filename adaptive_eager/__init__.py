@@ -14,7 +14,12 @@ the package is installed) leaves a run that does not use its fixture without tor
 ours imported first (`import device`, `import adaptive_eager.errors`, an unpickled error) meets
 torch's import half made, and the API needs it whole (`from device import COUNTERS` failed,
 and torch refused the backend): while one is half made, torch's autoload and import load the
-API once that module's import has run (`_load_when_whole`).
+API once that module's import has run (`_load_when_whole`). Threads (first imports at once):
+the API is imported after torch, never while holding the package's import lock waiting for
+torch, since torch's import (its autoload) waits for the package: one thread's `import torch`
+and another's `import adaptive_eager` had Python's deadlock detector break the circle, failing
+torch's import (torch then ran twice). So the package, imported while another thread imports
+torch, leaves the API to that import; `_load` imports torch before the API.
 """
 import importlib as _importlib
 import sys as _sys
@@ -35,7 +40,8 @@ __all__ = [  # api.py's, known before it loads (tests/tools/test_pytest_plugin.p
 def _load():
     """Import the API (registering the device) and make its names the package's. (Torch's
     autoload, called by api's own `import torch`, finds the API half made: the outer call
-    finishes it.)"""
+    finishes it.) Torch first (Note [Lazy package]: the order torch's own import takes)."""
+    import torch  # noqa: F401  (on another thread half made: waits for it, and its autoload)
     api = _importlib.import_module(f"{__name__}.api")
     if not getattr(api.__spec__, "_initializing", False):
         globals().update((name, getattr(api, name)) for name in __all__)
@@ -71,7 +77,17 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-if "torch" in _sys.modules:
+def _imported_elsewhere(module) -> bool:
+    """`module`'s import is under way on another thread (half made, not on this stack)."""
+    if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return False
+    frame = _sys._getframe(1)
+    while frame is not None and frame.f_globals is not module.__dict__:
+        frame = frame.f_back
+    return frame is None
+
+
+if "torch" in _sys.modules and not _imported_elsewhere(_sys.modules["torch"]):
     _load_when_whole()
 else:
     _TORCH_HOOK = _patches.after_import("torch", _load_when_whole)

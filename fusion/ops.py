@@ -142,7 +142,7 @@ _REDUCTION = {
     "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "msort", "argsort",
     "_foreach_max", "trace", "_euclidean_dist", "dist", "binary_cross_entropy_with_logits",
     "multi_margin_loss", "multilabel_margin_loss", "multilabel_margin_loss_forward",
-    "hash_tensor",
+    "hash_tensor", "segment_reduce", "_segment_reduce_backward",
 }  # (the Inductor executors compile these with corrected decompositions: fusion/decomps.py)
 _INDEXING = {
     "index", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index_put",
@@ -160,7 +160,9 @@ _INDEXING = {
     "index_reduce", "searchsorted", "bucketize", "isin", "max_pool1d", "max_pool3d_with_indices",
     "avg_pool1d", "avg_pool3d", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "_unsafe_index", "_unsafe_index_put", "glu", "glu_backward", "_pdist_forward",
-    "histc", "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
+    "histc", "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+    "_histogramdd_from_bin_tensors",  # (no meta kernel in PyTorch: meta.py `_META_AS_CPU`)
+    "bincount", "eye", "tril_indices", "triu_indices", "linspace", "logspace",
     "arange", "range", "zeros", "ones", "full", "scalar_tensor", "_foreach_copy",
     "_embedding_bag_backward", "_embedding_bag_dense_backward",
     "_embedding_bag_per_sample_weights_backward",
@@ -190,11 +192,7 @@ _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linal
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.
 _BARRIER_EXTRA = {"mkldnn_rnn_layer", "_embedding_bag", "_embedding_bag_forward_only",
-                  *_LINALG_CHECKED,
-                  # no meta kernel in PyTorch (their shapes follow from `bins`, but nothing
-                  # infers them): run at the call
-                  "histogram", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
-                  "_histogramdd_from_bin_tensors"}
+                  *_LINALG_CHECKED}
 # Ops that read only their first argument's layout, never its values (Note [Poison] in
 # program.py: a poisoned input does not poison what they make).
 LAYOUT_ONLY = frozenset(f"aten::{n}" for n in (
@@ -314,14 +312,26 @@ def _aten_forward(name: str) -> str | None:
     return _aten_class(getattr(packet, ov))
 
 
+# PyTorch's own custom ops (torch.library.custom_op) whose one kernel, CompositeExplicitAutograd,
+# is written in torch ops for any device, as CUDA runs it: F.linear_cross_entropy's chunked
+# path (`options=`). Their ops are the device's (a custom op without a neuron kernel falls back
+# to the CPU otherwise: a user's may do anything in Python).
+_COMPOSITE_CUSTOM_OPS = frozenset({
+    "torch_nn::_linear_cross_entropy_batch_chunked",
+    "torch_nn::_linear_cross_entropy_batch_chunked_no_reduction"})
+
+
 @functools.lru_cache(maxsize=None)
 def composite_key(func: torch._ops.OpOverload):
     """PyTorch decomposes `func` above the backend (CompositeImplicitAutograd) unless the
     backend has its own kernel: such an op reaches the device whole only where autograd's key
     is skipped (inference mode, inference tensors). The key of the kernel that runs it then:
-    the backend's own autograd kernel where one is registered, else the decomposition. None
-    for every other op."""
+    the backend's own autograd kernel where one is registered, else the decomposition. For
+    `_COMPOSITE_CUSTOM_OPS`, which always reach the device whole, their composite kernel's
+    key. None for every other op."""
     name, has = func.name(), torch._C._dispatch_has_kernel_for_dispatch_key
+    if name in _COMPOSITE_CUSTOM_OPS and not has(name, "PrivateUse1"):
+        return torch._C.DispatchKey.CompositeExplicitAutograd
     if not has(name, "CompositeImplicitAutograd") or has(name, "PrivateUse1"):
         return None
     if has(name, "AutogradPrivateUse1"):

@@ -39,6 +39,9 @@ aten = torch.ops.aten
 # every key above Python is excluded, so here it runs with that one key let through: a
 # composite view of an ordinary tensor is an autograd view, and an in-place change of it
 # makes a backward through `y` raise, as on CPU (it gave a wrong gradient).
+# PyTorch's own custom ops written in torch ops for any device (F.linear_cross_entropy's
+# chunked path: fusion.ops `_COMPOSITE_CUSTOM_OPS`) always reach the device whole, and run
+# their CompositeExplicitAutograd kernel here the same way, their ops the device's.
 
 
 _INFERENCE_WRITE = ("Inplace update to inference tensor outside InferenceMode is not allowed."

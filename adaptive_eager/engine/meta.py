@@ -160,6 +160,22 @@ _any_autocast = torch._C._is_any_autocast_enabled
 
 _PROBE_MAX_BYTES = 16 * 2**20
 
+
+def _unchecked(func):
+    """`func` with `unsafe=True`: its checks of the values of its arguments (not of their
+    shapes) left to the run."""
+    def kernel(*args, **kwargs):
+        return func(*args, **dict(kwargs, unsafe=True))
+    return kernel
+
+
+# Ops whose CPU kernel checks values that no filling of the probe's blank buffers passes:
+# segment_reduce's lengths must sum to the data's size (both fillings failed alike, so the
+# check was taken for a user error). The probe runs them without those checks, which run with
+# the op on the device (an error at the next sync, as an index out of range).
+_PROBE_KERNELS = {f: _unchecked(f) for f in (torch.ops.aten.segment_reduce.default,
+                                             torch.ops.aten.segment_reduce.out)}
+
 # Note [Layouts of unprobed signatures]: where the probe is skipped (big buffers), the meta
 # kernel's layout stands, and some meta kernels lay out by device: given meta tensors their
 # rules answer as for CUDA (`device_hint` defaults to "cuda"), and the convolution's meta
@@ -223,10 +239,40 @@ def _grouped_mm_meta(a, b, offs=None, bias=None, out_dtype=None):
     return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
-# Ops whose meta kernel is another device's, answered by CPU's rule (the device runs CPU's
-# kernel).
-_META_AS_CPU = {getattr(torch.ops.aten, op).default: rule for op, rule in (
-    ("_grouped_mm", _grouped_mm_meta),) if hasattr(torch.ops.aten, op)}
+def _histogram_meta(self, bins=100, *, range=None, weight=None, density=False):
+    """torch.histogram's hist and bin edges: `bins` of them (`bins` + 1 edges), or one fewer
+    than the edges given, in the input's dtype (CPU's `histogramdd_prepare_out`). Checks: the
+    probe's (CPU's kernel)."""
+    n = bins if isinstance(bins, int) else bins.shape[0] - 1
+    return (self.new_empty((n,)), self.new_empty((n + 1,)))
+
+
+def _histogramdd_bin_edges_meta(self, bins, *, range=None, weight=None, density=False):
+    return [self.new_empty((b + 1,)) for b in bins]
+
+
+def _histogramdd_from_bin_cts_meta(self, bins, *, range=None, weight=None, density=False):
+    return self.new_empty(tuple(bins))
+
+
+def _histogramdd_from_bin_tensors_meta(self, bins, *, weight=None, density=False):
+    return self.new_empty(tuple(b.shape[0] - 1 for b in bins))
+
+
+# Ops whose meta kernel is another device's, or missing, answered by CPU's rule (the device
+# runs CPU's kernel). The histograms' shapes follow from their bins (they ran at the call, a
+# sync in adaptive mode); a range taken from non-finite values raises at the next sync, as any
+# error only execution finds.
+_META_AS_CPU = {getattr(getattr(torch.ops.aten, op), overload): rule
+                for op, overload, rule in (
+                    ("_grouped_mm", "default", _grouped_mm_meta),
+                    ("histogram", "bin_ct", _histogram_meta),
+                    ("histogram", "bins_tensor", _histogram_meta),
+                    ("_histogramdd_bin_edges", "default", _histogramdd_bin_edges_meta),
+                    ("_histogramdd_from_bin_cts", "default", _histogramdd_from_bin_cts_meta),
+                    ("_histogramdd_from_bin_tensors", "default",
+                     _histogramdd_from_bin_tensors_meta))
+                if hasattr(getattr(torch.ops.aten, op, None), overload)}
 
 
 def _worth_probing(func, cls, handles, args_t, kwargs_t, out) -> bool:
@@ -274,7 +320,7 @@ def _probe(func, args, kwargs, args_t, kwargs_t, handles, random: bool):
     # A random op's probe draws from a throwaway generator (the op's overload that takes
     # one), or else from a throwaway copy of the process's (fork_rng: restoring it would undo
     # another thread's CPU draws meanwhile, so only where unavoidable).
-    kernel = device_kernel(func)
+    kernel = _PROBE_KERNELS.get(func) or device_kernel(func)
     gen_op = with_generator(func) if random and kernel is func else None
     for fill in (0, 1):
         bufs = [_host_zeros(h.nbytes) for h in handles]

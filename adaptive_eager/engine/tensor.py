@@ -155,6 +155,11 @@ class NeuronTensor(torch.Tensor):
         return float(self._host("float"))
 
     def __index__(self):
+        # CPU's refusal from metadata, without a sync: PyTorch's argument parser asks it of
+        # every tensor in a list where an overload takes int[] (histogramdd's bin tensors)
+        if self.numel() != 1 or self.is_floating_point() or self.is_complex():
+            raise TypeError("only integer tensors of a single element can be converted to "
+                            "an index")
         return self._host("int").__index__()
 
     def tolist(self):

@@ -56,6 +56,7 @@ def register() -> None:
     ForkingPickler.register(NeuronTensor, _refuse_sharing)  # Note [Sharing across processes]
     hooks.install()  # Note [Hooks that raise]
     _route_accelerator_api()
+    _cpu_picks_for_chunked_cross_entropy()
     _storage.refuse_device_storages()
     install_set_data()  # Note [Setting .data across devices]
     _refuse_other_layouts()
@@ -223,6 +224,28 @@ def _route_accelerator_api():
         return set_stream(stream)
     patches.patch(torch.accelerator, "set_stream", set_neuron_stream,
                   rests_on="torch.accelerator.set_stream's C++ stream guard, which we lack")
+
+
+# F.linear_cross_entropy's chunked path picks its accumulation policy, chunking and
+# accumulation dtype by the input's device type (`LinearCrossEntropyOptions._adjust`): float32
+# accumulation and the "accurate" policy for float16 / bfloat16 on `cpu` only, so on neuron a
+# half-precision loss and its gradients were 1-2 ulps off CPU's. The device runs CPU's kernels:
+# it takes CPU's picks.
+def _cpu_picks_for_chunked_cross_entropy():
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or not hasattr(options, "_adjust"):
+        return
+
+    def wrap(adjust):
+        @functools.wraps(adjust)
+        def cpu_picks(self, num_batches, in_features, num_classes, dtype, device=None):
+            if device is not None and torch.device(device).type == DEVICE_TYPE:
+                device = torch.device("cpu")
+            return adjust(self, num_batches, in_features, num_classes, dtype, device)
+        return cpu_picks
+    patches.patch(options, "_adjust", wrap=wrap,
+                  rests_on="torch.nn.LinearCrossEntropyOptions._adjust (private): its device "
+                           "argument only picks the defaults of the \"auto\" settings")
 
 
 # PyTorch picks CUDA-style fused RNN cells for accelerators (`input.is_privateuseone()`), and

@@ -1244,6 +1244,119 @@ def _bn_with_update(d):
 def test_ops_the_device_had_no_class_for_run_on_the_device(adaptive):
     """block_diag, affine_grid, conv_tbc, nonzero_static, native_channel_shuffle, put(_),
     embedding's max_norm renorm, _add_relu, the _unsafe_masked_index ops (decompositions'),
-    hash_tensor, the _batch_norm_with_update family and histogram(dd) (no meta kernel: run at
-    the call) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
+    hash_tensor, the _batch_norm_with_update family and histogram(dd) (then run at the call,
+    now queued: test_histograms_queue_on_the_device) fell back to the CPU (warning, copies, a sync in adaptive mode)."""
     _on_the_device_as_cpu(_ops_without_a_class, adaptive)
+
+
+def _histograms(d):
+    """histc, histogram (bin count, range, bin tensor, weight, density) and histogramdd (bin
+    counts, bin tensors) of a strided input."""
+    x = torch.linspace(-3, 3, 24).reshape(4, 6).T.to(d)  # column-major
+    pts = x[:, :2]
+    edges = [torch.tensor([-3.0, -1.0, 0.5, 3.0], device=d), torch.tensor([-2.0, 2.0], device=d)]
+    return [torch.histc(x, bins=7), torch.histc(x, bins=5, min=-1, max=2),
+            *torch.histogram(x, 5), *torch.histogram(x, 3, range=(-1.0, 1.0)),
+            *torch.histogram(x, edges[0], weight=x.abs(), density=True),
+            *_histogramdd(pts), *torch.histogramdd(pts, bins=edges, weight=x[:, 2])[:1],
+            torch.histogramdd(pts, bins=[4, 2], range=[-2.0, 2.0, -1.0, 3.0], density=True).hist]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_histograms_queue_on_the_device(adaptive):
+    """histogram and histogramdd had no meta kernel (their shapes follow from the bins): they
+    ran at the call, a sync in adaptive mode. CPU's rules (meta.py `_META_AS_CPU`) make them
+    queued device ops, as histc; CPU's values, no flush until the read."""
+    _on_the_device_as_cpu(_histograms, adaptive)
+    with ae.adaptive():
+        before = ae.metrics()
+        got = _histograms("neuron")
+        assert (ae.metrics() - before).flushes == {}
+        got[-1].sum().item()
+
+
+def test_histogram_errors_as_cpu(mode):
+    """Shape, dtype and bin errors raise at the call with CPU's words; a range taken from
+    non-finite values (a check of values) at the next sync, as histc's and an index out of
+    range's."""
+    x = torch.randn(5, device=N)
+    for call, words in ((lambda: torch.histogram(x, 0), "bins must be > 0"),
+                        (lambda: torch.histogram(x, 3, range=(2.0, 1.0)), "min should not exceed"),
+                        (lambda: torch.histogram(x, 3, weight=x[:4]), "if weight tensor"),
+                        (lambda: torch.histogram(x, torch.tensor([1, 2], device=N)), "same dtype"),
+                        (lambda: torch.histogramdd(x[:, None], [3, 2]), "bins")):
+        with pytest.raises(RuntimeError, match=words):
+            call()
+    inf = torch.tensor([1.0, float("inf")], device=N)
+    for call, op in ((lambda: torch.histogram(inf, 3), "histogram"),
+                     (lambda: torch.histogramdd(inf[:, None], [3]), "_histogramdd_bin_edges"),
+                     (lambda: torch.histc(inf), "histc")):
+        y = call()
+        with pytest.raises(ae.NeuronRuntimeError, match=f"aten::{op}.*is not finite"):
+            ae.synchronize()
+    assert torch.histogram(x.cpu(), 3).hist.tolist() == torch.histogram(x, 3).hist.tolist()
+
+
+def test_index_of_a_tensor_refuses_from_metadata_without_a_sync():
+    """`operator.index` of a floating, complex or many-element tensor raises CPU's TypeError
+    without reading the value (PyTorch's argument parser asks it of tensors in a list given
+    where an overload takes int[]: a sync each); an integer or bool one-element tensor reads it."""
+    import operator
+    with ae.adaptive():
+        x = torch.arange(3.0, device=N) * 2
+        before = ae.metrics()
+        for t in (x, x[1], x.long(), x.to(torch.complex64)[:1]):
+            with pytest.raises(TypeError, match="only integer tensors of a single element"):
+                operator.index(t)
+            with pytest.raises(TypeError, match="only integer tensors of a single element"):
+                operator.index(torch.empty_like(t, device="cpu"))  # CPU's words
+        assert (ae.metrics() - before).flushes == {}
+        assert operator.index(x.long()[1:2]) == 2 and operator.index(x[1:2] > 1) == 1
+
+
+def _segment_reductions(d):
+    """torch.segment_reduce by lengths and by offsets, each reduction, along the last and an
+    inner axis of a strided input, empty segments, `initial`, and each one's gradient."""
+    data = torch.linspace(-2, 3, 24).reshape(4, 6).T.to(d)  # (6, 4), column-major
+    lengths = torch.tensor([2, 0, 3, 1], device=d)
+    offsets = torch.tensor([[0, 1, 1, 4], [0, 2, 4, 4]], device=d)  # axis 1 of a (2, 4, 3)
+    cube = torch.arange(24.0).reshape(2, 4, 3).to(d)
+    out = []
+    for reduce, initial in (("sum", None), ("mean", 0.5), ("max", None), ("min", -1.0),
+                            ("prod", 2.0)):
+        x, c = data.clone().requires_grad_(), cube.clone().requires_grad_()
+        y = torch.segment_reduce(x, reduce, lengths=lengths, initial=initial)
+        z = torch.segment_reduce(c, reduce, offsets=offsets, axis=1, initial=initial,
+                                 unsafe=True)
+        (y * torch.arange(1.0, 5.0, device=d)[:, None]).sum().add(z.pow(2).sum()).backward()
+        out += [y, z, x.grad, c.grad]
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eager", "adaptive"])
+def test_segment_reduce_and_its_backward_run_on_the_device(adaptive):
+    """They fell back to the CPU (a sync in adaptive mode); then the CPU probe took their
+    lengths check (they must sum to the data's size), which its blank buffers fail for every
+    filling, for a user error. Values and gradients are CPU's bit for bit."""
+    _on_the_device_as_cpu(_segment_reductions, adaptive)
+    if adaptive:
+        with ae.adaptive():
+            before = ae.metrics()
+            _segment_reductions("neuron")[-1].sum().item()
+        assert list((ae.metrics() - before).flushes) == ["item"]
+
+
+def test_segment_reduce_errors_as_cpu(mode):
+    """Shape errors raise at the call with CPU's message; lengths that do not sum to the
+    data's size (a check of values) at the next sync, as an index out of range does."""
+    data = torch.arange(6.0, device=N)
+    with pytest.raises(RuntimeError, match="reduce argument"):
+        torch.segment_reduce(data, "median", lengths=torch.tensor([6], device=N))
+    with pytest.raises(RuntimeError, match="Expected axis to be the last dimension"):
+        torch.segment_reduce(data.reshape(2, 3), "sum", lengths=torch.tensor([1, 1], device=N),
+                             axis=1)
+    y = torch.segment_reduce(data, "sum", lengths=torch.tensor([2, 3], device=N))
+    with pytest.raises(ae.NeuronRuntimeError, match="segment_reduce.*sum to data.size"):
+        y.tolist()
+    assert torch.segment_reduce(data, "max", lengths=torch.tensor([2, 4], device=N)).tolist() \
+        == [1.0, 5.0]

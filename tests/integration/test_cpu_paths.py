@@ -409,3 +409,46 @@ def test_grouped_mm_queues_with_cpus_layout_and_flops(dtype):
         torch.neuron.synchronize()
         times.append((ae.metrics() - before).device_time_us)
     assert times[0] == pytest.approx(times[1])  # one group: mm's FLOPs, compute-bound
+
+
+def _chunked_cross_entropy(d, reduction, dtype, **options):
+    """F.linear_cross_entropy's chunked path (`options=`) on `d`: loss and gradients."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 8, generator=g).to(dtype).to(d).requires_grad_()
+    w = torch.randn(40, 8, generator=g).to(dtype).to(d).requires_grad_()
+    b = torch.randn(40, generator=g).to(dtype).to(d).requires_grad_()
+    y = torch.randint(0, 40, (16,), generator=g).to(d)
+    loss = F.linear_cross_entropy(x, w, y, linear_bias=b, reduction=reduction,
+                                  options=torch.nn.LinearCrossEntropyOptions(**options))
+    loss.sum().backward()
+    return [t.detach().cpu() for t in (loss, x.grad, w.grad, b.grad)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_linear_cross_entropy_chunked_path_runs_on_the_device(mode, reduction, chunk):
+    """The chunked path is PyTorch's custom op (`torch_nn::_linear_cross_entropy_batch_chunked`,
+    `..._no_reduction`), one CompositeExplicitAutograd kernel in torch ops for any device: as
+    a custom op without a neuron kernel it fell back to the CPU (a sync in adaptive mode). Its
+    kernel runs on the device, as on CUDA (fusion.ops `_COMPOSITE_CUSTOM_OPS`)."""
+    with _disable_current_modes():
+        want = _chunked_cross_entropy("cpu", reduction, torch.float32, batch_chunk_size=chunk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "fell back to CPU"
+        got = _chunked_cross_entropy(N, reduction, torch.float32, batch_chunk_size=chunk)
+    assert ae.metrics().cpu_fallbacks == {}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_chunked_path_in_half_precision_as_cpu(mode, dtype, reduction):
+    """The chunked path picks its accumulation (policy, chunks, float32 accumulation) by the
+    input's device type, float32 on `cpu` only: on neuron a float16 / bfloat16 loss and its
+    gradients were 1-2 ulps off CPU's. The device takes CPU's picks (registration.py
+    `_cpu_picks_for_chunked_cross_entropy`)."""
+    with _disable_current_modes():
+        want = _chunked_cross_entropy("cpu", reduction, dtype)
+    got = _chunked_cross_entropy(N, reduction, dtype)
+    assert ae.metrics().cpu_fallbacks == {}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -175,3 +175,39 @@ def test_a_module_of_ours_imported_before_torch(module):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_first_imports_of_torch_and_the_package_on_two_threads():
+    """Note [Lazy package]: one thread's first `import torch` and another's `import
+    adaptive_eager` (then an `ae.` name) at once: the package's thread imported the API, holding
+    its import lock, and waited for torch, whose autoload waited for the package; Python's
+    deadlock detector broke the circle by failing one import ("Failed to load the backend
+    extension: neuron", then torch's module ran twice: "Only a single TORCH_LIBRARY ... triton"),
+    2 runs of 2. Each thread then uses the device."""
+    import os
+    import subprocess
+    import sys
+    code = """if True:
+        import threading
+        errors, go = [], threading.Barrier(2)
+        def first(i):
+            try:
+                go.wait()
+                if i:
+                    import adaptive_eager as ae
+                    ae.metrics()
+                import torch
+                assert (torch.ones(2, device="neuron") * 2).tolist() == [2.0, 2.0]
+            except BaseException as e:
+                errors.append(f"{i}: {type(e).__name__}: {e}"[:300])
+        threads = [threading.Thread(target=first, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    """
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
