@@ -1,6 +1,6 @@
 """Host time per op on a chain of tiny pointwise ops (issue: the per-op path), in one run:
 plain CPU torch, a do-nothing `__torch_dispatch__` subclass (the floor any Python backend
-pays), PyTorch's own lazy tensors (`torch._lazy`, its TorchScript backend: a C++ tracer, the
+pays; `entry`: its entry alone, a dispatch that returns its input unrun), PyTorch's own lazy tensors (`torch._lazy`, its TorchScript backend: a C++ tracer, the
 design PyTorch/XLA uses), and neuron eager, scoped adaptive (`with ae.adaptive():` around an
 eager process) and process-wide adaptive (`ae.set_adaptive(True)`; mode `graph`) with the
 default policy. Then the same modes on programs that take the slow paths (views, `copy_`,
@@ -23,6 +23,7 @@ from workloads import lazy_device, ltc_sync
 CHAIN = 800  # ops per step: `x * 1.0001 + 0.001`, 400 times, on 16 floats
 SLOW = 50  # iterations per step of a slow-path program
 MODES = ["cpu", "floor", "ltc", "eager", "scoped", "graph"]
+CHAIN_MODES = ["cpu", "entry", *MODES[1:]]  # (`entry` computes nothing: the chain only)
 
 
 class Floor(torch.Tensor):
@@ -44,6 +45,15 @@ class Floor(torch.Tensor):
              for x in args]
         out = func(*a, **(kwargs or {}))
         return Floor(out) if isinstance(out, torch.Tensor) else out
+
+
+class Entry(Floor):
+    """The floor's entry alone: into Python dispatch and back, the op not run, no tensor made
+    (each op returns its input)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return args[0]
 
 
 def chain(x):
@@ -112,7 +122,7 @@ PROGRAMS = {"views": views, "copy_": copies, "setitem": setitem, "tensor_lists":
 @contextlib.contextmanager
 def in_mode(mode):
     """The mode for the block; yields (device, sync after a step)."""
-    if mode in ("cpu", "floor"):
+    if mode in ("cpu", "floor", "entry"):
         yield "cpu", None
     elif mode == "ltc":
         yield lazy_device(), ltc_sync
@@ -127,7 +137,7 @@ def in_mode(mode):
 def run(benchmark, mode, make, ops):
     x0 = torch.randn(16, generator=torch.Generator().manual_seed(0))
     with in_mode(mode) as (device, sync):
-        x = Floor(x0) if mode == "floor" else x0.to(device)
+        x = Floor(x0) if mode == "floor" else Entry(x0) if mode == "entry" else x0.to(device)
         body = make(x)
 
         def step():
@@ -139,14 +149,14 @@ def run(benchmark, mode, make, ops):
         step()  # warm: compiles, plans, traces
         step()
         result = benchmark.pedantic(step, rounds=10, warmup_rounds=1)
-        out = result.inner if type(result) is Floor else result.cpu()
+        out = result.inner if isinstance(result, Floor) else result.cpu()
     benchmark.extra_info.update(mode=mode, ops_per_step=ops)
     if benchmark.stats is not None:  # (None under --benchmark-disable: the suite's smoke run)
         benchmark.extra_info.update(us_per_op=benchmark.stats.stats.median / ops * 1e6)
     return out, x0
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", CHAIN_MODES)
 def test_tiny_chain(benchmark, mode):
     benchmark.group = "tiny_chain"
     out, x0 = run(benchmark, mode, lambda x: lambda: chain(x), CHAIN)
@@ -154,6 +164,8 @@ def test_tiny_chain(benchmark, mode):
     # (lazy tensors run TorchScript's fused kernels: within float tolerance)
     if mode == "ltc":
         torch.testing.assert_close(out, chain(x0))
+    elif mode == "entry":  # (computes nothing: each op returned its input)
+        assert torch.equal(out, x0)
     else:
         assert torch.equal(out, chain(x0))
 

@@ -174,7 +174,8 @@ def test_report_tables_the_tiny_chain_against_cpu_and_the_floor(tmp_path):
     def bench(group, info, median):
         return {"group": group, "extra_info": info, "stats": {"median": median, "mean": median}}
     data = {"benchmarks": [bench("tiny_chain", {"mode": m, "ops_per_step": 800}, t)
-                           for m, t in (("cpu", 0.002), ("floor", 0.01), ("ltc", 0.004),
+                           for m, t in (("cpu", 0.002), ("entry", 0.0025), ("floor", 0.01),
+                                        ("ltc", 0.004),
                                         ("graph", 0.025), ("scoped", 0.03), ("eager", 0.05))]
                  + [bench("slow_path:setitem", {"mode": m, "ops_per_step": 100,
                                                 "program": "setitem", "us_per_op": 1}, t)
@@ -184,6 +185,7 @@ def test_report_tables_the_tiny_chain_against_cpu_and_the_floor(tmp_path):
     table = report.host_table(str(path))
     assert "| graph | 25.00 | 31.25 | 12.5x | 2.5x |" in table
     assert "| ltc | 4.00 | 5.00 | 2.0x | 0.4x |" in table
+    assert "| entry | 2.50 | 3.12 | 1.2x | 0.2x |" in table  # (the slow paths have no entry column)
     assert "| scoped | 30.00 | 37.50 | 15.0x | 3.0x |" in table
     # setitem: 100 us/op in graph mode, 50x CPU's 2 us, 3.2x the chain's 31.25
     assert "| setitem | 2.0 (1x, 0.8x) |  |  | 100.0 (50x, 3.2x) |  |  |" in table
