@@ -473,3 +473,16 @@ def test_trl_sft_trainer_matches_cpu(tmp_path):
         assert mode == "cpu" or fallbacks == {}, fallbacks
         return rec.losses
     _close_everywhere(run)
+
+
+def test_accelerator_save_and_load_state_keep_the_device_rng(tmp_path):
+    """accelerate's own checkpoints (`save_state` / `load_state`) carry neuron's RNG state
+    (it asks `torch.accelerator`): the draws after a load are those after the save."""
+    from accelerate import Accelerator
+    acc = Accelerator()
+    assert acc.device.type == "neuron"
+    torch.neuron.manual_seed(3)
+    acc.save_state(str(tmp_path / "state"))
+    after_save = torch.rand(4, device=acc.device).cpu()
+    acc.load_state(str(tmp_path / "state"))
+    assert torch.equal(torch.rand(4, device=acc.device).cpu(), after_save)
