@@ -212,3 +212,30 @@ def test_a_lightning_this_cannot_change_only_warns(monkeypatch):
         glue._register(fake)
     assert L.strategies.DDPStrategy._setup_model is ddp
     glue._registered.discard(fake.__name__)
+
+
+def test_checkpoint_and_resume_match_cpu(mode, tmp_path):
+    """`ModelCheckpoint` mid-run, then `fit(ckpt_path=...)` in a new Trainer: the run and the
+    resumed run (momentum state read back onto the device) have CPU's losses bit for bit."""
+    base = module_class(L)
+
+    class Momentum(base):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def run(accelerator, ckpt=None):
+        module, where = Momentum(), tmp_path / accelerator / ("resumed" if ckpt else "full")
+        save = L.callbacks.ModelCheckpoint(dirpath=where, every_n_train_steps=3, save_top_k=-1)
+        trainer = L.Trainer(accelerator=accelerator, devices=1, max_steps=6,
+                            callbacks=[save], **dict(QUIET, enable_checkpointing=True))
+        trainer.fit(module, data(), ckpt_path=ckpt)
+        return module, where / "epoch=0-step=3.ckpt"
+
+    with ae.adaptive(False):
+        cpu, cpu_ckpt = run("cpu")
+        cpu_resumed, _ = run("cpu", cpu_ckpt)
+    dev, dev_ckpt = run("neuron")
+    dev_resumed, _ = run("neuron", dev_ckpt)
+    assert dev.losses == cpu.losses and dev_resumed.losses == cpu_resumed.losses
+    assert len(dev_resumed.losses) == 3 and dev_resumed.devices == {"neuron:0"}
+    assert ae.metrics().cpu_fallbacks == {}
