@@ -1,9 +1,9 @@
 """Note [CPU settings]: a queued op computes at its flush, with the host CPU's kernels, and
 those read process settings at that moment: the float32 matmul precision (and the newer
 `fp32_precision` API), oneDNN on or off and its deterministic / TF32 flags, deterministic
-algorithms, the default dtype (an integer true division, `sqrt` of an integer tensor or a
-factory given no dtype compute in it), the intra-op thread count (how a reduction is split)
-and, per thread, whether denormals flush to zero. On CPU and in eager mode an op computes under the settings of its
+algorithms, the default dtype (an integer true division or `sqrt` of an integer tensor
+computes in it), the intra-op thread count (how a reduction is split) and, per thread,
+whether denormals flush to zero. On CPU and in eager mode an op computes under the settings of its
 call, so the queue must too:
 - a call that changes a process-wide setting first flushes every core's queue, under the old
   value; a call that changes nothing flushes nothing (Dynamo restores them after each trace);
