@@ -291,7 +291,7 @@ def run_instr(ins: Instr, st: list, inputs: list, rng, views: list) -> None:
         raise LaunchError(e) from None
     if ins.f64:
         for orig, low in writeback:
-            _unique(orig, low)
+            _unique(orig, orig.to(torch.float32) if low is None else low)
     if not ins.any_out:
         return
     for o, r in zip(ins.outs, (out,) if type(out) is torch.Tensor else tree_leaves(out)):
@@ -335,6 +335,11 @@ def _span(a: torch.Tensor) -> tuple[int, int]:
 
 
 _F32_MAX, _INF = torch.finfo(torch.float32).max, float("inf")
+# Note [float64 policy]: random_ draws integers from its dtype's range (float64's: up to 2**53,
+# float32's: up to 2**24, with CPU's warning for bounds past it), so it runs on the float64
+# tensor itself; its values are then rounded to float32 precision, as every float64 value.
+_OWN_RANGE = {torch.ops.aten.random_.default, torch.ops.aten.random_.to,
+              getattr(torch.ops.aten.random_, "from")}
 
 
 def _as_f32(ins, args, kwargs):
@@ -342,9 +347,12 @@ def _as_f32(ins, args, kwargs):
     memory as the tensors do: one float32 copy of the span each storage's tensors cover, each
     tensor a view of it with its own strides. So an op sees its own writes wherever CPU would:
     through an expanded tensor's stride-0 dims, or in another argument over the same memory
-    (`torch._foreach_add_([x, x], [x, x])` updates x twice). A float scalar past float32's
-    range is its float32 infinity, as a float64 tensor of that value is once made float32
-    (logcumsumexp's float64 backward fills with the float64 `lowest()`)."""
+    (`torch._foreach_add_([x, x], [x, x])` updates x twice); random_ is the exception
+    (_OWN_RANGE: its range is its dtype's). A float scalar past float32's range is its
+    float32 infinity, as a float64 tensor of that value is once made float32 (logcumsumexp's
+    float64 backward fills with the float64 `lowest()`)."""
+    if ins.op in _OWN_RANGE:  # the float64 tensor itself, rounded to float32 precision after
+        return args, kwargs, [(args[0], None)]
     leaves = [t for t in tree_leaves((args, kwargs))
               if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel()]
     spans: dict[int, list] = {}  # storage -> [lo, hi, storage]

@@ -1,8 +1,9 @@
 """Note [CPU settings]: a queued op computes at its flush, with the host CPU's kernels, and
 those read process settings at that moment: the float32 matmul precision (and the newer
 `fp32_precision` API), oneDNN on or off and its deterministic / TF32 flags, deterministic
-algorithms, the intra-op thread count (how a reduction is split) and, per thread, whether
-denormals flush to zero. On CPU and in eager mode an op computes under the settings of its
+algorithms, the default dtype (an integer true division or `sqrt` of an integer tensor
+computes in it), the intra-op thread count (how a reduction is split) and, per thread,
+whether denormals flush to zero. On CPU and in eager mode an op computes under the settings of its
 call, so the queue must too:
 - a call that changes a process-wide setting first flushes every core's queue, under the old
   value; a call that changes nothing flushes nothing (Dynamo restores them after each trace);
@@ -122,6 +123,9 @@ def install(flush_all) -> None:
             key=lambda mode, warn_only=False: (bool(mode), bool(warn_only))),
         "set_num_threads": _marking(THREADS_SET, flushing(C.get_num_threads,
                                                           C.set_num_threads)),
+        "_set_default_dtype": flushing(C.get_default_dtype, C._set_default_dtype),
+        "_set_default_tensor_type": flushing(C.get_default_dtype, C._set_default_tensor_type,
+                                             key=lambda t: t.dtype),
     }
     for name, fn in wrapped.items():  # Note [CPU settings]: a change flushes first
         patches.patch(C, name, fn, rests_on=f"torch's Python setters calling torch._C.{name}")

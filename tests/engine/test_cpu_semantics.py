@@ -469,6 +469,26 @@ def test_a_float64_scalar_past_float32s_range_is_its_float32_infinity(mode):
         assert (torch.ones(1, dtype=torch.float64, device=N) * 1e300).item() == float("inf")
 
 
+def test_float64_random_draws_from_float64s_range(mode):
+    """PyTorch's test_tensor_creation_ops.py::test_random_default / test_random_full_range
+    (float64): random_'s default range is its dtype's, integers up to 2**53 for float64 (2**24
+    for float32), so the float32 twin drew below 2**24, silently; and a range past 2**24 drew
+    float32's warning ("to - 1 is out of bounds"), which CPU gives only past 2**53."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", "float64 is not supported")
+        for dev in ("cpu", N):
+            for call, lo, hi in ((lambda t: t.random_(), 0, 2**53),
+                                 (lambda t: t.random_(-2**53, None), -2**53, 2**53),
+                                 (lambda t: t.random_(2**40), 0, 2**40),
+                                 (lambda t: t.random_(-2**40, 2**40), -2**40, 2**40)):
+                t = call(torch.empty(4000, dtype=torch.float64, device=dev)).cpu()
+                assert lo <= t.min().item() < lo + (hi - lo) / 10, (dev, lo, hi, t.min())
+                assert hi - (hi - lo) / 10 < t.max().item() <= hi, (dev, lo, hi, t.max())
+                if dev == N:  # Note [float64 policy]: values carry float32 precision
+                    assert torch.equal(t, t.float().double())
+
+
 def test_sparse_and_dense_dim_are_cpus_without_a_fallback(mode):
     """PyTorch's test_shape_ops.py::test_sparse_dense_dim: metadata of a strided tensor, not
     a CPU fallback (nor its warning)."""

@@ -56,6 +56,28 @@ def test_onednn_flags_block_closed_before_the_sync(mode):
     _same_bits(out.cpu(), ref)  # the block has closed: oneDNN is on again
 
 
+def test_default_dtype_changed_before_the_sync(mode):
+    """PyTorch's test_binary_ufuncs.py::test_div_rounding_numpy (int32, adaptive): integer
+    true division computes in the default dtype of its call (float64 in a
+    `set_default_dtype(torch.double)` block); flushed after the block, it computed in float32
+    and was copied into its float64 result: float32's quotient, not float64's rounded to
+    float32 precision (Note [float64 policy]), as eager mode and CPU give."""
+    torch.manual_seed(0)
+    a = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32)
+    b = torch.randint(1, 2**31 - 1, (4096,), dtype=torch.int32)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = torch.true_divide(a, b)
+        out = torch.true_divide(a.to("neuron"), b.to("neuron"))  # queued in float64
+        mean = torch.arange(5).to("neuron").sqrt()  # an int-to-float op: float64 too
+    finally:
+        torch.set_default_dtype(saved)
+    assert out.dtype == mean.dtype == torch.float64
+    assert torch.equal(out.cpu(), ref.float().double())
+    assert torch.equal(mean.cpu(), torch.arange(5).sqrt().to(torch.float64).float().double())
+
+
 def test_thread_count_changed_before_the_sync(mode):
     torch.manual_seed(0)
     x = torch.randn(1 << 20)
