@@ -96,30 +96,47 @@ def one_segment(n_ops: int = 0):
 # is flushed once, as its own segment.
 
 
-def _lower_fma(gm: torch.fx.GraphModule) -> None:
-    """Dynamo itself rewrites `addcmul_`, `addcdiv_` (with `value=`) and `add_` with a tensor
-    `alpha` into Inductor's `prims.fma`, defined as `(a * b) + c`. The device runs ATen ops
-    (other namespaces fall back to CPU), so each becomes that ATen mul and add: the prim's own
-    definition, so bit for bit what it computes on CPU."""
+def _lower_prims(gm: torch.fx.GraphModule) -> None:
+    """The device runs ATen ops (other namespaces fall back to CPU); two prims reach our graphs
+    from PyTorch's own passes, and each becomes the ATen ops of its own definition, so bit
+    for bit what it computes on CPU:
+    - Dynamo rewrites `addcmul_`, `addcdiv_` (with `value=`) and `add_` with a tensor `alpha`
+      into Inductor's `prims.fma`, defined as `(a * b) + c`: that ATen mul and add.
+    - AOTAutograd's tensorify pass (`torch.fx.passes._tensorify_python_scalars`, under
+      `capture_scalar_outputs`) turns a float read by `.item()` back into a tensor with
+      `prims.convert_element_type` (to float64 and back), defined as `empty_like` plus a
+      copy: `aten._to_copy` with that dtype, which keeps the same layout (every `x * t.item()`
+      fell back to CPU, three times per use)."""
     fma = getattr(torch.ops.prims, "fma", None)  # registered once Dynamo has used it
-    if fma is None:
-        return
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fma.default]
-    for n in nodes:
-        a, b, c = n.args
-        with gm.graph.inserting_before(n):
-            prod = gm.graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
-            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (prod, c))
+    cast = torch.ops.prims.convert_element_type.default
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if fma is not None and n.target is fma.default:
+            a, b, c = n.args
+            with gm.graph.inserting_before(n):
+                prod = gm.graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
+                out = gm.graph.call_function(torch.ops.aten.add.Tensor, (prod, c))
+        elif n.target is cast:
+            a, dtype = (*n.args, *n.kwargs.values())
+            with gm.graph.inserting_before(n):
+                out = gm.graph.call_function(torch.ops.aten._to_copy.default, (a,),
+                                             {"dtype": dtype})
+        else:
+            continue
+        out.meta.update(n.meta)
         n.replace_all_uses_with(out)
         gm.graph.erase_node(n)
-    if nodes:
+        changed = True
+    if changed:
         gm.recompile()
 
 
 def _graph_compiler(kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        _lower_fma(gm)
+        _lower_prims(gm)
         n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         STATS.graphs[kind] += 1
 

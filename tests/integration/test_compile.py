@@ -434,6 +434,33 @@ def test_dynamo_fma_rewrites_run_on_the_device(adaptive):
         torch.testing.assert_close(q.cpu(), p)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_float_read_by_item_in_a_captured_graph_runs_on_the_device(adaptive, monkeypatch):
+    """Under `capture_scalar_outputs`, AOTAutograd turns a float read by `.item()` back into a
+    tensor with `prims.convert_element_type` (to float64 and back): the graph runs it as
+    `aten._to_copy`, CPU's compiled values with no fallback (each use fell back to CPU)."""
+    import torch._dynamo
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+
+    def f(x, w):
+        s = (x * w).sum().item()
+        return x * s + s, (w * s).sum()
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(4, 3, requires_grad=True)
+    want = torch.compile(f, backend="aot_eager")(x, w)
+    want[1].backward()
+    wn = w.detach().to("neuron").requires_grad_()
+    before = dict(ae.metrics().cpu_fallbacks)
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        got = torch.compile(f, backend="neuron")(x.to("neuron"), wn)
+        got[1].backward()
+        got = [g.detach().cpu() for g in got] + [wn.grad.cpu()]
+    assert dict(ae.metrics().cpu_fallbacks) == before
+    for g, r in zip(got, [*want, w.grad]):
+        torch.testing.assert_close(g, r.detach())
+
+
 def test_the_default_backend_refuses_neuron_code_clearly():
     """Inductor generates no neuron code: neuron inputs, and neuron tensors made inside the
     compiled function (its constant folding ran them for real: AttributeError `_weak_ref`),
