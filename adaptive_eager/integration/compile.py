@@ -316,23 +316,26 @@ def register() -> None:
     for module in _never_traced():
         trace_rules.add(module)
     # Higher-order operators ask for a rule per tensor subclass; the neuron tensor's is the
-    # CPU's own (dense) rule: an effectful op in a graph (linalg.inv's error check, wrapped
-    # in with_effects) runs as on the CPU, and control flow (torch.cond, map, while_loop,
-    # scan) is Python control flow over device ops, its predicate read from the device (a
-    # sync, as on CUDA). Activation checkpointing's recomputation replays the device's RNG
-    # state around each random op (sdpa's included, dropout or not), as CUDA's rules do.
-    from torch._higher_order_ops.cond import cond_op, cond_op_dense
-    from torch._higher_order_ops.effects import with_effects, with_effects_dense
-    from torch._higher_order_ops.map import map_dense, map_impl
-    from torch._higher_order_ops.scan import scan_op, scan_op_dense
-    from torch._higher_order_ops.while_loop import while_loop_dense, while_loop_op
+    # one a CPU tensor reaches, the operator's dense kernel (CompositeExplicitAutograd), for
+    # every operator torch._higher_order_ops defines (listed from torch._ops._higher_order_ops,
+    # private; Inductor's passes define more later, which never meet a neuron tensor): an
+    # effectful op in a graph (linalg.inv's error check, wrapped in with_effects) runs as on
+    # the CPU; control flow (torch.cond, map, while_loop, scan, associative_scan) is Python
+    # control flow over device ops, its predicate read from the device (a sync, as on CUDA);
+    # a custom op that mutates its arguments, compiled (auto_functionalized_v2), while_loop's
+    # backward (while_loop_stack_output) and the print operator run their ops (a hand-written
+    # list of five left them out: NotImplementedError "no rule registered for HOP"). Activation
+    # checkpointing's recomputation replays the device's RNG state around each random op
+    # (sdpa's included, dropout or not), as CUDA's rules do (their kernels are CPU's and CUDA's).
+    import torch._higher_order_ops as _defines_them_all  # noqa: F401
+    from torch._C import DispatchKey
+    from torch._ops import _higher_order_ops
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-    for hop, rule in ((with_effects, with_effects_dense), (cond_op, cond_op_dense),
-                      (map_impl, map_dense), (while_loop_op, while_loop_dense),
-                      (scan_op, scan_op_dense),
-                      (run_and_save_rng_state, _run_and_save_rng_state),
-                      (run_with_rng_state, _run_with_rng_state)):
-        if NeuronTensor not in hop.python_key_table:
+    rules = {run_and_save_rng_state: _run_and_save_rng_state,
+             run_with_rng_state: _run_with_rng_state}
+    for hop in list(_higher_order_ops.values()):
+        rule = rules.get(hop) or hop.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
+        if rule is not None and NeuronTensor not in hop.python_key_table:
             hop.py_impl(NeuronTensor)(rule)
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())

@@ -654,6 +654,67 @@ def test_control_flow_operators_run_on_the_device(how):
     assert torch.equal(b.grad.cpu(), a.grad)
 
 
+@torch.library.custom_op("ae_test_compile::axpy_", mutates_args=("y",))
+def _axpy_(a: float, x: torch.Tensor, y: torch.Tensor) -> None:
+    y.add_(x, alpha=a)
+
+
+@_axpy_.register_kernel("neuron")
+def _(a, x, y):
+    y.add_(x, alpha=a)
+
+
+def _mutating_custom_op(x, y):
+    _axpy_(0.5, x, y[1:])  # (a view: auto_functionalized_v2 regenerates it)
+    _axpy_(2.0, y[:3], x)
+    return x + y[1:]
+
+
+def _while_grad(x, w):
+    from torch._higher_order_ops.while_loop import while_loop
+    i0 = torch.zeros((), dtype=torch.int64, device=x.device)
+    y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, (y @ w).tanh()), (i0, x))[1]
+    y.sum().backward()
+    return y, x.grad
+
+
+def _printed(x):
+    from torch._higher_order_ops.print import print as hop_print
+    hop_print("sum {}", x.sum())
+    return x * 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("how", ["eager", "adaptive", "compile", "compile adaptive"])
+def test_every_higher_order_operator_has_the_cpus_rule_on_the_device(how, capsys):
+    """Every higher-order operator with a dense kernel runs it for the neuron tensor, as for a
+    CPU tensor: a custom op that mutates its arguments, compiled (auto_functionalized_v2),
+    while_loop's backward (while_loop_stack_output) and the print operator had no rule
+    (NotImplementedError "no rule registered for HOP"), a hand-written list having left them out."""
+    from torch._C import DispatchKey
+    from torch._ops import _higher_order_ops
+    missing = [name for name, hop in _higher_order_ops.items()  # (Inductor's own passes'
+               if DispatchKey.CompositeExplicitAutograd in hop.py_kernels  # never meet one)
+               and ae.engine.tensor.NeuronTensor not in hop.python_key_table
+               and not type(hop).__module__.startswith("torch._inductor")]
+    assert missing == []
+    torch.manual_seed(0)
+    cases = ((_mutating_custom_op, [torch.randn(3, 4), torch.randn(4, 4)], ()),
+             (_while_grad, [torch.randn(2, 4), torch.randn(4, 4)], (0,)),
+             (_printed, [torch.randn(3)], ()))
+    for fn, args, needs_grad in cases:
+        want_args = [a.clone().requires_grad_(i in needs_grad) for i, a in enumerate(args)]
+        got_args = [a.to("neuron").requires_grad_(i in needs_grad) for i, a in enumerate(args)]
+        run = torch.compile(fn, backend="neuron") if how.startswith("compile") else fn
+        with ae.adaptive() if how.endswith("adaptive") else contextlib.nullcontext():
+            got = run(*got_args)
+            got = [t.detach().cpu() for t in torch.utils._pytree.tree_leaves((got, got_args))]
+        want = [t.detach() for t in torch.utils._pytree.tree_leaves((fn(*want_args), want_args))]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+    assert capsys.readouterr().out.count("sum ") == 2
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("batched", [True, False])
 def test_a_wrong_decomposition_of_pytorch_gives_eagers_value_in_compile_mode(reduction, batched):
