@@ -494,9 +494,11 @@ def test_make_fx_traces_ops_on_a_closures_neuron_tensor(mode):
     def f(v):
         return (v.sin() * v).sum(0, keepdim=True).expand(3) * v
     _, jvp_ref = linearize(f, x)
+    before = dict(ae.metrics().cpu_fallbacks)
     out, jvp_fn = linearize(f, xn)
     assert torch.equal(out.cpu(), f(x))
     assert torch.equal(jvp_fn(torch.ones(3, device="neuron")).cpu(), jvp_ref(torch.ones(3)))
+    assert dict(ae.metrics().cpu_fallbacks) == before  # (`_new_zeros_with_same_feature_meta`)
 
 
 @pytest.mark.parametrize("kw", [dict(mode="reduce-overhead"), dict(mode="max-autotune"),
