@@ -461,6 +461,38 @@ def test_a_float_read_by_item_in_a_captured_graph_runs_on_the_device(adaptive, m
         torch.testing.assert_close(g, r.detach())
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_compiled_autograd_matches_cpu(adaptive):
+    """Compiled autograd hands the backend a graph whose tensors come as one list: it is
+    flattened first, as PyTorch's AOTAutograd backends do (AOTAutograd refused the list:
+    "all flat_args must be KNOWN_TYPES", so compiled autograd failed with backend "neuron")."""
+    from torch._dynamo import compiled_autograd
+
+    def train(dev, backend):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                                  torch.nn.Linear(8, 2)).to(dev)
+        f = torch.compile(net, backend=backend)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for i in range(2):
+            torch.manual_seed(i)
+            loss = f(torch.randn(5, 4).to(dev)).square().sum()
+            opt.zero_grad()
+            with compiled_autograd._enable(torch.compile(backend=backend)):
+                loss.backward()
+            opt.step()
+            losses.append(loss.detach().cpu())
+        return losses + [p.detach().cpu() for p in net.parameters()]
+
+    want = train("cpu", "aot_eager")
+    torch._dynamo.reset()
+    with ae.adaptive() if adaptive else contextlib.nullcontext():
+        got = train("neuron", "neuron")
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
 def test_the_default_backend_refuses_neuron_code_clearly():
     """Inductor generates no neuron code: neuron inputs, and neuron tensors made inside the
     compiled function (its constant folding ran them for real: AttributeError `_weak_ref`),
