@@ -154,26 +154,21 @@ def _graph_compiler(kind: str):
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend: AOTAutograd, then each graph runs as one engine segment."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
-        # A graph taking a list (compiled autograd's backward graph takes its inputs as one)
-        # is flattened first, as PyTorch's AOTAutograd backends do (torch._dynamo.utils.
-        # flatten_graph_inputs, private): AOTAutograd refused the list ("all flat_args must
-        # be KNOWN_TYPES"), so compiled autograd failed with backend "neuron"
-        from torch._dynamo.utils import flatten_graph_inputs
-        return flatten_graph_inputs(gm, example_inputs, functools.partial(neuron_backend,
-                                                                          **kwargs))
     if kwargs:  # as PyTorch's own aot_eager backend: ignored, not refused
         import warnings
         warnings.warn(f"backend 'neuron' ignores torch.compile's {sorted(kwargs)}: it compiles "
                       f"every graph one way (mode= and options= choose Inductor's behaviour)")
     refuse_traced_writes(gm)  # Note [Copied views]
     copies = traced_copy_outputs(gm)
-    compiled = aot_module_simplified(
-        gm, example_inputs,
-        fw_compiler=_graph_compiler("forward"),
-        bw_compiler=_graph_compiler("backward"),
-        inference_compiler=_graph_compiler("inference"))
+    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        # A graph taking a list (compiled autograd's backward graph takes its inputs as one)
+        # is flattened first, as PyTorch's AOTAutograd backends do (torch._dynamo.utils.
+        # flatten_graph_inputs, private): AOTAutograd refused the list ("all flat_args must
+        # be KNOWN_TYPES"), so compiled autograd failed with backend "neuron"
+        from torch._dynamo.utils import flatten_graph_inputs
+        compiled = flatten_graph_inputs(gm, example_inputs, _aot_autograd)
+    else:
+        compiled = _aot_autograd(gm, example_inputs)
     if not copies:
         return compiled
 
@@ -185,6 +180,15 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                 copied_view(outs[i])
         return outs
     return marking
+
+
+def _aot_autograd(gm, example_inputs):
+    from torch._functorch.aot_autograd import aot_module_simplified
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=_graph_compiler("forward"),
+        bw_compiler=_graph_compiler("backward"),
+        inference_compiler=_graph_compiler("inference"))
 
 
 _INDUCTOR_MESSAGE = (
