@@ -100,6 +100,24 @@ def _unsafe_view(eng, func, args, kwargs):
     return eng.dispatch(aten.view.default, args, kwargs)
 
 
+def _new_zeros_with_same_feature_meta(eng, func, args, kwargs):
+    """Forward AD's tangent of a dual written into a non-dual tensor (`w[0] = dual`,
+    torch.func.linearize): zeros over a buffer of `other`'s size, viewed as `other` (`self`'s
+    batch dims in front, laid out contiguously), as PyTorch's composite kernel makes it; that
+    kernel reads the size of the wrapper's C++ storage, which the device does not keep, so it
+    runs here as device ops (it fell back to the CPU)."""
+    self, other = args[0], args[1]
+    n_batch = args[2] if len(args) > 2 else kwargs.get("self_num_batch_dims", 0)
+    numel = other.untyped_storage().nbytes() // other.element_size()
+    strides = []
+    for size in reversed(self.shape[:n_batch]):
+        strides.insert(0, numel)
+        numel *= size
+    zeros = torch.zeros(numel, dtype=other.dtype, device=other.device)
+    return zeros.as_strided([*self.shape[:n_batch], *other.shape], [*strides, *other.stride()],
+                            other.storage_offset())
+
+
 def _set_(eng, func, args, kwargs):
     """`t.set_(other)`, `t.set_(other, offset, size, stride)`, `t.set_()`: t becomes a view
     of other's buffer (Note [set_] in storage.py)."""
@@ -279,6 +297,7 @@ HANDLERS = {
     aten._to_copy.default: transfer.to_copy,
     aten._local_scalar_dense.default: transfer.local_scalar_dense,
     aten._unsafe_view.default: _unsafe_view,
+    aten._new_zeros_with_same_feature_meta.default: _new_zeros_with_same_feature_meta,
     aten._conj.default: _materialized(aten.conj_physical.default),
     aten._neg_view.default: _materialized(aten.neg.default),
 }

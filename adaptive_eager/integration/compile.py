@@ -96,30 +96,47 @@ def one_segment(n_ops: int = 0):
 # is flushed once, as its own segment.
 
 
-def _lower_fma(gm: torch.fx.GraphModule) -> None:
-    """Dynamo itself rewrites `addcmul_`, `addcdiv_` (with `value=`) and `add_` with a tensor
-    `alpha` into Inductor's `prims.fma`, defined as `(a * b) + c`. The device runs ATen ops
-    (other namespaces fall back to CPU), so each becomes that ATen mul and add: the prim's own
-    definition, so bit for bit what it computes on CPU."""
+def _lower_prims(gm: torch.fx.GraphModule) -> None:
+    """The device runs ATen ops (other namespaces fall back to CPU); two prims reach our graphs
+    from PyTorch's own passes, and each becomes the ATen ops of its own definition, so bit
+    for bit what it computes on CPU:
+    - Dynamo rewrites `addcmul_`, `addcdiv_` (with `value=`) and `add_` with a tensor `alpha`
+      into Inductor's `prims.fma`, defined as `(a * b) + c`: that ATen mul and add.
+    - AOTAutograd's tensorify pass (`torch.fx.passes._tensorify_python_scalars`, under
+      `capture_scalar_outputs`) turns a float read by `.item()` back into a tensor with
+      `prims.convert_element_type` (to float64 and back), defined as `empty_like` plus a
+      copy: `aten._to_copy` with that dtype, which keeps the same layout (every `x * t.item()`
+      fell back to CPU, three times per use)."""
     fma = getattr(torch.ops.prims, "fma", None)  # registered once Dynamo has used it
-    if fma is None:
-        return
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fma.default]
-    for n in nodes:
-        a, b, c = n.args
-        with gm.graph.inserting_before(n):
-            prod = gm.graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
-            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (prod, c))
+    cast = torch.ops.prims.convert_element_type.default
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if fma is not None and n.target is fma.default:
+            a, b, c = n.args
+            with gm.graph.inserting_before(n):
+                prod = gm.graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
+                out = gm.graph.call_function(torch.ops.aten.add.Tensor, (prod, c))
+        elif n.target is cast:
+            a, dtype = (*n.args, *n.kwargs.values())
+            with gm.graph.inserting_before(n):
+                out = gm.graph.call_function(torch.ops.aten._to_copy.default, (a,),
+                                             {"dtype": dtype})
+        else:
+            continue
+        out.meta.update(n.meta)
         n.replace_all_uses_with(out)
         gm.graph.erase_node(n)
-    if nodes:
+        changed = True
+    if changed:
         gm.recompile()
 
 
 def _graph_compiler(kind: str):
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):
         t0 = time.perf_counter()
-        _lower_fma(gm)
+        _lower_prims(gm)
         n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         STATS.graphs[kind] += 1
 
@@ -137,18 +154,21 @@ def _graph_compiler(kind: str):
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """The Dynamo backend: AOTAutograd, then each graph runs as one engine segment."""
-    from torch._functorch.aot_autograd import aot_module_simplified
     if kwargs:  # as PyTorch's own aot_eager backend: ignored, not refused
         import warnings
         warnings.warn(f"backend 'neuron' ignores torch.compile's {sorted(kwargs)}: it compiles "
                       f"every graph one way (mode= and options= choose Inductor's behaviour)")
     refuse_traced_writes(gm)  # Note [Copied views]
     copies = traced_copy_outputs(gm)
-    compiled = aot_module_simplified(
-        gm, example_inputs,
-        fw_compiler=_graph_compiler("forward"),
-        bw_compiler=_graph_compiler("backward"),
-        inference_compiler=_graph_compiler("inference"))
+    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        # A graph taking a list (compiled autograd's backward graph takes its inputs as one)
+        # is flattened first, as PyTorch's AOTAutograd backends do (torch._dynamo.utils.
+        # flatten_graph_inputs, private): AOTAutograd refused the list ("all flat_args must
+        # be KNOWN_TYPES"), so compiled autograd failed with backend "neuron"
+        from torch._dynamo.utils import flatten_graph_inputs
+        compiled = flatten_graph_inputs(gm, example_inputs, _aot_autograd)
+    else:
+        compiled = _aot_autograd(gm, example_inputs)
     if not copies:
         return compiled
 
@@ -160,6 +180,15 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
                 copied_view(outs[i])
         return outs
     return marking
+
+
+def _aot_autograd(gm, example_inputs):
+    from torch._functorch.aot_autograd import aot_module_simplified
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=_graph_compiler("forward"),
+        bw_compiler=_graph_compiler("backward"),
+        inference_compiler=_graph_compiler("inference"))
 
 
 _INDUCTOR_MESSAGE = (
@@ -299,23 +328,26 @@ def register() -> None:
     for module in _never_traced():
         trace_rules.add(module)
     # Higher-order operators ask for a rule per tensor subclass; the neuron tensor's is the
-    # CPU's own (dense) rule: an effectful op in a graph (linalg.inv's error check, wrapped
-    # in with_effects) runs as on the CPU, and control flow (torch.cond, map, while_loop,
-    # scan) is Python control flow over device ops, its predicate read from the device (a
-    # sync, as on CUDA). Activation checkpointing's recomputation replays the device's RNG
-    # state around each random op (sdpa's included, dropout or not), as CUDA's rules do.
-    from torch._higher_order_ops.cond import cond_op, cond_op_dense
-    from torch._higher_order_ops.effects import with_effects, with_effects_dense
-    from torch._higher_order_ops.map import map_dense, map_impl
-    from torch._higher_order_ops.scan import scan_op, scan_op_dense
-    from torch._higher_order_ops.while_loop import while_loop_dense, while_loop_op
+    # one a CPU tensor reaches, the operator's dense kernel (CompositeExplicitAutograd), for
+    # every operator torch._higher_order_ops defines (listed from torch._ops._higher_order_ops,
+    # private; Inductor's passes define more later, which never meet a neuron tensor): an
+    # effectful op in a graph (linalg.inv's error check, wrapped in with_effects) runs as on
+    # the CPU; control flow (torch.cond, map, while_loop, scan, associative_scan) is Python
+    # control flow over device ops, its predicate read from the device (a sync, as on CUDA);
+    # a custom op that mutates its arguments, compiled (auto_functionalized_v2), while_loop's
+    # backward (while_loop_stack_output) and the print operator run their ops (a hand-written
+    # list of five left them out: NotImplementedError "no rule registered for HOP"). Activation
+    # checkpointing's recomputation replays the device's RNG state around each random op
+    # (sdpa's included, dropout or not), as CUDA's rules do (their kernels are CPU's and CUDA's).
+    import torch._higher_order_ops as _defines_them_all  # noqa: F401
+    from torch._C import DispatchKey
+    from torch._ops import _higher_order_ops
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
-    for hop, rule in ((with_effects, with_effects_dense), (cond_op, cond_op_dense),
-                      (map_impl, map_dense), (while_loop_op, while_loop_dense),
-                      (scan_op, scan_op_dense),
-                      (run_and_save_rng_state, _run_and_save_rng_state),
-                      (run_with_rng_state, _run_with_rng_state)):
-        if NeuronTensor not in hop.python_key_table:
+    rules = {run_and_save_rng_state: _run_and_save_rng_state,
+             run_with_rng_state: _run_with_rng_state}
+    for hop in list(_higher_order_ops.values()):
+        rule = rules.get(hop) or hop.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
+        if rule is not None and NeuronTensor not in hop.python_key_table:
             hop.py_impl(NeuronTensor)(rule)
     inductor_codegen.register_device_op_overrides(
         "neuron", inductor_codegen.DeviceOpOverrides())

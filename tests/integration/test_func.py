@@ -33,6 +33,25 @@ def _forward_ad(d):
         return fwAD.unpack_dual((p.sin() * p).sum(1)).tangent
 
 
+def _dual_written(d):
+    """A dual written into a non-dual tensor (a view of a bigger one): its tangent is made by
+    `_new_zeros_with_same_feature_meta`, over a buffer of the written tensor's size."""
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        p = fwAD.make_dual(X[0].to(d), torch.arange(3.0, device=d))
+        w = torch.zeros(4, 6, device=d)[1:, ::2]
+        w[1] = p.sin()
+        return fwAD.unpack_dual(w * 2).tangent
+
+
+def _written_under_vmap(d):
+    def f(v):  # a batched tangent (`self_num_batch_dims` 1)
+        out = torch.zeros(2, 3, device=v.device)
+        out[0] = v.exp()
+        return out * 2
+    return vmap(lambda t: jvp(f, (X[0].to(d),), (t,))[1])(torch.eye(3, device=d))
+
+
 PROGRAMS = {
     "grad": lambda d: grad(lambda w: (X.to(d) @ w).sin().sum())(W.to(d)),
     "vmap_grad": lambda d: vmap(grad(lambda w, r: (r @ w).tanh().sum()),
@@ -46,6 +65,8 @@ PROGRAMS = {
     "vmap": lambda d: vmap(lambda r: (r @ W.to(d)).relu().sum())(X.to(d)),
     "per_sample_grads": _per_sample_grads,
     "forward_ad": _forward_ad,
+    "dual_written": _dual_written,
+    "written_under_vmap": _written_under_vmap,
 }
 
 
@@ -60,7 +81,8 @@ def test_transform_matches_cpu(name, adaptive):
     """grad, jacrev and hessian failed with "call stack is not deep enough": under torch.func
     the backward ran on autograd's device thread (the wrappers are not NeuronTensors), where
     an op's source walk found fewer Python frames than it skips. jvp's tangents asked
-    is_same_size and _has_same_storage_numel, which fell back to CPU with a warning."""
+    is_same_size and _has_same_storage_numel, which fell back to CPU with a warning, and so did
+    the tangent of a dual written into a non-dual (`_new_zeros_with_same_feature_meta`)."""
     want = _flat(PROGRAMS[name]("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no CPU fallback
