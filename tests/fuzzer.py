@@ -92,6 +92,7 @@ _DEF = re.compile(r"^(v\d+)\s*=[^=]")
 _INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
 _SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
 _OUT = re.compile(r"\bout=(v\d+)")
+_CUSTOM_WRITE = re.compile(r"\bfz\.\w+_\((v\d+)")  # fz.addto_(v1, v2) writes v1 (`_fz`)
 # torch._foreach_add_([v1, v2], ...) and torch.optim.SGD([v1], ...).step() write their list,
 # GradScaler's torch._amp_foreach_non_finite_check_and_unscale_([v1], v2, v3) v2 too
 _LIST_WRITE = re.compile(r"torch\.(?:_foreach_\w+_|_amp_foreach_\w+_|optim\.\w+)\(\[([^\]]*)\]"
@@ -132,6 +133,7 @@ def stmt_info(code: str) -> dict:
         if m.group(2) and "_amp_" in m.group(0):
             muts.add(m.group(2))
     muts.update(m.group(1) for m in _AMP_UPDATE.finditer(code))
+    muts.update(m.group(1) for m in _CUSTOM_WRITE.finditer(code))
     if not d and (m := _SETITEM.match(code)):
         muts.add(m.group(1))
     rhs = code[d.end() - 1:] if d else code
@@ -150,7 +152,8 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "settings", "complex", "outview", "intrng", "storage", "errors", "linalg", "edge", "cores", "alias"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "complex", "outview", "intrng", "storage", "errors", "linalg", "edge", "cores", "alias",
+            "custom"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -928,6 +931,27 @@ class Gen:
                     f".conj().resolve_conj()"]
         return r.choice(ops)
 
+    def f_custom(self):
+        """Users' custom ops (`_fz`): a neuron kernel runs over the host memory of the device
+        buffers as a launch of its own, among queued ops; one without falls back to CPU. Over
+        views, non-contiguous and offset, as inputs and as the tensors written."""
+        r, v = self.r, self.fresh()
+        a = self.pick(lambda t: t.is_floating_point() and not t.is_complex())
+        if a is None:
+            return None
+        t = self.ns[a]
+        views = [a, a, f"{a}.mT" if t.dim() >= 2 else a, f"{a}[1:]" if t.dim() else a,
+                 f"{a}[..., ::2]" if t.dim() else a, f"{a}.expand(2, *{a}.shape)"]
+        x = r.choice(views)
+        b = self.pick(lambda u: u.dtype == t.dtype and u.shape == t.shape) or a
+        y = x.replace(a, b, 1)
+        ops = [f"{v} = fz.scale_add({x}, {y}, {self.r.choice(['2.0', '-0.5', '0.0'])})",
+               f"{v} = fz.twice({x})", f"{v} = fz.pair({x})[{r.randint(0, 1)}]",
+               f"fz.addto_({x.replace('.expand(2, *' + a + '.shape)', '')}, {y})",
+               f"fz.flip_into_({x.replace('.expand(2, *' + a + '.shape)', '')}, {y})",
+               f"{v} = fz.scale_add({x}, {y}, 1.5).sum()"]
+        return r.choice(ops)
+
     def f_sync(self):
         a = self.pick()
         return self.r.choice(["torch.neuron.synchronize()"] + (
@@ -994,6 +1018,66 @@ def generate(seed: int, families=None, exclude=()) -> list[str]:
     return Gen(seed, families, exclude).build()
 
 
+# --------------------------------------------------------------------------- custom ops
+
+_FZ = []
+
+
+def _fz():
+    """The "custom" family's ops (torch.library, as integration/README.md's "Custom kernels"
+    shows users), defined once per process: `fz.scale_add` (a neuron kernel, autograd),
+    `fz.twice` (no neuron kernel: CPU's, a fallback), `fz.pair` (two results), and
+    `fz.addto_` / `fz.flip_into_` (each writes its first argument, whatever its layout)."""
+    if _FZ:
+        return _FZ[0]
+    import types
+    import torch
+    lib = "fuzz_ops"
+
+    def both(name, fn, fake, schema, mutates=(), device=True):
+        # (schemas spelled out: this module's annotations are strings)
+        op = torch.library.custom_op(f"{lib}::{name}", mutates_args=mutates, schema=schema)(fn)
+        op.register_fake(fake)
+        if device:
+            op.register_kernel("neuron")(fn)
+        return op
+
+    def scale_add(x, y, a):
+        return x * a + y
+
+    def twice(x):
+        return x * 2
+
+    def pair(x):
+        return x.clone(), x.sum(0) if x.dim() else x.clone()
+
+    def addto_(x, y):
+        x.add_(y)
+
+    def flip_into_(out, x):
+        out.copy_(x.flip(0) if x.dim() else x)
+
+    fz = types.SimpleNamespace(
+        scale_add=both("scale_add", scale_add, lambda x, y, a: torch.empty_like(x),
+                       "(Tensor x, Tensor y, float a) -> Tensor"),
+        twice=both("twice", twice, lambda x: torch.empty_like(x), "(Tensor x) -> Tensor",
+                   device=False),
+        pair=both("pair", pair, lambda x: (torch.empty_like(x), x.sum(0) if x.dim()
+                                           else torch.empty_like(x)),
+                  "(Tensor x) -> (Tensor, Tensor)"),
+        addto_=both("addto_", addto_, lambda x, y: None, "(Tensor(a!) x, Tensor y) -> ()",
+                     mutates=("x",)),
+        flip_into_=both("flip_into_", flip_into_, lambda out, x: None,
+                         "(Tensor(a!) out, Tensor x) -> ()", mutates=("out",)))
+
+    def setup(ctx, inputs, output):
+        ctx.a = inputs[2]
+
+    fz.scale_add.register_autograd(lambda ctx, g: (g * ctx.a, g, None), setup_context=setup)
+    _FZ.append(fz)
+    return fz
+
+
 # --------------------------------------------------------------------------- running
 
 _THREADS = []  # the worker's intra-op thread count at start
@@ -1012,7 +1096,8 @@ def _namespace(dev):
     import torch.nn.functional as F
     import adaptive_eager as ae
     cores = {f"dev{k}": dev if dev == "cpu" else f"{dev}:{k}" for k in (1, 2, 3)}
-    return {"torch": torch, "F": F, "ae": ae, "dev": dev, **cores, "__builtins__": __builtins__}
+    return {"torch": torch, "F": F, "ae": ae, "dev": dev, **cores, "fz": _fz(),
+            "__builtins__": __builtins__}
 
 
 def _err(i, e):
@@ -1960,6 +2045,8 @@ def snippet(stmts, config: str) -> str:
         if mode != "eager":
             run = f"with ae.adaptive(strategy={mode!r}):\n    {run}"
         return head + _program_source(body) + run + "\n"
+    if any("fz." in s for s in body):  # the "custom" family's ops
+        head += "import sys; sys.path.insert(0, 'tests'); from fuzzer import _fz; fz = _fz()\n"
     if policy == THREADS:
         head = "import sys; sys.path.insert(0, 'tests'); from fuzzer import _Noise\n" + head
         ctxs.append("_Noise(problems := [])")
