@@ -1024,8 +1024,9 @@ _FZ = []
 
 
 def _fz():
-    """The "custom" family's ops (torch.library, as integration/README.md's "Custom kernels"
-    shows users), defined once per process: `fz.scale_add` (a neuron kernel, autograd),
+    """The "custom" family's ops (torch.library, as adaptive_eager/integration/README.md's
+    "Custom kernels" shows users), defined once per process: `fz.scale_add` (a neuron kernel
+    and autograd),
     `fz.twice` (no neuron kernel: CPU's, a fallback), `fz.pair` (two results), and
     `fz.addto_` / `fz.flip_into_` (each writes its first argument, whatever its layout)."""
     if _FZ:
