@@ -303,7 +303,12 @@ def register() -> None:
     # in with_effects) runs as on the CPU, and control flow (torch.cond, map, while_loop,
     # scan) is Python control flow over device ops, its predicate read from the device (a
     # sync, as on CUDA). Activation checkpointing's recomputation replays the device's RNG
-    # state around each random op (sdpa's included, dropout or not), as CUDA's rules do.
+    # state around each random op (sdpa's included, dropout or not), as CUDA's rules do. A
+    # custom op writing an argument is auto_functionalized in a graph: its dense rule clones
+    # the written bases and calls the op, a device op (it refused the neuron tensor).
+    from torch._higher_order_ops.auto_functionalize import (
+        auto_functionalized, auto_functionalized_dense, auto_functionalized_v2,
+        auto_functionalized_v2_dense)
     from torch._higher_order_ops.cond import cond_op, cond_op_dense
     from torch._higher_order_ops.effects import with_effects, with_effects_dense
     from torch._higher_order_ops.map import map_dense, map_impl
@@ -313,6 +318,8 @@ def register() -> None:
     for hop, rule in ((with_effects, with_effects_dense), (cond_op, cond_op_dense),
                       (map_impl, map_dense), (while_loop_op, while_loop_dense),
                       (scan_op, scan_op_dense),
+                      (auto_functionalized, auto_functionalized_dense),
+                      (auto_functionalized_v2, auto_functionalized_v2_dense),
                       (run_and_save_rng_state, _run_and_save_rng_state),
                       (run_with_rng_state, _run_with_rng_state)):
         if NeuronTensor not in hop.python_key_table:

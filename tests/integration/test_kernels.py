@@ -281,6 +281,30 @@ def test_mutating_kernel_in_a_loop_matches_cpu(kmode):
     assert ae.metrics().kernels == {"aetest::axpy_": 6}
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_compile_of_a_mutating_kernel_matches_cpu(mode):
+    """A custom op writing an argument is auto_functionalized in a compiled graph; that
+    higher-order operator had no rule for the neuron tensor ("There was no rule registered
+    for HOP auto_functionalized_v2"), so any compiled function calling one failed (fuzzer
+    seed 21000001). Its dense rule runs it as on the CPU: a clone, the kernel, a copy back."""
+    import contextlib
+    import torch._dynamo
+    torch._dynamo.reset()
+    x, y = _xy()
+
+    def f(a, b):
+        c = b * 2
+        axpy_(0.5, a[1:], c[1:])  # through a view
+        return c.sin(), b
+
+    want = f(x, y.clone())
+    with ae.adaptive(strategy=mode) if mode != "eager" else contextlib.nullcontext():
+        got = torch.compile(f, backend="neuron")(x.to("neuron"), y.to("neuron"))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w)
+    torch._dynamo.reset()
+
+
 # -- the library kernels ----------------------------------------------------------------
 import torch.nn.functional as F  # noqa: E402
 
