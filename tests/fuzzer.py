@@ -2041,13 +2041,13 @@ def snippet(stmts, config: str) -> str:
     ctxs = ["ae.override(queue_low_threshold=0)"] if policy == "lazy" else []
     if mode in ("graph", "matmul", "none"):
         ctxs.append(f"ae.adaptive(strategy={mode!r})")
+    if any("fz." in s for s in body):  # the "custom" family's ops
+        head += "import sys; sys.path.insert(0, 'tests'); from fuzzer import _fz; fz = _fz()\n"
     if policy == COMPILE:
         run = "print(torch.compile(program, backend='neuron')())"
         if mode != "eager":
             run = f"with ae.adaptive(strategy={mode!r}):\n    {run}"
         return head + _program_source(body) + run + "\n"
-    if any("fz." in s for s in body):  # the "custom" family's ops
-        head += "import sys; sys.path.insert(0, 'tests'); from fuzzer import _fz; fz = _fz()\n"
     if policy == THREADS:
         head = "import sys; sys.path.insert(0, 'tests'); from fuzzer import _Noise\n" + head
         ctxs.append("_Noise(problems := [])")
