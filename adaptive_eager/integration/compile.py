@@ -148,7 +148,10 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         gm, example_inputs,
         fw_compiler=_graph_compiler("forward"),
         bw_compiler=_graph_compiler("backward"),
-        inference_compiler=_graph_compiler("inference"))
+        inference_compiler=_graph_compiler("inference"),
+        # (as aot_eager: an inference graph writes its inputs itself, a device op, and
+        # `.data =` / set_ of an input beside other changes to it compiles)
+        keep_inference_input_mutations=True)
     if not copies:
         return compiled
 
