@@ -84,6 +84,7 @@ REPEAT = "repeat"
 
 PRELUDE = ("import torch, torch.nn.functional as F, adaptive_eager as ae\n"
            "dev = 'neuron'   # 'cpu' for the reference\n"
+           "dev1, dev2, dev3 = 'neuron:1', 'neuron:2', 'neuron:3'   # other cores\n"
            "torch.manual_seed(0)\n")
 
 _VAR = re.compile(r"\bv\d+\b")
@@ -91,6 +92,7 @@ _DEF = re.compile(r"^(v\d+)\s*=[^=]")
 _INPLACE = re.compile(r"\.(?!requires_grad_)[a-z_0-9]+_\(")
 _SETITEM = re.compile(r"^(v\d+)\b[^=]*[^=<>!]([-+*/]?)=[^=]")   # v1[..] = x, v1.mT[0] += x, v1 *= x
 _OUT = re.compile(r"\bout=(v\d+)")
+_CUSTOM_WRITE = re.compile(r"\bfz\.\w+_\((v\d+)")  # fz.addto_(v1, v2) writes v1 (`_fz`)
 # torch._foreach_add_([v1, v2], ...) and torch.optim.SGD([v1], ...).step() write their list,
 # GradScaler's torch._amp_foreach_non_finite_check_and_unscale_([v1], v2, v3) v2 too
 _LIST_WRITE = re.compile(r"torch\.(?:_foreach_\w+_|_amp_foreach_\w+_|optim\.\w+)\(\[([^\]]*)\]"
@@ -131,6 +133,7 @@ def stmt_info(code: str) -> dict:
         if m.group(2) and "_amp_" in m.group(0):
             muts.add(m.group(2))
     muts.update(m.group(1) for m in _AMP_UPDATE.finditer(code))
+    muts.update(m.group(1) for m in _CUSTOM_WRITE.finditer(code))
     if not d and (m := _SETITEM.match(code)):
         muts.add(m.group(1))
     rhs = code[d.end() - 1:] if d else code
@@ -149,7 +152,8 @@ def stmt_info(code: str) -> dict:
 
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
-            "settings", "complex", "outview", "intrng", "storage", "errors", "linalg"]  # "errors": keep now and then a statement that raises on CPU
+            "settings", "complex", "outview", "intrng", "storage", "errors", "linalg", "edge", "cores", "alias",
+            "custom"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -177,6 +181,8 @@ class Gen:
         self.ns = _namespace("cpu")
         self.stmts: list[str] = []
         self.n = 0
+        self.core: dict[str, int] = {}  # variables on a core other than 0 ("cores" family)
+        self.pending_core: tuple[str, int] | None = None  # what the statement in hand defines
 
     # -- helpers
     def fresh(self):
@@ -184,10 +190,13 @@ class Gen:
         self.n += 1
         return v
 
-    def vars(self, pred=lambda t: True):
+    def vars(self, pred=lambda t: True, core=0):
+        """Variables satisfying `pred` on neuron core `core` (the "cores" family puts some on
+        cores 1-3; every other family reads core 0's, as an op mixing cores raises)."""
         T = self.torch.Tensor
         return [k for k, t in self.ns.items()
-                if _VAR.fullmatch(k) and isinstance(t, T) and pred(t)]
+                if _VAR.fullmatch(k) and isinstance(t, T) and self.core.get(k, 0) == core
+                and pred(t)]
 
     def pick(self, pred=lambda t: True):
         vs = self.vars(pred)
@@ -739,6 +748,210 @@ class Gen:
                          "torch.set_float32_matmul_precision('medium')",
                          "torch.set_float32_matmul_precision('highest')"])
 
+    # Note [Edge values]: the "edge" family's values: each integer type's limits (but int32's
+    # and int64's minimum: INT_MIN // -1 kills CPU's process with SIGFPE, LIMITS), non-finite
+    # and extreme floats (denormals, float32's and float16's maxima), in every dtype.
+    EDGE_INTS = {"int8": [127, -128, 100, -1, 0], "uint8": [255, 0, 1, 128, 200],
+                 "int16": [32767, -32768, 300, -1, 0], "int32": [2**31 - 1, -2**31 + 1, 2**16, -1],
+                 "int64": [2**63 - 1, -2**63 + 1, 2**40, -7]}
+    EDGE_FLOATS = ["float('inf')", "-float('inf')", "float('nan')", "0.0", "-0.0", "3e38", "-3e38",
+                   "1e-45", "-1e-40", "65504.0", "7e4", "1.5", "-2.5"]
+
+    def f_edge(self):
+        """Edge values, integer overflow and type promotion (Note [Edge values]): integer
+        tensors at their limits wrapping in arithmetic, reductions and casts; NaN, infinities,
+        -0.0, denormals and float32/float16 saturation through pointwise ops, reductions and
+        sorts; 0-d and 1-element tensors of every dtype (device and host) and Python scalars
+        out of a dtype's range as operands, where the result type comes from PyTorch's
+        promotion rules (a 0-d operand counts only when of a higher category)."""
+        r, v, torch = self.r, self.fresh(), self.torch
+        k = r.random()
+        if k < 0.3:  # a tensor of edge values
+            if r.random() < 0.5:
+                dt = r.choice(list(self.EDGE_INTS))
+                vals = r.sample(self.EDGE_INTS[dt], r.randint(1, len(self.EDGE_INTS[dt])))
+                return f"{v} = torch.tensor({vals}, dtype=torch.{dt}, device=dev)"
+            vals = r.sample(self.EDGE_FLOATS, r.randint(1, 6))
+            dt = r.choice(["float32", "float32", "float16", "bfloat16"])
+            shape = r.choice(["", "", ".reshape(-1, 1)", ".flip(0)"])
+            return f"{v} = torch.tensor([{', '.join(vals)}], dtype=torch.{dt}, device=dev){shape}"
+        a = self.pick(lambda t: not t.is_complex())
+        if a is None:
+            return None
+        t = self.ns[a]
+        ints = not t.is_floating_point() and t.dtype != torch.bool
+        if k < 0.6:  # an operand of another dtype: 0-d or 1-element, device or host; a scalar
+            dt = r.choice(["bool", "uint8", "int8", "int16", "int32", "int64", "float16",
+                           "bfloat16", "float32", "float64"])
+            lit = r.choice(["0", "1", "-1", "3", "200", "-129", "300", "2.5", "-0.0",
+                            "float('inf')", "float('nan')", "1e5", "2**31", "2**40"])
+            operand = r.choice([f"torch.tensor({lit}, dtype=torch.{dt}, device=dev)",
+                                f"torch.tensor({lit}, dtype=torch.{dt})",
+                                f"torch.tensor([{lit}], dtype=torch.{dt}, device=dev)", lit])
+            op = r.choice(["+", "-", "*", "/", "<", ">", "==", "!=", ">=", "&", "|", "^"])
+            fn = r.choice(["torch.maximum", "torch.minimum", "torch.where",
+                           "torch.clamp", "torch.add", "torch.mul", "torch.eq"])
+            if r.random() < 0.3:
+                if fn == "torch.where":
+                    return f"{v} = torch.where({a} > 0, {a}, {operand})"
+                if fn == "torch.clamp":
+                    return f"{v} = torch.clamp({a}, max={operand})"
+                if fn in ("torch.add", "torch.mul"):
+                    return f"{v} = {fn}({a}, {operand}, alpha={r.choice([2, 3])})" \
+                        if fn == "torch.add" else f"{v} = {fn}({operand}, {a})"
+                return f"{v} = {fn}({a}, {operand})"
+            if r.random() < 0.2:  # in place: the result type must cast to the tensor's own
+                return f"{a}.{r.choice(['add_', 'mul_', 'sub_', 'clamp_'])}({operand})"
+            return f"{v} = {a} {op} {operand}" if r.random() < 0.7 else f"{v} = {operand} {op} {a}"
+        if ints:  # overflow: wraps as on CPU, in arithmetic, accumulation and casts
+            ops = [f"{a} * {a}", f"{a} + {a}", f"{a} * 3", f"{a} - 1", f"-{a}", f"{a}.abs()",
+                   f"{a} << {r.choice([1, 3, 7, 9, 31, 40, 70])}",
+                   f"{a} >> {r.choice([1, 7, 9, 63, 70])}", f"~{a}", f"{a} ** 2", f"{a}.pow(3)",
+                   f"{a}.sum()", f"{a}.sum(dtype=torch.{r.choice(['int8', 'int16', 'uint8'])})",
+                   f"{a}.cumsum(0, dtype=torch.{r.choice(['int8', 'int32'])})"
+                   if t.dim() else f"{a}.cumsum(0)",
+                   f"{a}.prod()", f"{a}.to(torch.{r.choice(['int8', 'uint8', 'int16', 'int32'])})",
+                   f"{a}.float()", f"{a}.half()", f"{a}.to(torch.bfloat16)", f"{a}.double()",
+                   f"{a}.mean(dtype=torch.float32)", f"{a}.max()", f"{a}.sort(0).values"
+                   if t.dim() else f"{a}.min()", f"{a}.argmax()", f"{a}.sign()",
+                   # (divisors never 0 or -1: CPU's INT_MIN // -1 is SIGFPE)
+                   f"{a} // {r.choice([3, -2, 7])}", f"{a} % {r.choice([3, -2, 7])}",
+                   f"torch.fmod({a}, {r.choice([3, -2])})",
+                   f"torch.div({a}, {r.choice([3, -2])}, rounding_mode={r.choice(['trunc', 'floor'])!r})",
+                   f"{a} / {r.choice([3, -2])}", f"{a}.bitwise_and(0x0F)", f"{a}.clamp(-100, 100)"]
+            return f"{v} = {r.choice(ops)}"
+        # non-finite and extreme floats (casts to integers only of values within range: a
+        # float beyond an integer type's range converts by C++'s undefined behaviour)
+        ops = [f"{a}.exp()", f"{a} * 0", f"{a} - {a}", f"{a}.reciprocal()", f"{a}.sqrt()",
+               f"{a}.log()", f"{a} * 1e30", f"{a}.square()", f"{a}.sign()", f"{a}.round()",
+               f"{a}.floor()", f"{a}.pow(0)", f"{a} ** 0.5", f"{a}.nan_to_num()",
+               f"{a}.nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0)", f"{a}.isinf()",
+               f"{a}.isfinite()", f"{a}.isnan()", f"{a}.signbit()", f"{a}.copysign(-1)",
+               f"{a}.clamp(-1, 1)", f"{a}.clamp(min=0)", f"torch.fmax({a}, {a}.flip(-1))",
+               f"torch.maximum({a}, {a}.flip(-1))", f"{a}.sum()", f"{a}.mean()", f"{a}.nansum()",
+               f"{a}.amax()", f"{a}.min()", f"{a}.argmax()", f"{a}.argmin()", f"{a}.prod()",
+               f"{a}.softmax(-1)", f"{a}.logsumexp(-1)", f"{a}.cumsum(-1)", f"{a}.norm()",
+               f"{a}.half()", f"{a}.bfloat16()", f"{a}.float()", f"{a}.bool()",
+               f"{a}.nan_to_num().clamp(-100, 100).to(torch.{r.choice(['int8', 'uint8', 'int32'])})",
+               f"{a}.sigmoid()", f"{a}.tanh()", f"F.relu({a})", f"{a}.atan2({a})",
+               f"torch.hypot({a}, {a})", f"{a}.frac()", f"{a}.trunc()", f"{a} // 1",
+               f"{a} % 2", f"torch.nextafter({a}, {a}.flip(-1))", f"{a}.isposinf()"]
+        if t.dim():
+            ops += [f"{a}.sort(-1).values", f"{a}.sort(-1, descending=True).indices",
+                    f"{a}.topk(1).values", f"{a}.cummax(-1).indices", f"{a}.max(-1).indices",
+                    f"{a}.msort()", f"{a}.median(-1).values", f"{a}.nanmean(-1)"]
+        return f"{v} = {r.choice(ops)}"
+
+    def f_cores(self):
+        """Several cores (Note [Cores] in adaptive_eager/integration/neuron.py): values copied
+        to cores 1-3 (`dev1`..`dev3`, all "cpu" in the reference) and back, worked on there
+        (in place too, through views), copied into and out of in both directions while each
+        core's queue holds work. Copies are `.to(..., copy=True)`: on CPU `.to("cpu")` is the
+        tensor itself, across cores a copy. A variable on core k is read only by this family,
+        and only with others on core k (an op mixing cores raises CUDA's error)."""
+        r, v = self.r, self.fresh()
+        k = r.randint(1, 3)
+        remote = [x for x in self.ns if self.core.get(x, 0) and x in self.ns
+                  and isinstance(self.ns[x], self.torch.Tensor)]
+        if not remote or r.random() < 0.3:
+            a = self.pick()
+            if a is None:
+                return None
+            self.pending_core = (v, k)
+            return f"{v} = {a}{r.choice(['', '', '.mT', '[1:]', '[..., ::2]'][:5 if self.ns[a].dim() >= 2 else 2 if self.ns[a].dim() == 0 else 4])}" \
+                   f".to(dev{k}, {r.choice(['', 'torch.float16, ', 'non_blocking=True, '])}copy=True)"
+        x = r.choice(remote)
+        k = self.core[x]
+        t = self.ns[x]
+        same = [y for y in remote if self.core[y] == k]
+        y = r.choice(same)
+        a = self.pick()
+        back = r.random()
+        if back < 0.25:  # back to core 0, or on to another core
+            j = r.choice([0, 0, 1, 2, 3])
+            if j:
+                self.pending_core = (v, j)
+            return f"{v} = {x}.to(dev{j or ''}, copy=True)"
+        if back < 0.4 and a is not None:  # a copy across cores into a view of either side
+            tgt = r.choice([x, f"{x}[1:]", f"{x}.mT"] if t.dim() >= 2 else [x, f"{x}[1:]"]
+                           if t.dim() else [x])
+            if r.random() < 0.5:
+                return f"{tgt}.copy_({a})"
+            return f"{a}{r.choice(['', '[1:]'] if self.ns[a].dim() else [''])}.copy_({x})"
+        self.pending_core = (v, k)
+        ops = [f"{v} = {x} * 2 + {y}", f"{v} = {x}.sum(0)" if t.dim() else f"{v} = {x} - 1",
+               f"{x}.mul_({r.choice(['2', '-1', '0.5'])})", f"{x}.add_({y})",
+               f"{v} = {x}.mT" if t.dim() >= 2 else f"{v} = {x}.view(-1)",
+               f"{v} = {x}[1:]" if t.dim() else f"{v} = {x}.unsqueeze(0)",
+               f"{x}[...] = {r.choice(['1.5', '0', '-2'])}", f"{v} = torch.where({x} > 0, {x}, {y})",
+               f"{v} = {x}.float().softmax(-1)" if t.dim() else f"{v} = {x}.exp()",
+               f"{v} = torch.ones_like({x}) + {x}", f"{v} = {x}.clone()",
+               f"{v} = {x}.to(torch.int64)"]
+        code = r.choice(ops)
+        if not code.startswith(f"{v} ="):
+            self.pending_core = None
+        return code
+
+    def f_alias(self):
+        """Storage sharing made other ways than by view ops (Note [set_] in
+        adaptive_eager/engine/storage.py): `set_` onto another tensor or a window of its
+        storage, `.data =` (the tensor takes another's buffer and layout; its views keep the
+        old one), reinterpreting views (`view(dtype)` of another element size,
+        `view_as_real`/`view_as_complex`) written through, and `as_strided` of an offset view
+        (its offset is absolute in the storage)."""
+        r, v, torch = self.r, self.fresh(), self.torch
+        a = self.pick(lambda t: not t.is_complex())
+        if a is None:
+            return None
+        t = self.ns[a]
+        b = self.pick(lambda u: u.dtype == t.dtype) or a
+        # (windows of a storage only within elements a tensor covers: past them (an empty
+        # out= target resized smaller, a kernel's scratch) its memory was never written)
+        exact = lambda u: u.is_contiguous() and u.storage_offset() == 0 and (  # noqa: E731
+            u.untyped_storage().nbytes() == u.numel() * u.element_size())
+        n = t.numel() if exact(t) else 0
+        ops = [f"{a}.set_({b})", f"{a}.data = {b}", f"{a}.data = {b}.mT" if self.ns[b].dim() >= 2
+               else f"{a}.data = {b}.flip(0) if {b}.dim() else {b}.clone()",
+               f"{v} = {a}.view(torch.{r.choice(['int32', 'int16', 'uint8'])})"
+               if t.dtype == torch.float32 else f"{v} = {a}.view(torch.{t.dtype}) * 1".replace(
+                   "torch.torch.", "torch."),
+               f"{a}.view(torch.int32).bitwise_xor_(1)" if t.dtype == torch.float32 else
+               f"{a}.view(-1)[:1].zero_()" if t.is_contiguous() else f"{a}.zero_()"]
+        if n >= 2:
+            k = r.randint(1, n - 1)
+            m = r.randint(0, (n - k))
+            ops += [f"{a}.set_({b}.untyped_storage(), {k}, ({m},), (1,))" if exact(self.ns[b])
+                    and self.ns[b].numel() == n else f"{a}.set_({a}.untyped_storage(), {k}, ({m},), (1,))",
+                    f"{v} = {a}[1:].as_strided(({max(m // 2, 0)}, 2), (1, 1), {k})"
+                    if t.dim() >= 1 and m >= 2 else f"{v} = {a}.view(-1)",
+                    f"{a}[1:].as_strided(({m},), (1,), {k}).mul_(3)" if t.dim() >= 1
+                    else f"{a}.mul_(3)"]
+        if t.dtype == torch.float32 and t.dim() >= 1 and t.shape[-1] == 2 and t.stride(-1) == 1:
+            ops += [f"torch.view_as_complex({a}).mul_(1j)", f"{v} = torch.view_as_complex({a})"
+                    f".conj().resolve_conj()"]
+        return r.choice(ops)
+
+    def f_custom(self):
+        """Users' custom ops (`_fz`): a neuron kernel runs over the host memory of the device
+        buffers as a launch of its own, among queued ops; one without falls back to CPU. Over
+        views, non-contiguous and offset, as inputs and as the tensors written."""
+        r, v = self.r, self.fresh()
+        a = self.pick(lambda t: t.is_floating_point() and not t.is_complex())
+        if a is None:
+            return None
+        t = self.ns[a]
+        views = [a, a, f"{a}.mT" if t.dim() >= 2 else a, f"{a}[1:]" if t.dim() else a,
+                 f"{a}[..., ::2]" if t.dim() else a, f"{a}.expand(2, *{a}.shape)"]
+        x = r.choice(views)
+        b = self.pick(lambda u: u.dtype == t.dtype and u.shape == t.shape) or a
+        y = x.replace(a, b, 1)
+        ops = [f"{v} = fz.scale_add({x}, {y}, {self.r.choice(['2.0', '-0.5', '0.0'])})",
+               f"{v} = fz.twice({x})", f"{v} = fz.pair({x})[{r.randint(0, 1)}]",
+               f"fz.addto_({x.replace('.expand(2, *' + a + '.shape)', '')}, {y})",
+               f"fz.flip_into_({x.replace('.expand(2, *' + a + '.shape)', '')}, {y})",
+               f"{v} = fz.scale_add({x}, {y}, 1.5).sum()"]
+        return r.choice(ops)
+
     def f_sync(self):
         a = self.pick()
         return self.r.choice(["torch.neuron.synchronize()"] + (
@@ -749,8 +962,22 @@ class Gen:
         return f"del {a}" if a and len(self.vars()) > 2 else None
 
     # -- driver
+    def _sigfpe(self, code: str) -> bool:
+        """An integer division reading an int32/int64 tensor that holds its type's minimum:
+        INT_MIN // -1 (and % -1) kills CPU's process with SIGFPE (LIMITS), the generator's
+        and the reference's (overflow in the "edge" family makes such values)."""
+        torch = self.torch
+        if not _DIVISION.search(code):
+            return False
+        for x in stmt_info(code)["reads"]:
+            t = self.ns.get(x)
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64) \
+                    and t.numel() and bool((t == torch.iinfo(t.dtype).min).any()):
+                return True
+        return False
+
     def step(self, code: str, keep_error: float) -> bool:
-        if any(p.search(code) for p in self.exclude):
+        if any(p.search(code) for p in self.exclude) or self._sigfpe(code):
             return False
         try:
             with warnings.catch_warnings():
@@ -760,6 +987,8 @@ class Gen:
             if self.r.random() >= keep_error:
                 return False
         self.stmts.append(code)
+        if self.pending_core is not None:
+            self.core[self.pending_core[0]] = self.pending_core[1]
         return True
 
     def build(self) -> list[str]:
@@ -772,6 +1001,7 @@ class Gen:
         while len(self.stmts) < target and tries < 200:
             tries += 1
             fam = r.choice(self.families)
+            self.pending_core = None
             code = getattr(self, "f_" + fam)() if fam != "create" else self.create()
             if code is None:
                 continue
@@ -780,9 +1010,73 @@ class Gen:
         return self.stmts
 
 
+_DIVISION = re.compile(r"//|%|\bdiv\b|div_|fmod|remainder|divide|floor_divide")
+
+
 def generate(seed: int, families=None, exclude=()) -> list[str]:
     """Program `seed`: statements from `families`, none matching an `exclude` regex."""
     return Gen(seed, families, exclude).build()
+
+
+# --------------------------------------------------------------------------- custom ops
+
+_FZ = []
+
+
+def _fz():
+    """The "custom" family's ops (torch.library, as adaptive_eager/integration/README.md's
+    "Custom kernels" shows users), defined once per process: `fz.scale_add` (a neuron kernel
+    and autograd),
+    `fz.twice` (no neuron kernel: CPU's, a fallback), `fz.pair` (two results), and
+    `fz.addto_` / `fz.flip_into_` (each writes its first argument, whatever its layout)."""
+    if _FZ:
+        return _FZ[0]
+    import types
+    import torch
+    lib = "fuzz_ops"
+
+    def both(name, fn, fake, schema, mutates=(), device=True):
+        # (schemas spelled out: this module's annotations are strings)
+        op = torch.library.custom_op(f"{lib}::{name}", mutates_args=mutates, schema=schema)(fn)
+        op.register_fake(fake)
+        if device:
+            op.register_kernel("neuron")(fn)
+        return op
+
+    def scale_add(x, y, a):
+        return x * a + y
+
+    def twice(x):
+        return x * 2
+
+    def pair(x):
+        return x.clone(), x.sum(0) if x.dim() else x.clone()
+
+    def addto_(x, y):
+        x.add_(y)
+
+    def flip_into_(out, x):
+        out.copy_(x.flip(0) if x.dim() else x)
+
+    fz = types.SimpleNamespace(
+        scale_add=both("scale_add", scale_add, lambda x, y, a: torch.empty_like(x),
+                       "(Tensor x, Tensor y, float a) -> Tensor"),
+        twice=both("twice", twice, lambda x: torch.empty_like(x), "(Tensor x) -> Tensor",
+                   device=False),
+        pair=both("pair", pair, lambda x: (torch.empty_like(x), x.sum(0) if x.dim()
+                                           else torch.empty_like(x)),
+                  "(Tensor x) -> (Tensor, Tensor)"),
+        addto_=both("addto_", addto_, lambda x, y: None, "(Tensor(a!) x, Tensor y) -> ()",
+                     mutates=("x",)),
+        flip_into_=both("flip_into_", flip_into_, lambda out, x: None,
+                         "(Tensor(a!) out, Tensor x) -> ()", mutates=("out",)))
+
+    def setup(ctx, inputs, output):
+        ctx.a = inputs[2]
+
+    fz.scale_add.register_autograd(lambda ctx, g: (g * ctx.a, g, None), setup_context=setup)
+    _FZ.append(fz)
+    return fz
 
 
 # --------------------------------------------------------------------------- running
@@ -802,7 +1096,9 @@ def _namespace(dev):
     torch.manual_seed(0)
     import torch.nn.functional as F
     import adaptive_eager as ae
-    return {"torch": torch, "F": F, "ae": ae, "dev": dev, "__builtins__": __builtins__}
+    cores = {f"dev{k}": dev if dev == "cpu" else f"{dev}:{k}" for k in (1, 2, 3)}
+    return {"torch": torch, "F": F, "ae": ae, "dev": dev, **cores, "fz": _fz(),
+            "__builtins__": __builtins__}
 
 
 def _err(i, e):
@@ -1745,6 +2041,8 @@ def snippet(stmts, config: str) -> str:
     ctxs = ["ae.override(queue_low_threshold=0)"] if policy == "lazy" else []
     if mode in ("graph", "matmul", "none"):
         ctxs.append(f"ae.adaptive(strategy={mode!r})")
+    if any("fz." in s for s in body):  # the "custom" family's ops
+        head += "import sys; sys.path.insert(0, 'tests'); from fuzzer import _fz; fz = _fz()\n"
     if policy == COMPILE:
         run = "print(torch.compile(program, backend='neuron')())"
         if mode != "eager":

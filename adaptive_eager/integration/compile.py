@@ -188,7 +188,10 @@ def _aot_autograd(gm, example_inputs):
         gm, example_inputs,
         fw_compiler=_graph_compiler("forward"),
         bw_compiler=_graph_compiler("backward"),
-        inference_compiler=_graph_compiler("inference"))
+        inference_compiler=_graph_compiler("inference"),
+        # (as aot_eager: an inference graph writes its inputs itself, a device op, and
+        # `.data =` / set_ of an input beside other changes to it compiles)
+        keep_inference_input_mutations=True)
 
 
 _INDUCTOR_MESSAGE = (

@@ -161,6 +161,22 @@ def test_deferred_error_poisons_only_its_dependents(mode):
     assert (x + 1).tolist() == [1., 2., 3., 4., 5.]  # the engine keeps working
 
 
+def test_a_layout_only_op_of_a_result_failed_in_its_launch_makes_its_value(mode):
+    """Note [Poison]: `ones_like` of a result whose op failed in the same launch is not
+    skipped (it reads only the layout); it read the slot the failed op never filled and
+    raised a TypeError, its result poisoned by that internal error where eager gives ones
+    (fuzzer seed 20800261)."""
+    x = torch.arange(5., device=N)
+    y = x.index_select(0, torch.tensor([7], device=N)) * 3  # out of range: deferred
+    o = torch.ones_like(y)
+    z = o + x[1:2]
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        ae.synchronize()
+    assert o.tolist() == [1.0] and z.tolist() == [2.0]
+    with pytest.raises(ae.NeuronRuntimeError, match="index_select"):
+        y.cpu()
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_ops_that_read_data_now_raise_a_poisoned_inputs_error(mode):
     """Data-dependent and CPU-fallback ops read a poisoned buffer's (never written) memory

@@ -163,6 +163,38 @@ def test_stmt_info_reads_defs_and_mutations():
     assert fuzzer.stmt_info("torch.add(v0, 1, out=v5)")["muts"] == {"v5"}
     assert fuzzer.stmt_info("v6 = v0.detach().float().requires_grad_()")["muts"] == set()
     assert fuzzer.stmt_info("_ = v0.cpu()")["sync"]
+    assert fuzzer.stmt_info("fz.addto_(v1[1:], v2)")["muts"] == {"v1"}  # a custom op's write
+    assert fuzzer.stmt_info("v3.data = v4.mT")["muts"] == {"v3"}
+
+
+def test_the_generator_never_divides_an_int_min():
+    """Note [Edge values]: INT_MIN // -1 (and % -1) is SIGFPE in CPU's process, the
+    generator's own and the reference's: an integer division reading an int32/int64 tensor
+    holding its minimum is never made (overflow makes one: `2**31 - 1 + 1`)."""
+    g = fuzzer.Gen(0)
+    g.step("v0 = torch.tensor([2**31 - 1, 3], dtype=torch.int32, device=dev) + 1", 0)
+    g.step("v1 = torch.tensor([-2**63 + 1], device=dev) - 1", 0)
+    for code in ("v2 = v0 // -1", "v2 = v0 % -1", "v2 = torch.remainder(v1, -1)",
+                 "v2 = torch.div(v0, -1, rounding_mode='floor')"):
+        assert not g.step(code, 0) and code not in g.stmts
+    assert g.step("v2 = v0 * -1", 0)  # (not a division)
+    assert g.step("v3 = torch.tensor([5, -9], device=dev)", 0) and g.step("v4 = v3 // -1", 0)
+
+
+def test_the_other_cores_are_the_cpu_in_the_reference():
+    """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
+    variables there are read by that family only (an op mixing cores raises)."""
+    assert fuzzer._namespace("cpu")["dev2"] == "cpu"
+    assert fuzzer._namespace("neuron")["dev2"] == "neuron:2"
+    made = set()
+    for seed in range(30):
+        g = fuzzer.Gen(seed, ["cores", "pointwise", "inplace"])
+        g.build()
+        remote = {k for k in g.core if k in g.ns}
+        made |= remote
+        assert not set(g.vars()) & remote  # what every other family picks from
+        assert all(g.ns[k].device.type == "cpu" for k in remote)
+    assert made
 
 
 def _reading(value, stride=None):

@@ -817,3 +817,38 @@ def test_decompositions_that_drop_nan_give_eagers_value_in_compile_mode():
         torch.testing.assert_close(got.cpu(), want, equal_nan=True)
         torch.testing.assert_close(xn.grad.cpu(), xc.grad, equal_nan=True)
         torch._dynamo.reset()
+
+
+def _set_data(x, y):
+    x.data = y.mT
+    return x + 1
+
+
+def _resize_then_set_data(x, y):
+    x.unsqueeze_(0)
+    x.data = y.reshape(1, 2, 3)
+    return x * 2
+
+
+def _write_then_set_data(x, y):
+    x.mul_(2)
+    x.data = y.mT
+    return x + 1
+
+
+@pytest.mark.parametrize("f", [_set_data, _resize_then_set_data, _write_then_set_data])
+def test_set_data_of_a_graph_input_compiles_as_on_cpu(f, fresh_dynamo):
+    """`x.data = y` (set_) of a compiled function's input failed "Encountered a set_ on a
+    graph input, but the input has other mutations that we cannot keep in the graph": the
+    backend dropped input mutations from inference graphs, where aot_eager keeps them
+    (keep_inference_input_mutations; fuzzer seed 21000070). The input and result as CPU's."""
+    import torch._dynamo
+    got = []
+    for dev, backend in (("cpu", "aot_eager"), ("neuron", "neuron")):
+        torch._dynamo.reset()
+        x = torch.arange(6.).reshape(2, 3).to(dev)
+        y = torch.arange(6., 12.).reshape(3, 2).to(dev)
+        r = torch.compile(f, backend=backend)(x, y)
+        got.append((r.cpu(), x.cpu()))
+    for a, b in zip(*got):
+        assert a.shape == b.shape and torch.equal(a, b)

@@ -171,6 +171,17 @@ def test_kernel_result_unlike_fake_impl_is_named():
         out.cpu()
 
 
+def test_float64_inputs_run_as_float32_like_any_op(kmode):
+    """Note [float64 policy]: a kernel's float64 inputs reach its body as float32 twins, so
+    its float64 result comes back float32; the check against the fake impl refused it ("the
+    neuron kernel and the fake impl must agree"), every float64 call failed (fuzzer seed
+    20800000)."""
+    x, y = (t.double() for t in _xy(8))
+    out = scale_add(x.to("neuron"), y.to("neuron"), 2.0)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out.cpu(), x * 2 + y, rtol=1e-6, atol=1e-6)
+
+
 def test_autograd_matches_cpu(kmode):
     x, y = _xy()
     xc, yc = x.clone().requires_grad_(), y.clone().requires_grad_()
@@ -268,6 +279,30 @@ def test_mutating_kernel_in_a_loop_matches_cpu(kmode):
         yn.mul_(0.9)
     torch.testing.assert_close(yn.cpu(), yc)
     assert ae.metrics().kernels == {"aetest::axpy_": 6}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_compile_of_a_mutating_kernel_matches_cpu(mode):
+    """A custom op writing an argument is auto_functionalized in a compiled graph; that
+    higher-order operator had no rule for the neuron tensor ("There was no rule registered
+    for HOP auto_functionalized_v2"), so any compiled function calling one failed (fuzzer
+    seed 21000001). Its dense rule runs it as on the CPU: a clone, the kernel, a copy back."""
+    import contextlib
+    import torch._dynamo
+    torch._dynamo.reset()
+    x, y = _xy()
+
+    def f(a, b):
+        c = b * 2
+        axpy_(0.5, a[1:], c[1:])  # through a view
+        return c.sin(), b
+
+    want = f(x, y.clone())
+    with ae.adaptive(strategy=mode) if mode != "eager" else contextlib.nullcontext():
+        got = torch.compile(f, backend="neuron")(x.to("neuron"), y.to("neuron"))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w)
+    torch._dynamo.reset()
 
 
 # -- the library kernels ----------------------------------------------------------------
