@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import adaptive_eager as ae
 from adaptive_eager.integration import compile as aec
 from adaptive_eager.tools.models import GPT, batches, train
+from tests.harness.custom_ops import axpy_
 
 
 @pytest.fixture(autouse=True)
@@ -688,19 +689,9 @@ def test_control_flow_operators_run_on_the_device(how):
     assert torch.equal(b.grad.cpu(), a.grad)
 
 
-@torch.library.custom_op("ae_test_compile::axpy_", mutates_args=("y",))
-def _axpy_(a: float, x: torch.Tensor, y: torch.Tensor) -> None:
-    y.add_(x, alpha=a)
-
-
-@_axpy_.register_kernel("neuron")
-def _(a, x, y):
-    y.add_(x, alpha=a)
-
-
 def _mutating_custom_op(x, y):
-    _axpy_(0.5, x, y[1:])  # (a view: auto_functionalized_v2 regenerates it)
-    _axpy_(2.0, y[:3], x)
+    axpy_(0.5, x, y[1:])  # (a view: auto_functionalized_v2 regenerates it)
+    axpy_(2.0, y[:3], x)
     return x + y[1:]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from tests.harness.custom_ops import axpy_
 
 CALLS = []  # the kernel body's arguments' devices, per call
 
@@ -254,16 +255,6 @@ def test_sbuf_over_capacity_is_refused_at_the_call():
     ae.register_cost(greedy, lambda x: ae.Cost(sbuf_bytes=1 << 40))
     with pytest.raises(RuntimeError, match="SBUF"):
         greedy(torch.ones(2, device="neuron"))
-
-
-@torch.library.custom_op("aetest::axpy_", mutates_args=("y",))
-def axpy_(a: float, x: torch.Tensor, y: torch.Tensor) -> None:
-    y.add_(x, alpha=a)
-
-
-@axpy_.register_kernel("neuron")
-def _(a, x, y):
-    y.add_(x, alpha=a)
 
 
 def test_mutating_kernel_in_a_loop_matches_cpu(kmode):
