@@ -27,6 +27,7 @@ _CONTRACTION = {
     "mkldnn_rnn_layer_backward", "_trilinear", "_native_multi_head_attention",
     "_transformer_encoder_layer_fwd", "conv_tbc", "affine_grid_generator",
     "_grouped_mm",  # MoE experts (Transformers' default `grouped_mm` experts): CPU's kernel
+    "_int_mm", "_weight_int8pack_mm",  # int8 matmuls (torchao's quantized linear layers)
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
 # CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
@@ -125,7 +126,9 @@ PROBED = frozenset(f"aten::{n}" for n in (
 _REDUCTION = {
     "sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
     "std_mean", "prod", "norm", "linalg_vector_norm", "argmax", "argmin", "logsumexp",
-    "_softmax", "_log_softmax", "_safe_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "_softmax", "_log_softmax", "_safe_softmax", "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "softmax", "log_softmax",  # (their `int_out` overloads: the rest is decomposed above us)
     "native_layer_norm", "native_layer_norm_backward", "native_batch_norm",
     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "native_group_norm",
@@ -187,7 +190,7 @@ _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "r
 # Ops whose CPU kernel raises on the values it is given, run at once so at the call
 # (Note [Linear algebra on the device]); `cholesky` and `cholesky_inverse` check inside too.
 _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linalg_eig",
-                   "_linalg_eigvals", "linalg_pinv", "cholesky", "cholesky_inverse"}
+                   "_linalg_eigvals", "linalg_eigvals", "linalg_pinv", "cholesky", "cholesky_inverse"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.

@@ -373,8 +373,16 @@ def _as_f32(ins, args, kwargs):
     twins = {k: (lo, torch.empty(0, dtype=torch.float64, device=_CPU).set_(st, lo, (hi - lo,), (1,))
                  .to(torch.float32)) for k, (lo, hi, st) in spans.items()}
     writeback = []
+    # an out= tensor of float64 is written float32: so is the dtype asked for it
+    # (`torch.sum(x, 0, dtype=torch.float64, out=o)`, CPU's check: "Expected out tensor to
+    # have dtype double"; the call's meta check saw the float64 tensor)
+    f64_out = any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
+                  for t in tree_leaves([a for i, a in enumerate(args) if i in ins.mutated])
+                  + tree_leaves([v for k, v in kwargs.items() if k == "out"]))
 
     def low(a, mutated):
+        if a is torch.float64 and f64_out:
+            return torch.float32
         if isinstance(a, torch.Tensor) and a.dtype == torch.float64:
             if not a.numel():
                 return a.to(torch.float32)

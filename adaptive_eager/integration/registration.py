@@ -344,6 +344,9 @@ def _register_fused_rnn_cells():
     lib.impl("lstm.input", rnn.lstm, "AutogradPrivateUse1")
     lib.impl("linalg_svdvals", linalg.svdvals, "AutogradPrivateUse1")
     lib.impl("linalg_eigvalsh", linalg.eigvalsh, "AutogradPrivateUse1")
+    for overload in linalg.MATRIX_RANK_OUT:  # (Note [matrix_rank's out=]: CPU's too)
+        for key in ("AutogradPrivateUse1", "AutogradCPU"):
+            lib.impl(f"linalg_matrix_rank.{overload}", linalg.matrix_rank_out(overload), key)
     for name in ("gru", "rnn_tanh", "rnn_relu"):
         lib.impl(f"{name}.input", getattr(rnn, name), "AutogradPrivateUse1")
     lib.impl("lstm_cell", rnn.lstm_cell, "AutogradPrivateUse1")

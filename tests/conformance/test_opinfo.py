@@ -1,8 +1,9 @@
 """OpInfo differential test: CPU vs neuron eager vs neuron adaptive (graph strategy).
 
-For every OpInfo of PyTorch's `op_db` (float32, forward, function variant only) we take the
-first `SAMPLES_PER_OP` sample inputs, run the op on CPU and on the `neuron` device, move the
-outputs back with `.cpu()` and compare:
+For every OpInfo of PyTorch's `op_db` (float32, forward; the function variant, the in-place
+one and the `out=` one into a strided view of a larger buffer) we take the first
+`SAMPLES_PER_OP` sample inputs, run the op on CPU and on the `neuron` device, move the
+outputs back with `.cpu()` and compare (integer results exactly):
 
 * eager    : neuron eager vs CPU (assert_close, float32 tolerances, equal_nan);
 * adaptive : neuron adaptive eager (`ae.adaptive()`, strategy "graph") vs CPU, and, when
@@ -62,12 +63,21 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 
 XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.txt")
 DEVICE = "neuron"
-DTYPE = torch.float32
+# OPINFO_DTYPE=int64 (bool, bfloat16, float16, complex64...) runs the sweep in another dtype; the
+# xfail list is made for float32 (CI's), so another dtype's run is read in its summary
+DTYPE = getattr(torch, os.environ.get("OPINFO_DTYPE", "float32"))
 # the first N samples of each op (runtime budget; the xfail list is made for the default)
 SAMPLES_PER_OP = int(os.environ.get("OPINFO_SAMPLES", "5"))
 MAX_SAMPLE_NUMEL = 1 << 18  # skip samples with a bigger tensor (keeps the simulator fast)
 OP_TIMEOUT_S = 30           # per-op guard (SIGALRM) against hangs
 RTOL, ATOL = 1e-4, 1e-5     # float32: the executor runs CPU kernels, but allow reassociation
+_TOLERANCES = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}  # by result dtype
+
+
+def _tolerance(dtype):  # float64 runs as float32 (Note [float64 policy]); integers: exact
+    if dtype.is_floating_point or dtype.is_complex:
+        return _TOLERANCES.get(dtype, (RTOL, ATOL))
+    return 0, 0
 
 # ------------------------------------------------------------------------------------------
 # Skip rules (generic; a skipped op is not counted). Each returns a reason or None.
@@ -211,7 +221,8 @@ def compare(actual, expected, *, exact: bool = False, meta_only: bool = False,
                 if exact:
                     torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
                 else:
-                    torch.testing.assert_close(a, e, rtol=RTOL, atol=ATOL, equal_nan=True)
+                    rtol, atol = _tolerance(e.dtype)
+                    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
             except AssertionError as exc:
                 msg = str(exc).strip().splitlines()
                 raise Mismatch(f"{where}: values differ: " + " ".join(msg[:4])) from None
@@ -319,7 +330,7 @@ def _run_neuron(op, fn, sample, random: bool, mode: str):
 def _samples(op):
     """Materialize up to SAMPLES_PER_OP usable samples, or return a skip reason (str)."""
     if DTYPE not in op.supported_dtypes("cpu"):
-        return "float32 not supported on CPU (complex-/integer-only op)"
+        return f"{DTYPE} not supported on CPU"
     if _SKIP_NAME.search(op.name):
         return "sparse/nested/quantized/CUDA-specific OpInfo"
     return usable_samples(op, False, SAMPLES_PER_OP, _numel_ok)
@@ -366,11 +377,50 @@ def run_op(op, modes=MODES, run=None, timeout_s: float = OP_TIMEOUT_S) -> OpResu
 
 
 def _variants(op):
-    """The function variant and, when the OpInfo has one, the in-place variant (`x.add_`)."""
+    """The function variant and, when the OpInfo has them, the in-place variant (`x.add_`)
+    and the `out=` variant (`_into_strided_out`)."""
     out = [("", op.op)]
     if op.inplace_variant is not None:
         out.append(("[inplace] ", op.inplace_variant))
+    if op.supports_out:
+        out.append(("[out] ", _into_strided_out(op.op)))
     return out
+
+
+def _cpu(x):  # (copies: the op may write its arguments)
+    return tree_map(lambda t: t.to("cpu", copy=True) if _is_tensor(t) else t, x)
+
+
+def _into_strided_out(fn):
+    """`fn` called with `out=` tensors that are every other element of a larger buffer filled
+    with 7s (as PyTorch's device tests write into views): returns the result, the out
+    tensors, the buffers (so a write past a view, or a skipped one, shows) and whether the
+    result is the out tensors themselves, as CPU returns them. The out tensors' shapes and
+    dtypes are the function's result on CPU copies of the arguments (the CPU generator
+    restored after it, so a random op draws the same values on each side; on CPU, the values
+    the out= form must give)."""
+    def call(inp, *args, **kwargs):
+        tensors = [t for t in tree_flatten((inp, args, kwargs))[0] if _is_tensor(t)]
+        if not tensors:  # (factories: test_out_views.py)
+            raise TypeError("the out= variant is tried on ops with tensor arguments")
+        with torch.random.fork_rng(devices=[]):
+            like = fn(*_cpu((inp,) + args), **_cpu(kwargs))
+        leaves, spec = tree_flatten(like)
+        if not leaves or not all(_is_tensor(t) for t in leaves):
+            raise TypeError("the out= variant needs a tensor result")
+        device = (inp if _is_tensor(inp) else tensors[0]).device
+        bufs = [torch.full((2 * t.numel() + 1,), 7, dtype=t.dtype, device=device) for t in leaves]
+        outs = [b[1::2].view(t.shape) for b, t in zip(bufs, leaves)]
+        res = fn(inp, *args, out=outs[0] if _is_tensor(like) else
+                 spec.unflatten(outs) if isinstance(like, tuple) else outs, **kwargs)
+        same = all(r is o for r, o in zip(tree_flatten(res)[0], outs))
+        if device.type == "cpu":  # the reference: CPU's out= kernel must agree with its
+            try:  # functional form, else the sample is not CPU's to judge by (PyTorch 2.13's
+                compare(outs, leaves, strides=False)  # gelu.out leaves a strided out unwritten)
+            except Mismatch as exc:
+                raise RuntimeError(f"CPU's out= form differs from its function: {exc}") from None
+        return res, outs, bufs, same
+    return call
 
 
 def _run_op(op, res: OpResult, modes) -> None:
