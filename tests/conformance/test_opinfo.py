@@ -542,7 +542,7 @@ def load_xfail(path: Path = XFAIL_FILE) -> dict:
     return _load_xfail(path, MODES)
 
 
-XFAIL = load_xfail()
+XFAIL = load_xfail() if DTYPE == torch.float32 else {}  # (made for float32)
 OPS = sorted(op_db, key=op_id)
 _ids = [op_id(op) for op in OPS]
 assert len(set(_ids)) == len(_ids), "duplicate OpInfo ids"
