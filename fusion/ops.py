@@ -28,6 +28,7 @@ _CONTRACTION = {
     "_transformer_encoder_layer_fwd", "conv_tbc", "affine_grid_generator",
     "_grouped_mm",  # MoE experts (Transformers' default `grouped_mm` experts): CPU's kernel
     "_int_mm", "_weight_int8pack_mm",  # int8 matmuls (torchao's quantized linear layers)
+    "_scaled_mm", "_scaled_mm_v2",  # float8 matmuls
 }
 # Note [Linear algebra on the device]: LAPACK's factorizations and solves and the FFTs run
 # CPU's kernels on the device, so CPU's values bit for bit; they are contractions (a group
@@ -190,7 +191,8 @@ _RANDOM_EXTRA = {"native_dropout", "rand_like", "randn_like", "randint_like", "r
 # Ops whose CPU kernel raises on the values it is given, run at once so at the call
 # (Note [Linear algebra on the device]); `cholesky` and `cholesky_inverse` check inside too.
 _LINALG_CHECKED = {"_linalg_check_errors", "_linalg_eigh", "_linalg_svd", "linalg_eig",
-                   "_linalg_eigvals", "linalg_eigvals", "linalg_pinv", "cholesky", "cholesky_inverse"}
+                   "_linalg_eigvals", "linalg_eigvals", "linalg_pinv", "cholesky",
+                   "cholesky_inverse"}
 # Output shapes only execution tells, untagged: oneDNN's LSTM layer sizes its workspace itself
 # (the meta kernel says 0 bytes); CPU's embedding_bag sizes its bookkeeping outputs (offset2bag,
 # bag_size, max_indices) by the path its kernel takes, not as the meta kernel does.

@@ -114,12 +114,14 @@ def test_matrix_rank_into_out_with_cpu_tensors_inside_the_scope():
     assert r is out and out.tolist() == [1, 1, 1]
 
 
-@pytest.mark.parametrize("op", ["log_softmax", "softmax", "eigvals", "int_mm"])
-def test_out_forms_and_int8_matmuls_run_on_the_device(op, mode):
+@pytest.mark.parametrize("op", ["log_softmax", "softmax", "eigvals", "int_mm", "scaled_mm"])
+def test_out_forms_and_quantized_matmuls_run_on_the_device(op, mode):
     """Ops that fell back to the CPU (no class for the device): softmax's `out=` with a
-    dtype, `linalg.eigvals`'s `out=`, the int8 matmuls; fallbacks refused here."""
+    dtype, `linalg.eigvals`'s `out=`, the int8 and float8 matmuls; fallbacks refused here."""
     g = torch.Generator().manual_seed(0)
-    a, q = torch.randn(4, 4, generator=g), torch.randint(-9, 9, (32, 32), generator=g).to(torch.int8)
+    a = torch.randn(4, 4, generator=g)
+    q = torch.randint(-9, 9, (32, 32), generator=g).to(torch.int8)
+    f8, s = torch.randn(16, 32, generator=g).to(torch.float8_e4m3fn), torch.tensor(1.5)
     calls = {
         "log_softmax": lambda d: torch.log_softmax(a.to(d), 1, dtype=torch.float32,
                                                    out=torch.empty(4, 4, device=d)),
@@ -128,6 +130,8 @@ def test_out_forms_and_int8_matmuls_run_on_the_device(op, mode):
         "eigvals": lambda d: torch.linalg.eigvals(a.to(d), out=torch.empty(
             4, dtype=torch.complex64, device=d)),
         "int_mm": lambda d: torch._int_mm(q.to(d), q.t().to(d)),
+        "scaled_mm": lambda d: torch._scaled_mm(
+            f8.to(d), f8.t().to(d), s.to(d), s.to(d), out_dtype=torch.float32),
     }
     with ae.override(fallback_enabled=False):
         got = calls[op](N)
