@@ -239,3 +239,28 @@ def test_checkpoint_and_resume_match_cpu(mode, tmp_path):
     assert dev.losses == cpu.losses and dev_resumed.losses == cpu_resumed.losses
     assert len(dev_resumed.losses) == 3 and dev_resumed.devices == {"neuron:0"}
     assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_an_error_in_a_step_is_the_error_raised(mode):
+    """Note [Lightning's teardown]: an exception in `training_step` (after the forward) reached
+    the user as "_apply(): Couldn't swap ...": Trainer's teardown moved the module to the CPU
+    while the exception's traceback still held the step's graph. Now the user's error is
+    raised, with a warning, and the module stays whole on neuron; a later fit trains on."""
+    base = module_class(L)
+
+    class Failing(base):
+        def training_step(self, batch, i):
+            loss = super().training_step(batch, i)
+            if i == 1:
+                raise ValueError("a user's error")
+            return loss
+
+    module = Failing()
+    trainer = L.Trainer(accelerator="neuron", devices=1, max_steps=3, **QUIET)
+    with pytest.warns(UserWarning, match="could not move the model to the CPU"), \
+            pytest.raises(ValueError, match="a user's error"):
+        trainer.fit(module, data())
+    assert {p.device.type for p in module.parameters()} == {"neuron"}
+    module.training_step = super(Failing, module).training_step
+    L.Trainer(accelerator="neuron", devices=1, max_steps=2, **QUIET).fit(module, data())
+    assert {p.device.type for p in module.parameters()} == {"cpu"}  # Lightning's teardown
