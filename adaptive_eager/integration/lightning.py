@@ -7,7 +7,7 @@ filled from its own modules; entry points exist only for callbacks), so a finder
 of `sys.meta_path` (`patches.after_import`) waits for Lightning's accelerator connector modules
 (Trainer's, Fabric's) to be imported and, once one has run, registers `neuron` with that
 flavour's accelerator registry.
-Lightning then needs five changes that a custom Accelerator cannot make, all made only for
+Lightning then needs six changes that a custom Accelerator cannot make, all made only for
 neuron (every other accelerator takes Lightning's own code):
 - `accelerator="auto"`: Lightning picks among its own accelerators, so a script written for any
   device trained on the CPU; where Lightning would pick the CPU and neuron is available, it
@@ -21,6 +21,7 @@ neuron (every other accelerator takes Lightning's own code):
   has device ids; for neuron, under a neuron stream.
 - teardown: a module that cannot be moved to the CPU stays on its device (Note [Lightning's
   teardown]).
+- BatchSizeFinder: a neuron OOM is an OOM (Note [Lightning's OOM test]).
 """
 from __future__ import annotations
 
@@ -153,6 +154,13 @@ def _patch(flavour: _Flavour, connector) -> None:
         patches.patch(strategy, "teardown", _teardown_keeping_the_error(strategy.teardown),
                       rests_on=f"{flavour.package}'s Strategy.teardown moving "
                                f"`self._lightning_module` to the CPU")
+    if hasattr(strategy, "lightning_module"):  # Trainer's tuner
+        memory, scaling = part("utilities.memory"), part("tuner.batch_size_scaling")
+        is_oom = _is_oom_error(memory.is_oom_error)
+        rests_on = (f"{flavour.package}'s BatchSizeFinder asking is_oom_error (imported by name "
+                    f"into tuner.batch_size_scaling)")
+        patches.patch(memory, "is_oom_error", is_oom, rests_on=rests_on)
+        patches.patch(scaling, "is_oom_error", is_oom, rests_on=rests_on)
     if DEVICE_TYPE not in registry:  # last: a Lightning this cannot change has no neuron
         cls.register_accelerators(registry)
 
@@ -186,6 +194,18 @@ def _teardown_keeping_the_error(teardown):
                 self._lightning_module = module
         return teardown(self)
     return teardown_keeping_the_error
+
+
+def _is_oom_error(is_oom_error):
+    """Note [Lightning's OOM test]: Lightning's BatchSizeFinder (`Tuner.scale_batch_size`) shrinks
+    the batch after an error its `is_oom_error` recognizes: CUDA's by the word "CUDA" in the
+    message, or the CPU allocator's, so the first neuron OOM ended the search. A neuron OOM
+    (`NeuronOutOfMemoryError`) is recognized too."""
+    from device import NeuronOutOfMemoryError
+
+    def is_oom_error_or_neuron(exception: BaseException) -> bool:
+        return isinstance(exception, NeuronOutOfMemoryError) or is_oom_error(exception)
+    return is_oom_error_or_neuron
 
 
 def _parse_devices(devices, error) -> list[int]:

@@ -264,3 +264,39 @@ def test_an_error_in_a_step_is_the_error_raised(mode):
     module.training_step = super(Failing, module).training_step
     L.Trainer(accelerator="neuron", devices=1, max_steps=2, **QUIET).fit(module, data())
     assert {p.device.type for p in module.parameters()} == {"cpu"}  # Lightning's teardown
+
+
+def test_batch_size_finder_shrinks_on_a_neuron_oom():
+    """Note [Lightning's OOM test]: `BatchSizeFinder` doubles the batch until an error its
+    `is_oom_error` recognizes (CUDA's, the CPU allocator's); a neuron OOM ended the search (and
+    the fit). On a device with 2 MiB free, the search stops below the largest batch, and the
+    run after it has CPU's losses at the batch found."""
+    import gc
+    base = module_class(L)
+
+    class Wide(base):
+        def __init__(self, batch_size=2):
+            super().__init__()
+            torch.manual_seed(0)
+            self.batch_size = batch_size
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(),
+                                           torch.nn.Linear(2048, 4))
+
+        def train_dataloader(self):
+            return data(self.batch_size, n=256)
+
+    def fit(accelerator, batch_size, finder=()):
+        module = Wide(batch_size)
+        L.Trainer(accelerator=accelerator, devices=1, max_steps=2, callbacks=list(finder),
+                  **QUIET).fit(module)
+        return module
+    gc.collect()
+    ae.set_device_spec(ae.DeviceSpec(hbm_bytes=torch.neuron.memory_allocated() + (2 << 20)))
+    try:
+        found = fit("neuron", 2, [L.callbacks.BatchSizeFinder(init_val=2, steps_per_trial=1)])
+    finally:
+        ae.set_device_spec(ae.DeviceSpec())
+    assert 2 < found.batch_size < 256, found.batch_size
+    with ae.adaptive(False):
+        cpu = fit("cpu", found.batch_size)
+    assert found.losses[-2:] == cpu.losses and found.devices == {"neuron:0"}
