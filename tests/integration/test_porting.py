@@ -197,6 +197,10 @@ def test_a_move_that_fails_midway_moves_nothing():
     del out
     m.cpu()
     assert {t.device.type for t in [*m.parameters(), *m.buffers(), m[0].weight.grad]} == {"cpu"}
+    out = m(torch.tensor([1, 2])).sum()  # the same, from the CPU to the device
+    with pytest.raises(RuntimeError, match="Couldn't swap Linear.weight"):
+        m.to("neuron")
+    assert {t.device.type for t in [*m.parameters(), *m.buffers(), m[0].weight.grad]} == {"cpu"}
 
 
 def test_cpu_modules_and_half_on_neuron_keep_the_data_path():
