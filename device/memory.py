@@ -7,7 +7,15 @@ import torch
 
 
 class NeuronOutOfMemoryError(torch.OutOfMemoryError):
-    """Raised when an allocation does not fit in the simulated HBM."""
+    """Raised when an allocation does not fit in the simulated HBM.
+
+    Note [Out-of-memory wording]: the message opens as PyTorch's allocators word theirs
+    ("CUDA out of memory. Tried to allocate 2.00 MiB. ...", XPU's alike): libraries match that
+    text, not the type. accelerate's `should_reduce_batch_size` (behind Trainer's
+    `auto_find_batch_size` and `find_executable_batch_size`) looks for " out of memory." in a
+    RuntimeError's message; worded "out of memory: tried to", the first OOM ended the run
+    instead of halving the batch.
+    """
 
 
 def _fmt(n: int) -> str:
@@ -63,7 +71,7 @@ class HBM:
             if used > self.capacity:
                 self.num_ooms += 1
                 raise NeuronOutOfMemoryError(
-                    f"Neuron out of memory: tried to allocate {_fmt(nbytes)}; "
+                    f"Neuron out of memory. Tried to allocate {_fmt(nbytes)}; "
                     f"{_fmt(self.used)} in use, {_fmt(self.capacity - self.used)} free of "
                     f"{_fmt(self.capacity)} total. Free tensors (del, or let them go out of "
                     f"scope) or use smaller batches; the device stays usable."
@@ -84,7 +92,7 @@ class HBM:
             with self._lock:
                 self.num_ooms += 1
             raise NeuronOutOfMemoryError(
-                f"Neuron out of memory: tried to allocate {_fmt(nbytes)}, but the simulated "
+                f"Neuron out of memory. Tried to allocate {_fmt(nbytes)}, but the simulated "
                 f"device keeps its memory in this host's RAM, which has {_fmt(max(free, 0))} "
                 f"available (of the device's {_fmt(self.capacity - self.used)} free). Free "
                 f"tensors or use smaller batches; the device stays usable.")

@@ -5,6 +5,7 @@ the engine. Host reads (repr, item, bool, tolist, cpu) are sync points, counted 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -335,8 +336,69 @@ def _swap_on_conversion():
                for p in params.values() if p is not None)
 
 
+class _Depth(threading.local):
+    n = 0
+
+
+_DEPTH = _Depth()
+
+
+def _places(module, recurse):
+    """Where a module's tensors are: parameters and gradients by identity, buffers by name."""
+    where, buffers = {}, {}
+    for m in module.modules() if recurse else (module,):
+        for p in m._parameters.values():
+            if p is not None:
+                where[id(p)] = p.device
+                if p.grad is not None:
+                    where[id(p.grad)] = p.grad.device
+        for name, b in m._buffers.items():
+            if b is not None:
+                buffers[(m, name)] = b.device
+    return where, buffers
+
+
+def _whole_or_not_at_all(apply):
+    """Note [A failed move moves nothing]: `module.cpu()` (or `.to(...)`) of a module holding
+    neuron tensors (or moving to neuron) swaps one parameter at a time (Note [Module.to keeps
+    Parameters]); where a swap cannot be made (an autograd graph still holds that parameter:
+    the step an exception left, or a loss kept alive) `_apply` raises "Couldn't swap" after
+    moving the parameters before it, so the model was left half on the CPU, half on neuron,
+    and its next forward failed on mixed devices. On CUDA the move succeeds (`.data =`).
+    Here the outermost `_apply` that fails moves what it had moved back where it was
+    (parameters and gradients by identity, which the swaps keep; buffers by name, which
+    `_apply` replaces) and raises PyTorch's error: the module is whole where it was."""
+    def _apply(self, fn, recurse=True):
+        if _DEPTH.n:
+            return apply(self, fn, recurse)
+        where, buffers = _places(self, recurse)
+        _DEPTH.n += 1
+        try:
+            return apply(self, fn, recurse)
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+            now, now_buffers = _places(self, recurse)
+            if not any(d.type == DEVICE_TYPE for places in (where, buffers, now, now_buffers)
+                       for d in places.values()):
+                raise  # no neuron tensor: PyTorch's own swap (its flag set), PyTorch's result
+            apply(self, lambda t: t.to(where[id(t)]) if where.get(id(t), t.device) != t.device
+                  else t, recurse)
+            for (m, name), device in buffers.items():
+                b = m._buffers.get(name)
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
+            raise
+        finally:
+            _DEPTH.n -= 1
+    return _apply
+
+
 patches.patch(torch.utils, "swap_tensors", _swap_keeping_attributes,
               rests_on="Module._apply (its code object) calling torch.utils.swap_tensors")
+patches.patch(torch.nn.Module, "_apply", _whole_or_not_at_all(torch.nn.Module._apply),
+              rests_on="Module._apply raising \"Couldn't swap\" (a RuntimeError) after earlier "
+                       "swaps, every move of a module (to, cpu, cuda, half...) going through it")
 patches.patch(torch.__future__, "get_swap_module_params_on_conversion", _swap_on_conversion,
               rests_on="Module._apply asking torch.__future__ per module, its frame's `self`")
 

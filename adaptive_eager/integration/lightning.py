@@ -7,7 +7,7 @@ filled from its own modules; entry points exist only for callbacks), so a finder
 of `sys.meta_path` (`patches.after_import`) waits for Lightning's accelerator connector modules
 (Trainer's, Fabric's) to be imported and, once one has run, registers `neuron` with that
 flavour's accelerator registry.
-Lightning then needs four changes that a custom Accelerator cannot make, all made only for
+Lightning then needs six changes that a custom Accelerator cannot make, all made only for
 neuron (every other accelerator takes Lightning's own code):
 - `accelerator="auto"`: Lightning picks among its own accelerators, so a script written for any
   device trained on the CPU; where Lightning would pick the CPU and neuron is available, it
@@ -19,6 +19,9 @@ neuron (every other accelerator takes Lightning's own code):
   it does not know, which leaves neuron ops alone (silently fp32); neuron gets its own.
 - DDP: Lightning builds the DDP wrapper under `torch.cuda.stream(torch.cuda.Stream())` when it
   has device ids; for neuron, under a neuron stream.
+- teardown: a module that cannot be moved to the CPU stays on its device (Note [Lightning's
+  teardown]).
+- BatchSizeFinder: a neuron OOM is an OOM (Note [Lightning's OOM test]).
 """
 from __future__ import annotations
 
@@ -146,8 +149,63 @@ def _patch(flavour: _Flavour, connector) -> None:
     patches.patch(ddp, flavour.setup_ddp, setup_neuron_ddp,
                   rests_on=f"{flavour.package}'s DDPStrategy.{flavour.setup_ddp} wrapping the "
                            f"module under a CUDA stream")
+    strategy = strategies.Strategy
+    if hasattr(strategy, "lightning_module"):  # Trainer's strategies (Fabric's move nothing)
+        patches.patch(strategy, "teardown", _teardown_keeping_the_error(strategy.teardown),
+                      rests_on=f"{flavour.package}'s Strategy.teardown moving "
+                               f"`self._lightning_module` to the CPU")
+    if hasattr(strategy, "lightning_module"):  # Trainer's tuner
+        memory, scaling = part("utilities.memory"), part("tuner.batch_size_scaling")
+        is_oom = _is_oom_error(memory.is_oom_error)
+        rests_on = (f"{flavour.package}'s BatchSizeFinder asking is_oom_error (imported by name "
+                    f"into tuner.batch_size_scaling)")
+        patches.patch(memory, "is_oom_error", is_oom, rests_on=rests_on)
+        patches.patch(scaling, "is_oom_error", is_oom, rests_on=rests_on)
     if DEVICE_TYPE not in registry:  # last: a Lightning this cannot change has no neuron
         cls.register_accelerators(registry)
+
+
+def _teardown_keeping_the_error(teardown):
+    """Note [Lightning's teardown]: Trainer's teardown moves the module to the CPU, also while
+    the exception that ended `fit` is being raised (`_call_and_handle_interrupt`): a user's
+    error in `training_step`, an OOM, Ctrl-C. Its traceback holds the failed step's autograd
+    graph, which holds the parameters, so a neuron module cannot be swapped to the CPU (Note
+    [Module.to keeps Parameters]; CUDA's `.data =` can): "_apply(): Couldn't swap ..." was
+    raised from the teardown in place of the user's error, and Ctrl-C's graceful shutdown
+    failed. On neuron, a module that cannot be moved stays whole on its device (Note [A failed
+    move moves nothing]), with a warning, and the rest of the teardown runs."""
+    def teardown_keeping_the_error(self):
+        module = self.lightning_module
+        if module is None or not any(p.device.type == DEVICE_TYPE for p in module.parameters()):
+            return teardown(self)
+        try:
+            module.cpu()
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+            device = next(p.device for p in module.parameters() if p.device.type == DEVICE_TYPE)
+            warnings.warn(f"Lightning's teardown could not move the model to the CPU ({e}: an "
+                          f"autograd graph, such as the one of a step that raised, still holds "
+                          f"its parameters); it stays on {device}", stacklevel=2)
+            self._lightning_module = None  # the teardown without the move
+            try:
+                return teardown(self)
+            finally:
+                self._lightning_module = module
+        return teardown(self)
+    return teardown_keeping_the_error
+
+
+def _is_oom_error(is_oom_error):
+    """Note [Lightning's OOM test]: Lightning's BatchSizeFinder (`Tuner.scale_batch_size`) shrinks
+    the batch after an error its `is_oom_error` recognizes: CUDA's by the word "CUDA" in the
+    message, or the CPU allocator's, so the first neuron OOM ended the search. A neuron OOM
+    (`NeuronOutOfMemoryError`) is recognized too."""
+    from device import NeuronOutOfMemoryError
+
+    def is_oom_error_or_neuron(exception: BaseException) -> bool:
+        return isinstance(exception, NeuronOutOfMemoryError) or is_oom_error(exception)
+    return is_oom_error_or_neuron
 
 
 def _parse_devices(devices, error) -> list[int]:

@@ -97,7 +97,7 @@ def test_out_of_memory_names_sizes_and_device_recovers():
             torch.empty(150_000, device="neuron")
         assert isinstance(e.value, torch.OutOfMemoryError)
         msg = str(e.value)
-        assert "tried to allocate 585.94 KiB" in msg and "in use" in msg and "free" in msg
+        assert "out of memory. Tried to allocate 585.94 KiB" in msg and "in use" in msg and "free" in msg
         with pytest.raises(torch.OutOfMemoryError):
             a * 2  # an op's output does not fit either
         del a

@@ -30,8 +30,8 @@ def module_class(L):
     return Module
 
 
-def data(batch_size=4):
+def data(batch_size=4, n=24):
     g = torch.Generator().manual_seed(1)
-    ds = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=g),
-                                        torch.randn(24, 4, generator=g))
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g),
+                                        torch.randn(n, 4, generator=g))
     return torch.utils.data.DataLoader(ds, batch_size=batch_size)

@@ -47,14 +47,15 @@ def _scope(mode):
     return ae.adaptive() if mode == "adaptive" else contextlib.nullcontext()
 
 
-def _train(mode, tmp_path, model=None, trainer_cls=None, resume=None, **kw):
+def _train(mode, tmp_path, model=None, trainer_cls=None, resume=None, train_dataset=None,
+           extra_callbacks=(), **kw):
     """Losses of a Trainer run; on neuron also checks the device and 0 CPU fallbacks."""
     rec = Losses()
     with _scope(mode):
         args = _args(mode, tmp_path, **kw)
         trainer = (trainer_cls or transformers.Trainer)(
             model=model if model is not None else _model(), args=args,
-            train_dataset=Data(), callbacks=[rec])
+            train_dataset=train_dataset or Data(), callbacks=[rec, *extra_callbacks])
         ae.reset_metrics()
         trainer.train(resume_from_checkpoint=resume)
         fallbacks = ae.metrics().cpu_fallbacks
@@ -182,6 +183,46 @@ def test_resume_with_dropout_is_the_uninterrupted_run(tmp_path):
         full, resumed = _resume(mode, tmp_path / mode, dropout=0.1)
         assert resumed == full, mode
         assert os.path.isfile(tmp_path / mode / mode / "checkpoint-3" / "neuron_rng_state.pth")
+
+
+@pytest.mark.timeout(300)
+def test_auto_find_batch_size_shrinks_the_batch_on_a_neuron_oom(tmp_path):
+    """Note [Out-of-memory wording]: `Trainer(auto_find_batch_size=True)` retries with a smaller
+    batch when accelerate's `should_reduce_batch_size` recognizes the error by its message
+    (" out of memory."). Neuron's read "out of memory: tried to", so the first OOM ended the
+    run. On a device with 1 MiB free (a batch of 64 needs 1.3 MB), the batch shrinks until it
+    fits, and the run then has the losses of a CPU run at that batch size, in eager and
+    adaptive mode."""
+    import gc
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    class Sizes(transformers.TrainerCallback):
+        def __init__(self):
+            self.sizes = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.sizes.append(state.train_batch_size)
+    got = {}
+    for mode in ("eager", "adaptive"):
+        gc.collect()
+        ae.set_device_spec(ae.DeviceSpec(hbm_bytes=torch.neuron.memory_allocated() + (1 << 20)))
+        sizes = Sizes()
+        try:
+            with pytest.raises(torch.OutOfMemoryError) as oom:
+                torch.empty(1 << 20, device="neuron")
+            assert should_reduce_batch_size(oom.value)
+            del oom
+            got[mode] = _train(mode, tmp_path, model=_model(positions=8), max_steps=2,
+                               per_device_train_batch_size=64, auto_find_batch_size=True,
+                               train_dataset=Data(n=64), extra_callbacks=[sizes])
+        finally:
+            ae.set_device_spec(ae.DeviceSpec())
+        assert sizes.sizes[0] == 64 and sizes.sizes[-1] < 64, sizes.sizes  # retried, smaller
+        got[mode] = got[mode], sizes.sizes[-1]
+    assert got["eager"] == got["adaptive"]
+    losses, size = got["eager"]
+    assert losses == _train("cpu", tmp_path, model=_model(positions=8), max_steps=2,
+                            per_device_train_batch_size=size, train_dataset=Data(n=64))
 
 
 def test_model_moved_by_hand_then_trained_by_a_default_trainer(tmp_path):

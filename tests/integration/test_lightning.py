@@ -239,3 +239,64 @@ def test_checkpoint_and_resume_match_cpu(mode, tmp_path):
     assert dev.losses == cpu.losses and dev_resumed.losses == cpu_resumed.losses
     assert len(dev_resumed.losses) == 3 and dev_resumed.devices == {"neuron:0"}
     assert ae.metrics().cpu_fallbacks == {}
+
+
+def test_an_error_in_a_step_is_the_error_raised(mode):
+    """Note [Lightning's teardown]: an exception in `training_step` (after the forward) reached
+    the user as "_apply(): Couldn't swap ...": Trainer's teardown moved the module to the CPU
+    while the exception's traceback still held the step's graph. Now the user's error is
+    raised, with a warning, and the module stays whole on neuron; a later fit trains on."""
+    base = module_class(L)
+
+    class Failing(base):
+        def training_step(self, batch, i):
+            loss = super().training_step(batch, i)
+            if i == 1:
+                raise ValueError("a user's error")
+            return loss
+
+    module = Failing()
+    trainer = L.Trainer(accelerator="neuron", devices=1, max_steps=3, **QUIET)
+    with pytest.warns(UserWarning, match="could not move the model to the CPU"), \
+            pytest.raises(ValueError, match="a user's error"):
+        trainer.fit(module, data())
+    assert {p.device.type for p in module.parameters()} == {"neuron"}
+    module.training_step = super(Failing, module).training_step
+    L.Trainer(accelerator="neuron", devices=1, max_steps=2, **QUIET).fit(module, data())
+    assert {p.device.type for p in module.parameters()} == {"cpu"}  # Lightning's teardown
+
+
+def test_batch_size_finder_shrinks_on_a_neuron_oom():
+    """Note [Lightning's OOM test]: `BatchSizeFinder` doubles the batch until an error its
+    `is_oom_error` recognizes (CUDA's, the CPU allocator's); a neuron OOM ended the search (and
+    the fit). On a device with 2 MiB free, the search stops below the largest batch, and the
+    run after it has CPU's losses at the batch found."""
+    import gc
+    base = module_class(L)
+
+    class Wide(base):
+        def __init__(self, batch_size=2):
+            super().__init__()
+            torch.manual_seed(0)
+            self.batch_size = batch_size
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(),
+                                           torch.nn.Linear(2048, 4))
+
+        def train_dataloader(self):
+            return data(self.batch_size, n=256)
+
+    def fit(accelerator, batch_size, finder=()):
+        module = Wide(batch_size)
+        L.Trainer(accelerator=accelerator, devices=1, max_steps=2, callbacks=list(finder),
+                  **QUIET).fit(module)
+        return module
+    gc.collect()
+    ae.set_device_spec(ae.DeviceSpec(hbm_bytes=torch.neuron.memory_allocated() + (2 << 20)))
+    try:
+        found = fit("neuron", 2, [L.callbacks.BatchSizeFinder(init_val=2, steps_per_trial=1)])
+    finally:
+        ae.set_device_spec(ae.DeviceSpec())
+    assert 2 < found.batch_size < 256, found.batch_size
+    with ae.adaptive(False):
+        cpu = fit("cpu", found.batch_size)
+    assert found.losses[-2:] == cpu.losses and found.devices == {"neuron:0"}

@@ -178,6 +178,31 @@ def test_back_to_cpu_while_a_graph_holds_the_parameter_raises_not_unties():
     assert w.grad.device.type == "neuron"
 
 
+def test_a_move_that_fails_midway_moves_nothing():
+    """Note [A failed move moves nothing]: the graph holds the Linear's weight, not the
+    Embedding's before it, so `_apply` swapped the Embedding to the CPU, then raised: the
+    model was left on two devices. Now parameters, their gradients and buffers are all where
+    they were, with their values, and a later move (the graph gone) moves everything."""
+    m = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4),
+                            torch.nn.BatchNorm1d(4)).to("neuron")
+    m[0].weight.grad = torch.ones(5, 4, device="neuron")
+    out = m(torch.tensor([1, 2], device="neuron")).sum()  # saves Linear.weight, not Embedding's
+    params, values = list(m.parameters()), [t.detach().cpu() for t in m.state_dict().values()]
+    with pytest.raises(RuntimeError, match="Couldn't swap Linear.weight"):
+        m.cpu()
+    assert list(m.parameters()) == params
+    assert {t.device.type for t in [*m.parameters(), *m.buffers(), m[0].weight.grad]} == \
+        {"neuron"}
+    assert all(torch.equal(v, t.cpu()) for v, t in zip(values, m.state_dict().values()))
+    del out
+    m.cpu()
+    assert {t.device.type for t in [*m.parameters(), *m.buffers(), m[0].weight.grad]} == {"cpu"}
+    out = m(torch.tensor([1, 2])).sum()  # the same, from the CPU to the device
+    with pytest.raises(RuntimeError, match="Couldn't swap Linear.weight"):
+        m.to("neuron")
+    assert {t.device.type for t in [*m.parameters(), *m.buffers(), m[0].weight.grad]} == {"cpu"}
+
+
 def test_cpu_modules_and_half_on_neuron_keep_the_data_path():
     """The swap is asked for only for modules holding neuron parameters, and there only
     where `.data =` cannot do the conversion: `.half()` on the device works while an autograd

@@ -179,7 +179,7 @@ def test_hbm_capacity_oom_message_and_frees():
     with pytest.raises(NeuronOutOfMemoryError) as info:
         dev.alloc(2 * MiB)
     msg = str(info.value)
-    assert "tried to allocate 2.00 MiB" in msg and "3.00 MiB in use" in msg
+    assert "out of memory. Tried to allocate 2.00 MiB" in msg and "3.00 MiB in use" in msg
     assert "1.00 MiB free of 4.00 MiB total" in msg and "stays usable" in msg
     assert isinstance(info.value, torch.OutOfMemoryError)  # what users catch
     assert dev.hbm.used == 3 * MiB  # a refused allocation takes nothing
