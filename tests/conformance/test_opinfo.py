@@ -1,7 +1,8 @@
 """OpInfo differential test: CPU vs neuron eager vs neuron adaptive (graph strategy).
 
 For every OpInfo of PyTorch's `op_db` (float32, forward; the function variant, the in-place
-one and the `out=` one into a strided view of a larger buffer) we take the first
+one and the `out=` one into a strided view of a larger buffer; the first two again on the
+sample's tensors spread out, every other element of a larger buffer) we take the first
 `SAMPLES_PER_OP` sample inputs, run the op on CPU and on the `neuron` device, move the
 outputs back with `.cpu()` and compare (integer results exactly):
 
@@ -59,7 +60,8 @@ from tests.harness.opinfo_bar import MODES, hold_bar, report_and_hold, summary
 from tests.harness.opinfo_bar import load_xfail as _load_xfail
 
 pytest.importorskip("expecttest")  # op_db needs it
-from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from torch.testing._internal.common_methods_invocations import SampleInput, op_db  # noqa: E402
+from torch.testing._internal.common_utils import noncontiguous_like  # noqa: E402
 
 XFAIL_FILE = Path(__file__).with_name("opinfo_xfail.txt")
 DEVICE = "neuron"
@@ -119,7 +121,38 @@ def _is_tensor(x) -> bool:
 
 
 def _clone(x):
-    return tree_map(lambda t: t.clone() if _is_tensor(t) else t, x)
+    return tree_map(lambda t: _spread_like(t, t._base.clone()) if _is_spread(t) else
+                    t.clone() if _is_tensor(t) else t, x)
+
+
+# Samples with their tensors spread out: every other element of a larger buffer, the gaps
+# NaN (PyTorch's `noncontiguous_like`, as its test_ops' noncontiguous samples), kept so when
+# cloned and moved to the device (the same strides and offset over the buffer moved whole)
+_SPREAD = "_opinfo_spread"
+
+
+def _is_spread(t) -> bool:
+    return _is_tensor(t) and getattr(t, _SPREAD, False)
+
+
+def _spread_like(t, base):
+    out = base.as_strided(t.shape, t.stride(), t.storage_offset())
+    setattr(out, _SPREAD, True)
+    return out
+
+
+def _spread(sample):
+    """The sample with each tensor argument of 2+ elements spread out (None: none is)."""
+    def f(t):
+        if not _is_tensor(t) or t.numel() < 2 or t.requires_grad or not t.is_contiguous():
+            return t
+        out = noncontiguous_like(t)
+        setattr(out, _SPREAD, True)
+        return out
+    inp, args, kwargs = tree_map(f, (sample.input, tuple(sample.args), dict(sample.kwargs)))
+    if not any(_is_spread(t) for t in tree_flatten((inp, args, kwargs))[0]):
+        return None
+    return SampleInput(inp, args=args, kwargs=kwargs)
 
 
 # Ops whose extra tensor arguments must stay on CPU, as on CUDA (only `input` is moved).
@@ -132,6 +165,8 @@ def _to_neuron(x):
     """Tensors (also inside lists/tuples/dicts) to neuron; a "cpu" device argument (e.g.
     `x.to("cpu")`, `device="cpu"`) becomes "neuron"."""
     def f(v):
+        if _is_spread(v):
+            return _spread_like(v, v._base.to(DEVICE))
         if _is_tensor(v):
             return v.to(DEVICE)
         if isinstance(v, torch.device) and v.type == "cpu":
@@ -435,6 +470,9 @@ def _run_op(op, res: OpResult, modes) -> None:
             ok = _run_sample(op, fn, tag, si, sample, random, res, modes)
             if not tag:
                 cpu_ok += ok
+        spread = _spread(sample)  # the same op reading (and writing) strided views
+        for tag, fn in _variants(op)[:2] if spread is not None else ():
+            _run_sample(op, fn, "[spread] " + tag, si, spread, random, res, modes)
     res.samples = cpu_ok
     if cpu_ok == 0:
         res.skipped = "CPU reference fails on every sample"
