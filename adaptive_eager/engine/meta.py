@@ -609,6 +609,9 @@ def infer(func, args, kwargs, args_t, kwargs_t, handles) -> MetaResult:
             # (at offset 0, as its tensor is made and a kernel's result stored: a meta
             # kernel handing back its input, `native_dropout(x[6:], p, False)`'s, keeps x's)
             new_bytes.append(extent_bytes(size, stride, 0, leaf.element_size()))
+    if not rets:  # out= tensor lists an op does not return (`unbind_copy(x, out=[...])`,
+        resize += _unreturned_resizes(schema_args, m_args, m_kwargs, args_t, kwargs_t,
+                                      meta_warnings)  # `-> ()`): read off the meta twins
     writes = []
     for j, a in enumerate(schema_args):
         if a.alias_info is not None and a.alias_info.is_write:
@@ -642,6 +645,28 @@ _QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2,
 
 
 _RESIZE_SUFFIX: list = []  # where CPU's build says the warning was triggered
+
+
+def _unreturned_resizes(schema_args, m_args, m_kwargs, args_t, kwargs_t, meta_warnings):
+    """`resize` entries of out= tensors no return hands back, as the meta kernel resized
+    them (CompositeExplicitAutograd ops: CPU's code on meta tensors), each with its warning
+    (given in the order of the outs, for those that had elements)."""
+    texts = [str(w.message) for w in meta_warnings if _is_resize_warning(w)]
+    resize = []
+    for j, a in enumerate(schema_args):
+        if not a.is_out:
+            continue
+        v = m_args[j] if j < len(m_args) else m_kwargs.get(a.name)
+        t = _arg_template(j, a.name, args_t, kwargs_t)
+        if v is None or t is None:
+            continue
+        pairs = zip(v, t[1:]) if t[0] == "L" else ((v, t),)
+        for k, (m, tk) in enumerate(pairs):
+            size, stride = tuple(m.shape), m.stride()
+            if (size, stride) != (tk[2], tk[3]):
+                warn = (texts.pop(0),) if texts and math.prod(tk[2]) else ()
+                resize.append((j, k, size, stride, warn))
+    return resize
 
 
 def _cpu_resize_text(old, new) -> str:

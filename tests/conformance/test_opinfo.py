@@ -1,10 +1,11 @@
 """OpInfo differential test: CPU vs neuron eager vs neuron adaptive (graph strategy).
 
 For every OpInfo of PyTorch's `op_db` (float32, forward; the function variant, the in-place
-one and the `out=` one into a strided view of a larger buffer; the first two again on the
-first 3 samples spread out, every tensor every other element of a larger buffer) we take
-the first `SAMPLES_PER_OP` sample inputs, run the op on CPU and on the `neuron` device, move the
-outputs back with `.cpu()` and compare (integer results exactly):
+one, the `out=` one into a strided view of a larger buffer and into an empty tensor; the
+function and in-place ones again on the first 3 samples spread out, every tensor every
+other element of a larger buffer) we take the first `SAMPLES_PER_OP` sample inputs, run the
+op on CPU and on the `neuron` device, move the outputs back with `.cpu()` and compare
+(integer results exactly):
 
 * eager    : neuron eager vs CPU (assert_close, float32 tolerances, equal_nan);
 * adaptive : neuron adaptive eager (`ae.adaptive()`, strategy "graph") vs CPU, and, when
@@ -414,12 +415,13 @@ def run_op(op, modes=MODES, run=None, timeout_s: float = OP_TIMEOUT_S) -> OpResu
 
 def _variants(op):
     """The function variant and, when the OpInfo has them, the in-place variant (`x.add_`)
-    and the `out=` variant (`_into_strided_out`)."""
+    and the `out=` variants (`_into_out`)."""
     out = [("", op.op)]
     if op.inplace_variant is not None:
         out.append(("[inplace] ", op.inplace_variant))
     if op.supports_out:
-        out.append(("[out] ", _into_strided_out(op.op)))
+        out.append(("[out] ", _into_out(op.op)))
+        out.append(("[out, resized] ", _into_out(op.op, empty=True)))
     return out
 
 
@@ -427,9 +429,10 @@ def _cpu(x):  # (copies: the op may write its arguments)
     return tree_map(lambda t: t.to("cpu", copy=True) if _is_tensor(t) else t, x)
 
 
-def _into_strided_out(fn):
+def _into_out(fn, empty: bool = False):
     """`fn` called with `out=` tensors that are every other element of a larger buffer filled
-    with 7s (as PyTorch's device tests write into views): returns the result, the out
+    with 7s (as PyTorch's device tests write into views), or (`empty`) of no element, which
+    the op resizes: returns the result, the out
     tensors, the buffers (so a write past a view, or a skipped one, shows) and whether the
     result is the out tensors themselves, as CPU returns them. The out tensors' shapes and
     dtypes are the function's result on CPU copies of the arguments (the CPU generator
@@ -445,8 +448,13 @@ def _into_strided_out(fn):
         if not leaves or not all(_is_tensor(t) for t in leaves):
             raise TypeError("the out= variant needs a tensor result")
         device = (inp if _is_tensor(inp) else tensors[0]).device
-        bufs = [torch.full((2 * t.numel() + 1,), 7, dtype=t.dtype, device=device) for t in leaves]
-        outs = [b[1::2].view(t.shape) for b, t in zip(bufs, leaves)]
+        if empty:
+            bufs = [torch.empty(0, dtype=t.dtype, device=device) for t in leaves]
+            outs = bufs
+        else:
+            bufs = [torch.full((2 * t.numel() + 1,), 7, dtype=t.dtype, device=device)
+                    for t in leaves]
+            outs = [b[1::2].view(t.shape) for b, t in zip(bufs, leaves)]
         res = fn(inp, *args, out=outs[0] if _is_tensor(like) else
                  spec.unflatten(outs) if isinstance(like, tuple) else outs, **kwargs)
         same = all(r is o for r, o in zip(tree_flatten(res)[0], outs))
@@ -473,7 +481,9 @@ def _run_op(op, res: OpResult, modes) -> None:
                 cpu_ok += ok
         spread = _spread(sample) if si < SPREAD_SAMPLES else None  # the same op reading
         # (and writing) strided views
-        for tag, fn in _variants(op)[:2] if spread is not None else ():
+        for tag, fn in _variants(op) if spread is not None else ():
+            if tag.startswith("[out"):
+                continue
             _run_sample(op, fn, "[spread] " + tag, si, spread, random, res, modes)
     res.samples = cpu_ok
     if cpu_ok == 0:

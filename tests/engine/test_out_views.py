@@ -155,3 +155,29 @@ def test_float64_out_with_a_float64_dtype_computes(op, mode):
         for d, o in outs.items():
             fns[op](d, o)
     torch.testing.assert_close(outs[N].cpu(), outs["cpu"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", ["unbind_copy", "split_with_sizes_copy", "split_copy"])
+def test_out_lists_an_op_does_not_return_are_resized_as_on_cpu(op, mode):
+    """An op returning nothing (`-> ()`) that writes a list of out= tensors: the device left
+    them as they were (empty, or of the old shape, unwritten) where CPU resizes and fills
+    them; in adaptive mode the flush then failed."""
+    x = torch.arange(12.).reshape(3, 4)
+    fns = {"unbind_copy": lambda t, o: torch.unbind_copy(t, 0, out=o),
+           "split_with_sizes_copy": lambda t, o: torch.split_with_sizes_copy(t, [1, 3], 1,
+                                                                              out=o),
+           "split_copy": lambda t, o: torch.split_copy(t, 2, 1, out=o)}
+    got = {}
+    for d in ("cpu", N):
+        outs = [torch.empty(0, device=d), torch.zeros(2, device=d), torch.zeros(3, 3, device=d)]
+        outs = outs[:2] if op != "unbind_copy" else outs
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                fns[op](x.to(d), outs)
+                err = None
+            except RuntimeError as e:  # (split_copy copies without resizing: CPU raises)
+                err = str(e)
+        got[d] = ([(tuple(o.shape), o.stride(), o.cpu().tolist()) for o in outs], err,
+                  [str(m.message)[:120] for m in w if "fell back" not in str(m.message)])
+    assert got[N] == got["cpu"]
