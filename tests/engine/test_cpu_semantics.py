@@ -411,6 +411,10 @@ def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     ("masked_fill_nan_int", lambda d: torch.tensor([3, 1], device=d).masked_fill(
         torch.tensor([True, False], device=d), float("nan"))),
     ("cat_0d", lambda d: torch.cat([torch.tensor(True, device=d)] * 2, -1)),
+    # torch.tensor of a list of 0-d tensors reads each one (with the Python key excluded)
+    ("tensor_of_0d_complex", lambda d: torch.tensor([torch.tensor(1 + 2j, device=d)] * 2)),
+    ("tensor_of_0d_complex128", lambda d: torch.tensor(
+        [torch.tensor(3 - 1j, dtype=torch.complex128, device=d), 2j])),
 ])
 def test_dtypes_and_exceptions_match_cpu(name, f, mode):
     with warnings.catch_warnings():
