@@ -737,6 +737,17 @@ def test_ops_run_on_the_host_still_refuse_two_devices(mode):
     assert torch.equal(n * torch.tensor(2.0), torch.full((3,), 2.0, device="neuron"))  # 0-d
 
 
+def test_a_host_tensor_indexed_by_device_indices_raises_indexs_error(mode):
+    """`cpu_t[neuron_idx]` raised the two-devices error; CUDA raises index's own check, which
+    PyTorch's test_torch.py::test_advancedindex_mixed_devices_error expects."""
+    x, i = torch.randn(3, 4, 4), torch.tensor([0, 2, 1], device="neuron")
+    for f in (lambda: x[i], lambda: x[:, torch.tensor([0, 2, 1]), None, i]):
+        with pytest.raises(RuntimeError, match=r"^indices should be either on cpu or on the "
+                                               r"same device as the indexed tensor \(cpu\)$"):
+            f()
+    assert torch.equal(x.to("neuron")[i].cpu(), x[i.cpu()])  # a device tensor takes them
+
+
 def test_a_host_scalar_tensor_is_an_input_never_an_output(mode):
     """CUDA takes a 0-d CPU tensor as a value beside device tensors, never as the tensor an
     op writes. `total = torch.tensor(0.); total += loss` style code wrote wrong values into
