@@ -136,6 +136,11 @@ def foreign_tensor(eng, t, func) -> Exception:
     devices, neuron:0 and neuron:0"), else CUDA's two-devices error."""
     if t.layout != torch.strided and t.device.type == DEVICE_TYPE:
         return _sparse_error(func._schema.name, t.layout)
+    if func is aten.index.Tensor and t.device.type == "cpu":
+        # a host tensor indexed by device indices (host indices of a device tensor are taken
+        # as host arguments, never refused here): index's own check, as CUDA raises it
+        return RuntimeError(f"indices should be either on cpu or on the same device as the "
+                            f"indexed tensor ({t.device})")
     return _two_devices(eng, t.device, func)
 
 

@@ -155,6 +155,9 @@ class NeuronTensor(torch.Tensor):
     def __float__(self):
         return float(self._host("float"))
 
+    def __complex__(self):  # torch.tensor([z, ...]) of 0-d complex tensors reads each so
+        return complex(self._host("complex"))
+
     def __index__(self):
         # CPU's refusal from metadata, without a sync: PyTorch's argument parser asks it of
         # every tensor in a list where an overload takes int[] (histogramdd's bin tensors)

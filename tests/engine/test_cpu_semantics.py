@@ -411,6 +411,10 @@ def test_nonzero_flatten_is_a_copy_as_on_cpu(mode):
     ("masked_fill_nan_int", lambda d: torch.tensor([3, 1], device=d).masked_fill(
         torch.tensor([True, False], device=d), float("nan"))),
     ("cat_0d", lambda d: torch.cat([torch.tensor(True, device=d)] * 2, -1)),
+    # torch.tensor of a list of 0-d tensors reads each one (with the Python key excluded)
+    ("tensor_of_0d_complex", lambda d: torch.tensor([torch.tensor(1 + 2j, device=d)] * 2)),
+    ("tensor_of_0d_complex128", lambda d: torch.tensor(
+        [torch.tensor(3 - 1j, dtype=torch.complex128, device=d), 2j])),
 ])
 def test_dtypes_and_exceptions_match_cpu(name, f, mode):
     with warnings.catch_warnings():
@@ -731,6 +735,17 @@ def test_ops_run_on_the_host_still_refuse_two_devices(mode):
             f()
     assert torch.equal(n, n) and torch.equal(n, torch.ones(3, device="neuron"))
     assert torch.equal(n * torch.tensor(2.0), torch.full((3,), 2.0, device="neuron"))  # 0-d
+
+
+def test_a_host_tensor_indexed_by_device_indices_raises_indexs_error(mode):
+    """`cpu_t[neuron_idx]` raised the two-devices error; CUDA raises index's own check, which
+    PyTorch's test_torch.py::test_advancedindex_mixed_devices_error expects."""
+    x, i = torch.randn(3, 4, 4), torch.tensor([0, 2, 1], device="neuron")
+    for f in (lambda: x[i], lambda: x[:, torch.tensor([0, 2, 1]), None, i]):
+        with pytest.raises(RuntimeError, match=r"^indices should be either on cpu or on the "
+                                               r"same device as the indexed tensor \(cpu\)$"):
+            f()
+    assert torch.equal(x.to("neuron")[i].cpu(), x[i.cpu()])  # a device tensor takes them
 
 
 def test_a_host_scalar_tensor_is_an_input_never_an_output(mode):
