@@ -181,6 +181,20 @@ def test_the_generator_never_divides_an_int_min():
     assert g.step("v3 = torch.tensor([5, -9], device=dev)", 0) and g.step("v4 = v3 // -1", 0)
 
 
+def test_an_out_view_never_shares_its_inputs_storage():
+    """`f_outview` (as `f_out`): an out= view that its resize makes overlap the input is
+    undefined, CPU computes through it (seed 22011389: `torch.add(v1, 1, out=v0.select(1, 1))`
+    with v1 = v0.reshape(-1)), so the generator never writes a view into its input's storage."""
+    g = fuzzer.Gen(0)
+    g.step("v0 = torch.randn((2, 2), device=dev)", 0)
+    g.step("v1 = v0.reshape(-1)", 0)
+    g.step("v2 = torch.randn(3, device=dev)", 0)
+    made = [g.f_outview() for _ in range(400)]
+    inputs = [c for c in made if "out=v" in c and ("(v1" in c or "[v1" in c)]
+    assert inputs and all("out=v0" not in c for c in inputs)
+    assert any("out=v0" in c for c in made) and any("out=v2" in c for c in made)
+
+
 def test_the_other_cores_are_the_cpu_in_the_reference():
     """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
     variables there are read by that family only (an op mixing cores raises)."""
