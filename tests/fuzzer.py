@@ -153,7 +153,7 @@ def stmt_info(code: str) -> dict:
 FAMILIES = ["pointwise", "view", "inplace", "out", "dtype", "reduce", "matmul", "index",
             "scatter", "random", "shape", "nn", "autograd", "optim", "lowp", "sync", "del",
             "settings", "complex", "outview", "intrng", "storage", "errors", "linalg", "edge", "cores", "alias",
-            "custom"]  # "errors": keep now and then a statement that raises on CPU
+            "custom", "threads"]  # "errors": keep now and then a statement that raises on CPU
 
 # Note [CI exclusions]: families and statement patterns left out of the CI pass (`--ci`,
 # tests/test_fuzz.py) because they hit engine bugs that are known and not fixed yet (issue 8);
@@ -959,6 +959,63 @@ class Gen:
                f"{v} = fz.scale_add({x}, {y}, 1.5).sum()"]
         return r.choice(ops)
 
+    # Note [Threads in a program]: the "threads" family runs two statements of the other
+    # families at once, each in a thread of its own (`fz.threads`: started together at a
+    # barrier, with a short switch interval so their ops interleave, joined; the first's value
+    # or the first exception), on CPU and on the device alike. Any interleaving must give
+    # CPU's values, so neither writes (in place, out=, set_, requires_grad_) a storage the
+    # other reads, at most one draws random numbers (one generator for both threads), and
+    # none changes a process-wide setting (the thread count, the matmul precision: CPU's
+    # result would depend on when) or runs backward. Flush-to-zero, per thread on CPU
+    # (Note [CPU settings]), may be set in one: its ops must compute under that thread's.
+    # Sub-statements that are not expressions (`v[0] = x`, `v += x`, `with ...:`) are not
+    # used. Policy "threads" adds three other threads issuing their own ops beside it.
+    _NOT_IN_THREADS = ("threads", "cores", "autograd", "del")
+    _THREAD_UNSAFE = re.compile(r"\.backward\(|autograd\.grad|set_num_threads|"
+                                r"matmul_precision|manual_seed|inference_mode")
+
+    def _in_thread(self):
+        """A statement of another family as (expression, variable it defines or None, info),
+        or None when it cannot run as a lambda (Note [Threads in a program])."""
+        fams = [f for f in self.families if f not in self._NOT_IN_THREADS]
+        if not fams:
+            return None
+        fam = self.r.choice(fams)
+        code = getattr(self, "f_" + fam)()
+        if code is None or self._THREAD_UNSAFE.search(code):
+            return None
+        d = _DEF.match(code)
+        expr = code[d.end() - 1:].strip() if d else code[4:] if code.startswith("_ = ") else code
+        try:
+            compile(expr, "<thread>", "eval")
+        except SyntaxError:
+            return None
+        info = stmt_info(code)
+        muts = set(info["muts"]) | set(re.findall(r"\b(v\d+)\.requires_grad_\(", code))
+        if d and d.group(1) in self.ns:  # (a name defined again: the other may read it)
+            muts.add(d.group(1))
+        return expr, d.group(1) if d else None, {**info, "muts": muts}
+
+    def f_threads(self):
+        """Two statements of other families at once, each in a thread of its own (Note
+        [Threads in a program]); the first's value is kept, the second's effects are its
+        writes."""
+        T = self.torch.Tensor
+        for _ in range(8):
+            a, b = self._in_thread(), self._in_thread()
+            if a is None or b is None or a[2]["random"] and b[2]["random"]:
+                continue
+            vals = [self.ns.get(x) for x in a[2]["reads"] | b[2]["reads"]]
+            if not all(isinstance(t, T) for t in vals):  # (what it is cannot be told apart)
+                continue
+            st = lambda names: {self.ns[x].untyped_storage()._cdata for x in names  # noqa: E731
+                                if x in self.ns}
+            if st(a[2]["muts"]) & st(b[2]["reads"]) or st(b[2]["muts"]) & st(a[2]["reads"]):
+                continue
+            call = f"fz.threads(lambda: {a[0]}, lambda: {b[0]})"
+            return f"{a[1]} = {call}" if a[1] else call
+        return None
+
     def f_sync(self):
         a = self.pick()
         return self.r.choice(["torch.neuron.synchronize()"] + (
@@ -1035,7 +1092,8 @@ def _fz():
     "Custom kernels" shows users), defined once per process: `fz.scale_add` (a neuron kernel
     and autograd),
     `fz.twice` (no neuron kernel: CPU's, a fallback), `fz.pair` (two results), and
-    `fz.addto_` / `fz.flip_into_` (each writes its first argument, whatever its layout)."""
+    `fz.addto_` / `fz.flip_into_` (each writes its first argument, whatever its layout);
+    and the "threads" family's `fz.threads` (`_threads`)."""
     if _FZ:
         return _FZ[0]
     import types
@@ -1082,8 +1140,38 @@ def _fz():
         ctx.a = inputs[2]
 
     fz.scale_add.register_autograd(lambda ctx, g: (g * ctx.a, g, None), setup_context=setup)
+    fz.threads = _threads
     _FZ.append(fz)
     return fz
+
+
+def _threads(*fns):
+    """Each callable in a thread of its own, started together and joined: the first one's
+    value, or the first exception in the callables' order (Note [Threads in a program])."""
+    import threading
+    out, errs = [None] * len(fns), [None] * len(fns)
+    go = threading.Barrier(len(fns))
+
+    def run(k):
+        try:
+            go.wait()
+            out[k] = fns[k]()
+        except BaseException as e:  # (raised in the caller's thread, below)
+            errs[k] = e
+    ts = [threading.Thread(target=run, args=(k,), name=f"fuzz-{k}") for k in range(len(fns))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # (so the threads' ops interleave, not run one after the other)
+    try:
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    for e in errs:
+        if e is not None:
+            raise e
+    return out[0]
 
 
 # --------------------------------------------------------------------------- running
@@ -1746,8 +1834,10 @@ def compare_warnings(stmts, mode) -> list[tuple[str, str]]:
     dev = run_warnings(stmts, "neuron", mode)
     if dev is None:
         return []
-    cpu = [x for x in again if x[2] not in once]
-    dev = [x for x in dev if x[2] not in once]
+    # (a statement's threads warn in the order they run: Note [Threads in a program])
+    order = lambda x: x if "fz.threads" in stmts[x[0]] else x[:1]  # noqa: E731
+    cpu = sorted((x for x in again if x[2] not in once), key=order)
+    dev = sorted((x for x in dev if x[2] not in once), key=order)
     if dev == cpu:
         return []
     for c, d in zip(cpu + [None] * len(dev), dev + [None] * len(cpu)):
@@ -2048,7 +2138,7 @@ def snippet(stmts, config: str) -> str:
     ctxs = ["ae.override(queue_low_threshold=0)"] if policy == "lazy" else []
     if mode in ("graph", "matmul", "none"):
         ctxs.append(f"ae.adaptive(strategy={mode!r})")
-    if any("fz." in s for s in body):  # the "custom" family's ops
+    if any("fz." in s for s in body):  # the "custom" family's ops, "threads"' fz.threads
         head += "import sys; sys.path.insert(0, 'tests'); from fuzzer import _fz; fz = _fz()\n"
     if policy == COMPILE:
         run = "print(torch.compile(program, backend='neuron')())"
