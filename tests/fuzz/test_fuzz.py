@@ -195,6 +195,44 @@ def test_an_out_view_never_shares_its_inputs_storage():
     assert any("out=v0" in c for c in made) and any("out=v2" in c for c in made)
 
 
+def test_fz_threads_runs_its_callables_at_once_and_raises_in_their_order():
+    """Note [Threads in a program]: the first callable waits for the second (run one after
+    the other, it would time out), the first's value is the statement's, and of two
+    exceptions the first callable's is raised, whichever thread raised first."""
+    import threading
+    fz = fuzzer._fz()
+    seen = threading.Event()
+    assert fz.threads(lambda: seen.wait(30), lambda: seen.set()) is True
+
+    def late():
+        seen.wait(30)
+        raise KeyError("first")
+    seen.clear()
+    with pytest.raises(KeyError, match="first"):
+        fz.threads(late, lambda: seen.set() or 1 / 0)
+
+
+def test_thread_statements_keep_their_storages_apart():
+    """Note [Threads in a program]: neither thread writes a storage the other reads, and at
+    most one draws random numbers, so any interleaving gives CPU's values."""
+    g = fuzzer.Gen(3, families=["threads", "inplace", "out", "pointwise", "random", "view"])
+    for code in ("v0 = torch.randn((2, 3), device=dev)", "v1 = v0[0]", "v2 = v0.t()",
+                 "v3 = torch.randn(3, device=dev)", "v4 = torch.ones(3, device=dev)"):
+        assert g.step(code, 0)
+    made = [c for c in (g.f_threads() for _ in range(300)) if c]
+    assert len(made) > 100
+    storage = lambda v: g.ns[v].untyped_storage()._cdata  # noqa: E731
+    writes_between = 0
+    for code in made:
+        a, b = code.split("fz.threads(lambda: ", 1)[1][:-1].split(", lambda: ")
+        ia, ib = (fuzzer.stmt_info("v99999 = " + x) for x in (a, b))  # (keyword args as such)
+        assert not (ia["random"] and ib["random"]), code
+        for w, other in ((ia["muts"], ib["reads"]), (ib["muts"], ia["reads"])):
+            assert not {storage(v) for v in w} & {storage(v) for v in other}, code
+            writes_between += bool(w and other)
+    assert writes_between  # (writes happen beside reads of other storages)
+
+
 def test_the_other_cores_are_the_cpu_in_the_reference():
     """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
     variables there are read by that family only (an op mixing cores raises)."""
