@@ -233,6 +233,31 @@ def test_thread_statements_keep_their_storages_apart():
     assert writes_between  # (writes happen beside reads of other storages)
 
 
+def test_a_threads_statements_own_deferred_error_may_pass_its_sync():
+    """Note [Threads in a program] (seed 23010134): the thread that syncs may do so before the
+    other queues an op whose error is deferred; that error is then raised at the next sync,
+    in one run and not in another, and both are accepted, as far as that sync only."""
+    prog = ["v0 = torch.arange(3, device=dev)",
+            "v1 = fz.threads(lambda: v0.index_select(0, torch.tensor([7], device=dev)), "
+            "lambda: v0.tolist())",
+            "v2 = v0 * 2",
+            "torch.neuron.synchronize()",
+            "v3 = v0 + 1",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"]) == (1, "IndexError")
+    reads = fuzzer.run_program(prog[:3], "neuron")[1]
+    late = ({"at": 3, "type": "NeuronRuntimeError", "msg": "", "deferred": True}, reads)
+    assert fuzzer.compare(prog, ref, late) == []
+    too_late = (dict(late[0], at=5), late[1])
+    assert fuzzer.compare(prog, ref, too_late)[0][0] == "raised"
+    at_it = (dict(late[0], at=1), late[1])
+    assert fuzzer.compare_to_eager(late, at_it, ref[2], prog) == []
+    assert fuzzer.compare_to_eager(too_late, at_it, ref[2], prog)[0][0] == "vs-eager-raised"
+    plain = [s.replace("fz.threads(lambda: ", "(lambda: ") if "fz." in s else s for s in prog]
+    assert fuzzer.compare_to_eager(late, at_it, ref[2], plain)[0][0] == "vs-eager-raised"
+
+
 def test_the_other_cores_are_the_cpu_in_the_reference():
     """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
     variables there are read by that family only (an op mixing cores raises)."""
