@@ -969,7 +969,8 @@ class Gen:
     # result would depend on when) or runs backward. A sync in one thread may come before the
     # other queues an op: a deferred error of that op may be raised there or at the next sync
     # (as the device's error queue is the process's), which the comparison accepts
-    # (`next_sync`, `compare_to_eager`). Flush-to-zero, per thread on CPU
+    # (`next_sync`, `compare_to_eager`); so is, where both threads raise on CPU, the second's
+    # error at the statement while the first's is deferred (`_threads`' fz_others). Flush-to-zero, per thread on CPU
     # (Note [CPU settings]), may be set in one: its ops must compute under that thread's.
     # Sub-statements that are not expressions (`v[0] = x`, `v += x`, `with ...:`) are not
     # used. Policy "threads" adds three other threads issuing their own ops beside it.
@@ -1171,9 +1172,10 @@ def _threads(*fns):
             t.join()
     finally:
         sys.setswitchinterval(interval)
-    for e in errs:
-        if e is not None:
-            raise e
+    raised = [e for e in errs if e is not None]
+    if raised:  # (the others' types ride along: a device may defer the first's error)
+        raised[0].fz_others = [type(e).__name__ for e in raised[1:]]
+        raise raised[0]
     return out[0]
 
 
@@ -1201,7 +1203,8 @@ def _namespace(dev):
 
 def _err(i, e):
     return {"at": i, "type": type(e).__name__, "msg": str(e).split("\n")[0][:300],
-            "deferred": type(e).__name__ == "NeuronRuntimeError"}
+            "deferred": type(e).__name__ == "NeuronRuntimeError",
+            "others": getattr(e, "fz_others", [])}  # (`_threads`)
 
 
 def _read(t):
@@ -1764,9 +1767,12 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
                                f"({cerr['msg']}); neuron raised nothing")]
         i, j = cerr["at"], nerr["at"]
         if j == i and (nerr["type"] == cerr["type"]
+                       or nerr["type"] in cerr.get("others", ())
                        or _mixed_contraction_refused(stmts, nerr, cerr)):
             # in other words: a check above the device (autograd's) refused after the op was
-            # queued, where CPU's kernel refused first: its deferred error may follow
+            # queued, where CPU's kernel refused first: its deferred error may follow; or
+            # CPU's other thread raised it too, the first thread's error deferred on the
+            # device (Note [Threads in a program])
             deferred = nerr["msg"] != cerr["msg"]
         elif i <= j <= next_sync(stmts, i) and (
                 nerr["deferred"] or cerr["all"].get(j) == nerr["type"]

@@ -258,6 +258,27 @@ def test_a_threads_statements_own_deferred_error_may_pass_its_sync():
     assert fuzzer.compare_to_eager(late, at_it, ref[2], plain)[0][0] == "vs-eager-raised"
 
 
+def test_a_threads_statement_may_raise_its_second_threads_error_first():
+    """Note [Threads in a program] (seed 23101036): both threads raise on CPU, the statement
+    the first's error; the device defers the first's (a bool matmul: LIMITS, the probe is
+    skipped for same-dtype contractions), so the second's is raised at the call: accepted,
+    as a type CPU's other thread raised; any other type is not."""
+    prog = ["v0 = torch.tensor([1, -2], device=dev)",
+            "v1 = torch.ones((1, 1), device=dev) > 0",
+            "v2 = torch.ones((1, 1), device=dev)",
+            "v3 = fz.threads(lambda: v1 @ v1.mT, lambda: v2.scatter(0, torch.zeros((1, 1), "
+            "dtype=torch.int64, device=dev), v0.view(2, 1)))",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"], ref[0]["others"]) == (3, "NotImplementedError",
+                                                                ["RuntimeError"])
+    run = fuzzer.run_program(prog, "neuron")
+    assert (run[0]["at"], run[0]["type"]) == (3, "RuntimeError")
+    assert fuzzer.compare(prog, ref, run) == []
+    other = (dict(run[0], type="ValueError"), run[1])
+    assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
+
+
 def test_the_other_cores_are_the_cpu_in_the_reference():
     """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
     variables there are read by that family only (an op mixing cores raises)."""
