@@ -1773,7 +1773,8 @@ def compare(stmts, ref, run) -> list[tuple[str, str]]:
             # queued, where CPU's kernel refused first: its deferred error may follow; or
             # CPU's other thread raised it too, the first thread's error deferred on the
             # device (Note [Threads in a program])
-            deferred = nerr["msg"] != cerr["msg"]
+            deferred = nerr["msg"] != cerr["msg"] or bool(cerr.get("others"))  # (the other
+            # thread's error may be pending on the device)
         elif i <= j <= next_sync(stmts, i) and (
                 nerr["deferred"] or cerr["all"].get(j) == nerr["type"]
                 or (j > i and _reads_failed(stmts[j], ref))):

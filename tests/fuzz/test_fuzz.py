@@ -277,6 +277,17 @@ def test_a_threads_statement_may_raise_its_second_threads_error_first():
     assert fuzzer.compare(prog, ref, run) == []
     other = (dict(run[0], type="ValueError"), run[1])
     assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
+    # seed 23203372: the first's error at the call on both, the second's deferred on the
+    # device: a later read may raise it, as after any deferred error
+    prog = ["v0 = torch.ones(1, device=dev) > 0", "v1 = torch.ones(1, device=dev)",
+            "v2 = fz.threads(lambda: F.relu6(v0), lambda: v1.scatter(0, torch.tensor([-3], "
+            "device=dev), -1.5))", "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert ref[0]["at"] == 2 and ref[0]["others"] == ["RuntimeError"]
+    run = fuzzer.run_program(prog, "neuron")
+    assert (run[0]["at"], run[0]["type"]) == (2, ref[0]["type"])
+    assert run[1]["v0"]["read_error"] == "NeuronRuntimeError"
+    assert fuzzer.compare(prog, ref, run) == []
 
 
 def test_the_other_cores_are_the_cpu_in_the_reference():
