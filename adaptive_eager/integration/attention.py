@@ -7,7 +7,9 @@ changed tokens). So on neuron the choice is CPU's, asked of CPU tensors of the s
 that are never written, and the chosen op runs on the device with CPU's kernel, backward
 included. What CPU computes by the math path (dropout, a mask that needs grad, 3-D inputs,
 or `sdpa_kernel(SDPBackend.MATH)`) is composed here too, as before; so are inputs CPU's
-checks refuse, which then raise CPU's errors. Under torch.compile the same choice is made
+checks refuse, which then raise CPU's errors, and empty ones: sdpa answers those itself, before
+any kernel (zeros, kept in the graph through its inputs' sums), where CPU's flash kernel, which
+`_fused_sdp_choice` still picks for them, divides by zero heads (SIGFPE, seed 5571). Under torch.compile the same choice is made
 for its fake neuron tensors of static shape (functionalization decomposes the op through
 `decompose()`, so that is ours too), and the graph holds CPU's op; with dynamic shapes the
 graph keeps the math path (adaptive_eager/LIMITS.md).
@@ -112,7 +114,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
     args = (query, key, value, attn_mask, dropout_p, is_causal)
     kwargs = {"scale": scale, "enable_gqa": enable_gqa}
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    if any(not _ours(t) or t.device != query.device for t in tensors) or (
+    if any(not _ours(t) or t.device != query.device for t in tensors) or any(
+            t.numel() == 0 for t in (query, key, value)) or (
             attn_mask is not None
             and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype)) or (
             _cpu_choice(args, kwargs) != _FLASH):

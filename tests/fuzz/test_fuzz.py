@@ -181,6 +181,117 @@ def test_the_generator_never_divides_an_int_min():
     assert g.step("v3 = torch.tensor([5, -9], device=dev)", 0) and g.step("v4 = v3 // -1", 0)
 
 
+def test_an_out_view_never_shares_its_inputs_storage():
+    """`f_outview` (as `f_out`): an out= view that its resize makes overlap the input is
+    undefined, CPU computes through it (seed 22011389: `torch.add(v1, 1, out=v0.select(1, 1))`
+    with v1 = v0.reshape(-1)), so the generator never writes a view into its input's storage."""
+    g = fuzzer.Gen(0)
+    g.step("v0 = torch.randn((2, 2), device=dev)", 0)
+    g.step("v1 = v0.reshape(-1)", 0)
+    g.step("v2 = torch.randn(3, device=dev)", 0)
+    made = [g.f_outview() for _ in range(400)]
+    inputs = [c for c in made if "out=v" in c and ("(v1" in c or "[v1" in c)]
+    assert inputs and all("out=v0" not in c for c in inputs)
+    assert any("out=v0" in c for c in made) and any("out=v2" in c for c in made)
+
+
+def test_fz_threads_runs_its_callables_at_once_and_raises_in_their_order():
+    """Note [Threads in a program]: the first callable waits for the second (run one after
+    the other, it would time out), the first's value is the statement's, and of two
+    exceptions the first callable's is raised, whichever thread raised first."""
+    import threading
+    fz = fuzzer._fz()
+    seen = threading.Event()
+    assert fz.threads(lambda: seen.wait(30), lambda: seen.set()) is True
+
+    def late():
+        seen.wait(30)
+        raise KeyError("first")
+    seen.clear()
+    with pytest.raises(KeyError, match="first"):
+        fz.threads(late, lambda: seen.set() or 1 / 0)
+
+
+def test_thread_statements_keep_their_storages_apart():
+    """Note [Threads in a program]: neither thread writes a storage the other reads, and at
+    most one draws random numbers, so any interleaving gives CPU's values."""
+    g = fuzzer.Gen(3, families=["threads", "inplace", "out", "pointwise", "random", "view"])
+    for code in ("v0 = torch.randn((2, 3), device=dev)", "v1 = v0[0]", "v2 = v0.t()",
+                 "v3 = torch.randn(3, device=dev)", "v4 = torch.ones(3, device=dev)"):
+        assert g.step(code, 0)
+    made = [c for c in (g.f_threads() for _ in range(300)) if c]
+    assert len(made) > 100
+    storage = lambda v: g.ns[v].untyped_storage()._cdata  # noqa: E731
+    writes_between = 0
+    for code in made:
+        a, b = code.split("fz.threads(lambda: ", 1)[1][:-1].split(", lambda: ")
+        ia, ib = (fuzzer.stmt_info("v99999 = " + x) for x in (a, b))  # (keyword args as such)
+        assert not (ia["random"] and ib["random"]), code
+        for w, other in ((ia["muts"], ib["reads"]), (ib["muts"], ia["reads"])):
+            assert not {storage(v) for v in w} & {storage(v) for v in other}, code
+            writes_between += bool(w and other)
+    assert writes_between  # (writes happen beside reads of other storages)
+
+
+def test_a_threads_statements_own_deferred_error_may_pass_its_sync():
+    """Note [Threads in a program] (seed 23010134): the thread that syncs may do so before the
+    other queues an op whose error is deferred; that error is then raised at the next sync,
+    in one run and not in another, and both are accepted, as far as that sync only."""
+    prog = ["v0 = torch.arange(3, device=dev)",
+            "v1 = fz.threads(lambda: v0.index_select(0, torch.tensor([7], device=dev)), "
+            "lambda: v0.tolist())",
+            "v2 = v0 * 2",
+            "torch.neuron.synchronize()",
+            "v3 = v0 + 1",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"]) == (1, "IndexError")
+    reads = fuzzer.run_program(prog[:3], "neuron")[1]
+    late = ({"at": 3, "type": "NeuronRuntimeError", "msg": "", "deferred": True}, reads)
+    assert fuzzer.compare(prog, ref, late) == []
+    too_late = (dict(late[0], at=5), late[1])
+    assert fuzzer.compare(prog, ref, too_late)[0][0] == "raised"
+    at_it = (dict(late[0], at=1), late[1])
+    assert fuzzer.compare_to_eager(late, at_it, ref[2], prog) == []
+    assert fuzzer.compare_to_eager(too_late, at_it, ref[2], prog)[0][0] == "vs-eager-raised"
+    hidden = [s.replace("v0.tolist()", "fz.twice(v0)") for s in prog]  # (a fallback: a sync
+    assert fuzzer.compare_to_eager(late, at_it, ref[2], hidden) == []  # no text shows)
+    plain = [s.replace("fz.threads(lambda: ", "(lambda: ") if "fz." in s else s for s in prog]
+    assert fuzzer.compare_to_eager(late, at_it, ref[2], plain)[0][0] == "vs-eager-raised"
+
+
+def test_a_threads_statement_may_raise_its_second_threads_error_first():
+    """Note [Threads in a program] (seed 23101036): both threads raise on CPU, the statement
+    the first's error; the device defers the first's (a bool matmul: LIMITS, the probe is
+    skipped for same-dtype contractions), so the second's is raised at the call: accepted,
+    as a type CPU's other thread raised; any other type is not."""
+    prog = ["v0 = torch.tensor([1, -2], device=dev)",
+            "v1 = torch.ones((1, 1), device=dev) > 0",
+            "v2 = torch.ones((1, 1), device=dev)",
+            "v3 = fz.threads(lambda: v1 @ v1.mT, lambda: v2.scatter(0, torch.zeros((1, 1), "
+            "dtype=torch.int64, device=dev), v0.view(2, 1)))",
+            "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert (ref[0]["at"], ref[0]["type"], ref[0]["others"]) == (3, "NotImplementedError",
+                                                                ["RuntimeError"])
+    run = fuzzer.run_program(prog, "neuron")
+    assert (run[0]["at"], run[0]["type"]) == (3, "RuntimeError")
+    assert fuzzer.compare(prog, ref, run) == []
+    other = (dict(run[0], type="ValueError"), run[1])
+    assert fuzzer.compare(prog, ref, other)[0][0] == "raised"
+    # seed 23203372: the first's error at the call on both, the second's deferred on the
+    # device: a later read may raise it, as after any deferred error
+    prog = ["v0 = torch.ones(1, device=dev) > 0", "v1 = torch.ones(1, device=dev)",
+            "v2 = fz.threads(lambda: F.relu6(v0), lambda: v1.scatter(0, torch.tensor([-3], "
+            "device=dev), -1.5))", "torch.neuron.synchronize()"]
+    ref = fuzzer.run_reference(prog)
+    assert ref[0]["at"] == 2 and ref[0]["others"] == ["RuntimeError"]
+    run = fuzzer.run_program(prog, "neuron")
+    assert (run[0]["at"], run[0]["type"]) == (2, ref[0]["type"])
+    assert run[1]["v0"]["read_error"] == "NeuronRuntimeError"
+    assert fuzzer.compare(prog, ref, run) == []
+
+
 def test_the_other_cores_are_the_cpu_in_the_reference():
     """The cores family's `dev1`..`dev3`: neuron:1-3 on the device, "cpu" in the reference;
     variables there are read by that family only (an op mixing cores raises)."""

@@ -284,6 +284,27 @@ def test_transformer_fast_paths_in_inference_run_on_the_device_as_cpu(mode, kind
         assert ae.metrics().cpu_fallbacks == {"aten::_native_multi_head_attention": 1}
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shapes", [((1, 0, 1, 1), (1, 0, 1, 1)), ((0, 1, 2, 2), (0, 1, 2, 2)),
+                                    ((1, 1, 0, 2), (1, 1, 3, 2)), ((1, 1, 2, 2), (1, 1, 0, 2)),
+                                    ((1, 1, 2, 0), (1, 1, 3, 0))])
+def test_attention_of_empty_inputs_as_cpu(mode, shapes, causal):
+    """CPU's sdpa answers an empty query, key or value itself (zeros, its inputs' gradients
+    zeros too); the device ran CPU's flash kernel, which `_fused_sdp_choice` picks for zero
+    heads or batch, and which divides by zero there: the process died of SIGFPE (fuzzer seed
+    5571)."""
+    qs, ks = shapes
+
+    def run(d):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(s, generator=g).to(d).requires_grad_() for s in (qs, ks, ks))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.sum().backward()
+        return [(t.shape, t.stride(), t.detach().cpu()) for t in (out, q.grad, k.grad, v.grad)]
+    for (shape, stride, value), (want_shape, want_stride, want) in zip(run(N), run("cpu")):
+        assert (shape, stride) == (want_shape, want_stride) and torch.equal(value, want)
+
+
 @pytest.mark.parametrize("how", ["position", "keyword"])
 def test_attention_without_weights_falls_back_however_need_weights_is_passed(how):
     """`_native_multi_head_attention` called with need_weights=False by position or by
