@@ -117,7 +117,7 @@ def run_now(eng, func, args, kwargs, fallback: bool):
                     raise
                 raise user_error(e) from None
         out = result["out"]
-    outs = _resized_outs(eng, func, kwargs, c_kwargs)
+    outs = _resized_outs(eng, func, args, kwargs, c_args, c_kwargs)
     # Outputs: tensors sharing an argument's storage stay views of its buffer.
     by_storage = {}
     for v in views.values():
@@ -169,16 +169,23 @@ def run_now(eng, func, args, kwargs, fallback: bool):
     return tree_unflatten(new_leaves, spec)
 
 
-def _resized_outs(eng, func, kwargs, c_kwargs) -> dict:
-    """out= arguments of an op run on the host, by the id of their host view: one the host
-    kernel resized (`torch.nonzero(x, out=torch.empty(0))`, a CPU fallback into an out of
-    the wrong shape) is resized the same way on the device and given the host's values
-    (before, the device tensor kept its old shape and values)."""
+def _resized_outs(eng, func, args, kwargs, c_args, c_kwargs) -> dict:
+    """Written arguments of an op run on the host (out= ones and in-place selves), by the id
+    of their host view: one the host kernel resized (`torch.nonzero(x, out=torch.empty(0))`,
+    a CPU fallback into an out of the wrong shape, `addbmm_` of a (1,) self, which CPU
+    resizes to the result's shape) is resized the same way on the device and given the
+    host's values (before, the device tensor kept its old shape and values)."""
     outs = {}
-    for a in func._schema.arguments:
-        if not a.is_out or a.name not in kwargs:
+    for j, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
             continue
-        for v, hv in zip(tree_flatten(kwargs[a.name])[0], tree_flatten(c_kwargs[a.name])[0]):
+        if a.name in kwargs:
+            v, hv = kwargs[a.name], c_kwargs[a.name]
+        elif j < len(args) and not a.kwarg_only:
+            v, hv = args[j], c_args[j]
+        else:
+            continue
+        for v, hv in zip(tree_flatten(v)[0], tree_flatten(hv)[0]):
             if type(v) is not NeuronTensor or not isinstance(hv, torch.Tensor):
                 continue
             outs[id(hv)] = v

@@ -181,3 +181,16 @@ def test_out_lists_an_op_does_not_return_are_resized_as_on_cpu(op, mode):
         got[d] = ([(tuple(o.shape), o.stride(), o.cpu().tolist()) for o in outs], err,
                   [str(m.message)[:120] for m in w if "fell back" not in str(m.message)])
     assert got[N] == got["cpu"]
+
+
+def test_an_in_place_op_that_cpu_resizes_resizes_self(mode):
+    """`addbmm_` of a (1,) self: CPU's kernel resizes self to the result's shape (deprecated,
+    no warning); the device kept it (1,), holding one element of the sum: a wrong value."""
+    b1, b2 = torch.ones(3, 5, 4), torch.arange(120.).reshape(3, 4, 10)
+    got = {}
+    for d in ("cpu", N):
+        s = torch.ones(1, device=d)
+        r = s.addbmm_(b1.to(d), b2.to(d))
+        assert r is s
+        got[d] = (tuple(s.shape), s.stride(), s.cpu().tolist())
+    assert got[N] == got["cpu"]
