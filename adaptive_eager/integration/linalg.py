@@ -7,10 +7,10 @@ neuron they computed vectors CPU does not, a different LAPACK call, a few ulps o
 (`_may_require_fw_or_bw_grad`): vectors only when the input needs a backward or forward
 gradient.
 
-Note [matrix_rank's out=]: PyTorch's `linalg_matrix_rank` out= kernels (CompositeImplicitAutograd)
-compute a tensor subclass's rank, or any tensor's under a dispatch mode, by `result =
-at::sum(S > tol, -1)` on the out tensor's C++ reference: the reference is rebound, the tensor
-never written (`matrix_rank_impl`, isTensorSubclassLike branch, in ATen's LinearAlgebra.cpp).
+Note [matrix_rank's out=]: PyTorch's `linalg_matrix_rank` out= kernels
+(CompositeImplicitAutograd) compute a tensor subclass's rank, or any tensor's under a dispatch
+mode, by `result = at::sum(S > tol, -1)` on the out tensor's C++ reference: the reference is
+rebound, the tensor never written (`matrix_rank_impl`, isTensorSubclassLike branch, in ATen's LinearAlgebra.cpp).
 So `torch.linalg.matrix_rank(A, out=o)` left `o` as it was, on neuron and for CPU tensors in
 `ae.adaptive()`, silently. `matrix_rank_out` replaces those kernels: the functional form, then
 summed into `out` over a new dimension of one (`sum`'s out= form, as PyTorch's kernel ends:
