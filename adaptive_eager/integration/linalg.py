@@ -10,12 +10,12 @@ gradient.
 Note [matrix_rank's out=]: PyTorch's `linalg_matrix_rank` out= kernels
 (CompositeImplicitAutograd) compute a tensor subclass's rank, or any tensor's under a dispatch
 mode, by `result = at::sum(S > tol, -1)` on the out tensor's C++ reference: the reference is
-rebound, the tensor never written (`matrix_rank_impl`, isTensorSubclassLike branch, in ATen's LinearAlgebra.cpp).
-So `torch.linalg.matrix_rank(A, out=o)` left `o` as it was, on neuron and for CPU tensors in
-`ae.adaptive()`, silently. `matrix_rank_out` replaces those kernels: the functional form, then
-summed into `out` over a new dimension of one (`sum`'s out= form, as PyTorch's kernel ends:
-its resize of `out`, with CPU's warning, and its dtype rules); a plain CPU call with no
-dispatch mode takes PyTorch's own kernel.
+rebound, the tensor never written (`matrix_rank_impl`, isTensorSubclassLike branch, in ATen's
+LinearAlgebra.cpp). So `torch.linalg.matrix_rank(A, out=o)` left `o` as it was, on neuron and
+for CPU tensors in `ae.adaptive()`, silently. `matrix_rank_out` replaces those kernels: the
+functional form, then summed into `out` over a new dimension of one (`sum`'s out= form, as
+PyTorch's kernel ends: its resize of `out`, with CPU's warning, and its dtype rules); a plain
+CPU call with no dispatch mode takes PyTorch's own kernel.
 """
 from __future__ import annotations
 
