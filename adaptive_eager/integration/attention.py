@@ -9,10 +9,11 @@ included. What CPU computes by the math path (dropout, a mask that needs grad, 3
 or `sdpa_kernel(SDPBackend.MATH)`) is composed here too, as before; so are inputs CPU's
 checks refuse, which then raise CPU's errors, and empty ones: sdpa answers those itself, before
 any kernel (zeros, kept in the graph through its inputs' sums), where CPU's flash kernel, which
-`_fused_sdp_choice` still picks for them, divides by zero heads (SIGFPE, seed 5571). Under torch.compile the same choice is made
-for its fake neuron tensors of static shape (functionalization decomposes the op through
-`decompose()`, so that is ours too), and the graph holds CPU's op; with dynamic shapes the
-graph keeps the math path (adaptive_eager/LIMITS.md).
+`_fused_sdp_choice` still picks for them, divides by zero heads (SIGFPE, seed 5571). Under
+torch.compile the same choice is made for its fake neuron tensors of static shape
+(functionalization decomposes the op through `decompose()`, so that is ours too), and the
+graph holds CPU's op; with dynamic shapes the graph keeps the math path
+(adaptive_eager/LIMITS.md).
 """
 from __future__ import annotations
 

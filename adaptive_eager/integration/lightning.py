@@ -150,11 +150,11 @@ def _patch(flavour: _Flavour, connector) -> None:
                   rests_on=f"{flavour.package}'s DDPStrategy.{flavour.setup_ddp} wrapping the "
                            f"module under a CUDA stream")
     strategy = strategies.Strategy
-    if hasattr(strategy, "lightning_module"):  # Trainer's strategies (Fabric's move nothing)
+    # Trainer's strategies and tuner (Fabric's strategies hold no module to move)
+    if hasattr(strategy, "lightning_module"):
         patches.patch(strategy, "teardown", _teardown_keeping_the_error(strategy.teardown),
                       rests_on=f"{flavour.package}'s Strategy.teardown moving "
                                f"`self._lightning_module` to the CPU")
-    if hasattr(strategy, "lightning_module"):  # Trainer's tuner
         memory, scaling = part("utilities.memory"), part("tuner.batch_size_scaling")
         is_oom = _is_oom_error(memory.is_oom_error)
         rests_on = (f"{flavour.package}'s BatchSizeFinder asking is_oom_error (imported by name "
