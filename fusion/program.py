@@ -376,9 +376,11 @@ def _as_f32(ins, args, kwargs):
     # an out= tensor of float64 is written float32: so is the dtype asked for it
     # (`torch.sum(x, 0, dtype=torch.float64, out=o)`, CPU's check: "Expected out tensor to
     # have dtype double"; the call's meta check saw the float64 tensor)
+    names = [a.name for a in ins.op._schema.arguments]
+    written = [a for i, a in enumerate(args) if i in ins.mutated] \
+        + [v for k, v in kwargs.items() if names.index(k) in ins.mutated]
     f64_out = any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
-                  for t in tree_leaves([a for i, a in enumerate(args) if i in ins.mutated])
-                  + tree_leaves([v for k, v in kwargs.items() if k == "out"]))
+                  for t in tree_leaves(written))
 
     def low(a, mutated):
         if a is torch.float64 and f64_out:
@@ -398,7 +400,6 @@ def _as_f32(ins, args, kwargs):
         return a  # kernels refuse it: "value cannot be converted ... without overflow")
 
     args = [low(a, i in ins.mutated) for i, a in enumerate(args)]
-    names = [a.name for a in ins.op._schema.arguments]
     kwargs = {k: low(v, names.index(k) in ins.mutated) for k, v in kwargs.items()}
     return args, kwargs, writeback
 
